@@ -1,3 +1,55 @@
-"""sok_keras: sharded embedding tables for Keras 3 (TensorFlow backend)."""
+"""sok_keras: sharded embedding tables for Keras 3 (TensorFlow backend).
 
+`import sok_keras as sok`, call `sok.init()` first thing, then build an
+ordinary Keras model with `sok.layers.DistributedEmbedding` /
+`LocalizedEmbedding`, compile it with
+`sok.optimizers.OptimizerWrapper(keras_optimizer)` and call `model.fit`.
+Run it as N processes with `sokrun -np N python train.py`.
+"""
+
+from sok_keras import _ops
+from sok_keras import callbacks
+from sok_keras import data
+from sok_keras import layers
+from sok_keras import optimizers
 from sok_keras._version import __version__
+from sok_keras.data import shard_batches
+from sok_keras.layers import All2AllDenseEmbedding
+from sok_keras.layers import DistributedEmbedding
+from sok_keras.layers import LocalizedEmbedding
+from sok_keras.lookup import all2all_dense_embedding
+from sok_keras.lookup import lookup_sparse
+from sok_keras.optimizers import OptimizerWrapper
+from sok_keras.variable import Variable
+from sok_keras.variable import filter_variables
+from sok_keras.variable import split_embedding_variable_from_others
+from sok_keras.world import init
+from sok_keras.world import num_ranks
+from sok_keras.world import rank
+
+
+def Init(global_batch_size=None, **kwargs):
+    """SOK's name for `init()`; `global_batch_size` is accepted and unused.
+
+    Args:
+        global_batch_size: ignored (SOK needed it; sok_keras does not).
+        **kwargs: passed to `init()`.
+
+    Returns:
+        What `init()` returns.
+    """
+    del global_batch_size
+    return init(**kwargs)
+
+
+# Load the op library now: a library built for another TensorFlow fails
+# at import with a clear ImportError rather than at the first lookup.
+_ops.ops()
+
+__all__ = [
+    "All2AllDenseEmbedding", "DistributedEmbedding", "Init",
+    "LocalizedEmbedding", "OptimizerWrapper", "Variable",
+    "all2all_dense_embedding", "callbacks", "data", "filter_variables",
+    "init", "layers", "lookup_sparse", "num_ranks", "optimizers", "rank",
+    "shard_batches", "split_embedding_variable_from_others",
+]

@@ -1,0 +1,35 @@
+# `make demo` and `make test` set up .venv (TensorFlow, Keras, the package
+# with its compiled op library) on first use, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS := $(VENV)/.deps-installed
+BUILT := $(VENV)/.sok-built
+CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' -o -name '*.cu.cc')
+NP ?= 2
+
+.PHONY: demo test bench build clean
+
+$(DEPS): requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+$(BUILT): $(DEPS) setup.py setup.cfg pyproject.toml $(CSRC)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+build: $(BUILT)
+
+demo: $(BUILT)
+	$(VENV)/bin/sokrun -np $(NP) --timeout 900 $(PY) -m sok_keras.examples.train_dlrm
+
+test: $(BUILT)
+	$(PY) -m pytest -q tests
+
+bench: $(BUILT)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf build *.egg-info sok_keras/_sok_ops*.so sok_keras/_build_info.py

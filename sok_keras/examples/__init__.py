@@ -1,0 +1,1 @@
+"""Example models and synthetic data (the demo, tests and benchmarks use them)."""

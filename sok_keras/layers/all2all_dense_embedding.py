@@ -1,0 +1,111 @@
+"""`All2AllDenseEmbedding`: SOK's unpooled, fixed-shape embedding layer."""
+
+import keras
+import tensorflow as tf
+
+from sok_keras import world
+from sok_keras.layers.base_embedding import BaseEmbedding
+from sok_keras.layers.base_embedding import check_positive_int
+
+
+@keras.saving.register_keras_serializable(package="sok_keras")
+class All2AllDenseEmbedding(BaseEmbedding):
+    """SOK's dense (unpooled) embedding: one row per id, fixed shape.
+
+    The table is row-sharded like `DistributedEmbedding`; its size is
+    `max_vocabulary_size_per_gpu * num_ranks` rows unless `vocabulary_size`
+    is given (SOK's meaning of the per-GPU capacity).
+
+    Args:
+        max_vocabulary_size_per_gpu: int, rows per rank.
+        embedding_vec_size: int, the width of each row.
+        slot_num: int, the number of feature slots per sample.
+        nnz_per_slot: int, the number of ids in each slot.
+        embeddings_initializer: initializer. Defaults to `"uniform"`.
+        vocabulary_size: optional int, the whole table's rows; overrides
+            `max_vocabulary_size_per_gpu * num_ranks` (set it to make the
+            saved table independent of the number of ranks).
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: int tensor `[batch, slot_num, nnz_per_slot]`; every entry
+            must be a valid id.
+
+    Returns:
+        `[batch, slot_num, nnz_per_slot, embedding_vec_size]`.
+
+    Example:
+
+    >>> emb = sok.layers.All2AllDenseEmbedding(100, 4, slot_num=3,
+    ...                                         nnz_per_slot=2)
+    >>> emb(np.zeros([8, 3, 2], "int64")).shape
+    TensorShape([8, 3, 2, 4])
+    """
+
+    def __init__(self, max_vocabulary_size_per_gpu, embedding_vec_size,
+                 slot_num, nnz_per_slot, embeddings_initializer="uniform",
+                 vocabulary_size=None, **kwargs):
+        for key in ("dynamic_input", "use_hashtable", "key_dtype",
+                    "embedding_initializer"):
+            if key in kwargs:
+                value = kwargs.pop(key)
+                if key == "embedding_initializer":
+                    embeddings_initializer = value
+                elif key == "use_hashtable" and value:
+                    raise ValueError(
+                        "All2AllDenseEmbedding: `use_hashtable=True` is not "
+                        "supported; ids index the table directly."
+                    )
+        cls = "All2AllDenseEmbedding"
+        self.max_vocabulary_size_per_gpu = check_positive_int(
+            max_vocabulary_size_per_gpu, "max_vocabulary_size_per_gpu", cls)
+        self.slot_num = check_positive_int(slot_num, "slot_num", cls)
+        self.nnz_per_slot = check_positive_int(
+            nnz_per_slot, "nnz_per_slot", cls)
+        self._vocabulary_size_arg = vocabulary_size
+        rows = vocabulary_size if vocabulary_size is not None else (
+            self.max_vocabulary_size_per_gpu * world.num_ranks())
+        super().__init__(
+            rows, embedding_vec_size, combiner=None,
+            embeddings_initializer=embeddings_initializer, **kwargs)
+        self.embedding_vec_size = self.embedding_dim
+
+    def _table_mode(self):
+        return "distributed"
+
+    def call(self, inputs):
+        from sok_keras.lookup import all2all_dense_embedding
+
+        inputs = tf.convert_to_tensor(inputs)
+        if inputs.shape.rank != 3 or (
+            inputs.shape[1] is not None and inputs.shape[1] != self.slot_num
+        ) or (
+            inputs.shape[2] is not None
+            and inputs.shape[2] != self.nnz_per_slot
+        ):
+            raise ValueError(
+                f"Layer '{self.name}' expects ids of shape "
+                f"[batch, {self.slot_num}, {self.nnz_per_slot}]. "
+                f"Received: shape={inputs.shape}."
+            )
+        out = all2all_dense_embedding(self.embeddings, inputs)
+        return tf.cast(out, self.compute_dtype)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.embedding_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        for key in ("vocabulary_size", "embedding_dim", "combiner"):
+            config.pop(key)
+        config.update(
+            {
+                "max_vocabulary_size_per_gpu":
+                    self.max_vocabulary_size_per_gpu,
+                "embedding_vec_size": self.embedding_dim,
+                "slot_num": self.slot_num,
+                "nnz_per_slot": self.nnz_per_slot,
+                "vocabulary_size": self._vocabulary_size_arg,
+            }
+        )
+        return config

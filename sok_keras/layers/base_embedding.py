@@ -1,0 +1,158 @@
+"""Shared machinery of the sok_keras embedding layers."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from sok_keras import world
+from sok_keras.lookup import SUPPORTED_COMBINERS
+from sok_keras.variable import DISTRIBUTED
+from sok_keras.variable import LOCALIZED
+from sok_keras.variable import Variable
+
+
+def check_positive_int(value, arg, layer):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{layer}: `{arg}` must be a positive integer. "
+            f"Received: {arg}={value!r} (of type {type(value).__name__})."
+        )
+    return int(value)
+
+
+def check_combiner(combiner, layer):
+    if combiner is not None and combiner not in SUPPORTED_COMBINERS:
+        raise ValueError(
+            f"{layer}: `combiner` must be one of {SUPPORTED_COMBINERS} or "
+            f"None. Received: combiner={combiner!r}."
+        )
+    return combiner
+
+
+def gather_table(var):
+    """Returns the whole table of a sharded `Variable` as a NumPy array.
+
+    Every rank must call it (it is a collective when there are several).
+    """
+    if var.num_ranks == 1:
+        return keras.ops.convert_to_numpy(var.value)
+    comm = world.communicator()
+    rows, dim = var.global_shape
+    n = var.num_ranks
+    key = f"gather_table/{var.path}"
+    if var.sharding == LOCALIZED:
+        local = var.value if var.rank == var.target_rank else tf.zeros(
+            [rows, dim], var.dtype)
+        return comm.broadcast(
+            tf.convert_to_tensor(local), key=key, root=var.target_rank
+        ).numpy()
+    per_rank = -(-rows // n)
+    shard = tf.convert_to_tensor(var.value)
+    pad = per_rank - int(shard.shape[0])
+    shard = tf.pad(shard, [[0, pad], [0, 0]])
+    everything = comm.all_gather(shard, key=key).numpy()  # [n*per_rank, dim]
+    interleaved = everything.reshape(n, per_rank, dim).transpose(1, 0, 2)
+    return interleaved.reshape(n * per_rank, dim)[:rows]
+
+
+def load_local_shard(var, full, layer):
+    """Assigns this rank's rows of `full` (array-like, e.g. h5py) to `var`."""
+    shape = tuple(int(s) for s in full.shape)
+    if shape != tuple(var.global_shape):
+        raise ValueError(
+            f"Layer '{layer}': the saved table has shape {shape}, but the "
+            f"layer's table has shape {tuple(var.global_shape)}."
+        )
+    if var.sharding == DISTRIBUTED:
+        local = np.asarray(full[var.rank::var.num_ranks])
+    elif var.rank == var.target_rank:
+        local = np.asarray(full[:])
+    else:
+        local = np.zeros((0, shape[1]), dtype=np.asarray(full[:0]).dtype)
+    var.assign(local.astype(var.dtype))
+
+
+class BaseEmbedding(keras.layers.Layer):
+    """Base class: one sharded table, looked up with a combiner.
+
+    Subclasses set the sharding through `_table_mode()`.
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        embedding_dim,
+        combiner="sum",
+        embeddings_initializer="uniform",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        cls = type(self).__name__
+        self.vocabulary_size = check_positive_int(
+            vocabulary_size, "vocabulary_size", cls)
+        self.embedding_dim = check_positive_int(
+            embedding_dim, "embedding_dim", cls)
+        self.combiner = check_combiner(combiner, cls)
+        self.embeddings_initializer = keras.initializers.get(
+            embeddings_initializer)
+        self.supports_jit = False  # custom ops have no XLA kernels
+
+    def _table_mode(self):
+        raise NotImplementedError
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        self.embeddings = Variable(
+            self.embeddings_initializer,
+            shape=(self.vocabulary_size, self.embedding_dim),
+            mode=self._table_mode(),
+            dtype=self.variable_dtype,
+            name="embeddings",
+        )
+        self.built = True
+
+    def call(self, inputs, weights=None):
+        from sok_keras.lookup import lookup_one
+
+        out = lookup_one(
+            self.embeddings, inputs, weights, self.combiner, name=self.name)
+        return tf.cast(out, self.compute_dtype)
+
+    def compute_output_shape(self, input_shape, weights_shape=None):
+        input_shape = tuple(input_shape)
+        if self.combiner is not None:
+            return (input_shape[0], self.embedding_dim)
+        if len(input_shape) == 1:
+            return (input_shape[0], self.embedding_dim)
+        return input_shape + (self.embedding_dim,)
+
+    # -- saving: the table is stored whole, in global row order, so that it
+    # loads at any number of ranks.
+    def save_own_variables(self, store):
+        store["embeddings"] = gather_table(self.embeddings)
+
+    def load_own_variables(self, store):
+        if "embeddings" not in store:
+            raise ValueError(
+                f"Layer '{self.name}': no 'embeddings' entry in the saved "
+                f"weights. Found: {list(store.keys())}."
+            )
+        load_local_shard(self.embeddings, store["embeddings"], self.name)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "vocabulary_size": self.vocabulary_size,
+                "embedding_dim": self.embedding_dim,
+                "combiner": self.combiner,
+                "embeddings_initializer": keras.initializers.serialize(
+                    self.embeddings_initializer),
+            }
+        )
+        return config

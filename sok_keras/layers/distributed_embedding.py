@@ -1,0 +1,41 @@
+"""`DistributedEmbedding`: a table row-sharded over every rank."""
+
+import keras
+
+from sok_keras.layers.base_embedding import BaseEmbedding
+
+
+@keras.saving.register_keras_serializable(package="sok_keras")
+class DistributedEmbedding(BaseEmbedding):
+    """An embedding table whose rows are spread over all ranks.
+
+    Row `id` lives on rank `id % N`. A lookup sends each distinct id of the
+    batch to its owner once and brings its row back; the result equals
+    `keras.layers.Embedding` (unpooled) or `tf.nn.embedding_lookup_sparse`
+    (pooled) on the whole table. With one rank, it is a fast local lookup.
+
+    Args:
+        vocabulary_size: int, the number of rows of the whole table.
+        embedding_dim: int, the width of each row.
+        combiner: `"sum"` (default), `"mean"`, `"sqrtn"`, or `None` to
+            return the rows unpooled (`[batch, n, dim]` for dense
+            `[batch, n]` input, a ragged `[batch, None, dim]` for ragged
+            input).
+        embeddings_initializer: initializer of the table. Defaults to
+            `"uniform"`. Each rank initializes only its own rows.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: ids, as a dense int tensor `[batch]` or `[batch, n]` (`-1`
+            is padding), a `tf.RaggedTensor` or a `tf.SparseTensor`.
+        weights: optional per-id weights with the structure of `inputs`.
+
+    Example:
+
+    >>> ids = keras.Input(shape=(3,), dtype="int64")
+    >>> x = sok.layers.DistributedEmbedding(1000, 16, combiner="mean")(ids)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(x))
+    """
+
+    def _table_mode(self):
+        return "distributed"

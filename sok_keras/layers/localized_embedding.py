@@ -1,0 +1,79 @@
+"""`LocalizedEmbedding`: a whole table placed on one rank."""
+
+import itertools
+import threading
+
+import keras
+
+from sok_keras import world
+from sok_keras.layers.base_embedding import BaseEmbedding
+
+_ROUND_ROBIN = itertools.count()
+_ROUND_ROBIN_LOCK = threading.Lock()
+
+
+def _next_rank():
+    with _ROUND_ROBIN_LOCK:
+        return next(_ROUND_ROBIN) % world.num_ranks()
+
+
+@keras.saving.register_keras_serializable(package="sok_keras")
+class LocalizedEmbedding(BaseEmbedding):
+    """An embedding table held whole by one rank (model parallelism by table).
+
+    Every rank sends the distinct ids of its batch to the owning rank and
+    gets the rows back, so the output equals a local lookup of the whole
+    table. Good for small, hot tables: one owner, no row split.
+
+    Args:
+        vocabulary_size: int, the number of rows.
+        embedding_dim: int, the width of each row.
+        combiner: `"sum"` (default), `"mean"`, `"sqrtn"` or `None`.
+        embeddings_initializer: initializer. Defaults to `"uniform"`.
+        rank: int or `None`, the rank that holds the table. `None` (default)
+            places localized tables round-robin over the ranks in the order
+            they are built (the same order on every rank). An explicit rank
+            must be smaller than the number of ranks.
+        **kwargs: base layer arguments (`name`, `dtype`, ...).
+
+    Call arguments:
+        inputs: ids, dense (`-1` padding), ragged or sparse.
+        weights: optional per-id weights.
+
+    Example:
+
+    >>> emb = sok.layers.LocalizedEmbedding(100, 8, rank=0)
+    >>> emb(np.array([[1, 2], [3, -1]])).shape
+    TensorShape([2, 8])
+    """
+
+    def __init__(self, vocabulary_size, embedding_dim, combiner="sum",
+                 embeddings_initializer="uniform", rank=None, **kwargs):
+        super().__init__(
+            vocabulary_size, embedding_dim, combiner=combiner,
+            embeddings_initializer=embeddings_initializer, **kwargs)
+        if rank is not None and (
+            isinstance(rank, bool) or not isinstance(rank, int) or rank < 0
+        ):
+            raise ValueError(
+                "LocalizedEmbedding: `rank` must be None or a non-negative "
+                f"integer. Received: rank={rank!r}."
+            )
+        self.rank = rank
+        self._placed_rank = None
+
+    def _table_mode(self):
+        if self._placed_rank is None:
+            self._placed_rank = self.rank if self.rank is not None else (
+                _next_rank())
+        if self._placed_rank >= world.num_ranks():
+            raise ValueError(
+                f"LocalizedEmbedding '{self.name}': rank={self._placed_rank} "
+                f"but there are only {world.num_ranks()} rank(s)."
+            )
+        return f"localized:{self._placed_rank}"
+
+    def get_config(self):
+        config = super().get_config()
+        config["rank"] = self.rank
+        return config

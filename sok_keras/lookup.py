@@ -1,0 +1,373 @@
+"""Sharded embedding lookups: `lookup_sparse` and `all2all_dense_embedding`.
+
+The exchange for one table on N ranks (see docs/design.md):
+
+1. dedup the ids of this rank and bucket them by owning rank
+   (`SokDedupBucketize`);
+2. agree on the counts with one small all-gather (which also carries the
+   first out-of-range id, so that every rank raises the same error instead
+   of one raising and the others waiting);
+3. all-to-all the unique ids to their owners;
+4. the owner dedups what it received and gathers each row once;
+5. all-to-all the rows back; pool at home (`SokSegmentCombine`).
+
+The backward pass is the mirror image: `SokSegmentCombineGrad` reduces the
+gradient per unique id at home, the rows' gradient travels back through the
+reverse all-to-all, and the owner's `tf.gather` turns it into a
+`tf.IndexedSlices` over unique local rows. No rank ever sees every key.
+With one rank there is no exchange at all.
+"""
+
+import threading
+import weakref
+
+import tensorflow as tf
+
+from sok_keras import lookup_ops
+from sok_keras import world
+from sok_keras.variable import Variable
+
+SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
+
+_CALL_COUNTERS = weakref.WeakKeyDictionary()
+_COUNTER_LOCK = threading.Lock()
+
+
+def _call_site_key(table_key):
+    """A key that is the same on every rank for the same call site.
+
+    Inside a `tf.function` each lookup of a table gets its own index within
+    that graph (a layer called twice in one step makes two exchanges);
+    eagerly, calls run one after another and can share a key.
+    """
+    if tf.executing_eagerly():
+        return f"{table_key}#0"
+    graph = tf.compat.v1.get_default_graph()
+    with _COUNTER_LOCK:
+        counters = _CALL_COUNTERS.setdefault(graph, {})
+        index = counters.get(table_key, 0)
+        counters[table_key] = index + 1
+    return f"{table_key}#{index}"
+
+
+def _table_key(param):
+    return param.path or param.name
+
+
+class _Ids:
+    """Ids of one feature, flattened: values, their batch row, weights."""
+
+    def __init__(self, values, segment_ids, batch_size, weights, layout):
+        self.values = values  # int64 [nnz], padding removed
+        self.segment_ids = segment_ids  # int64 [nnz]
+        self.batch_size = batch_size  # int64 scalar tensor
+        self.weights = weights  # float [nnz] or None
+        # How to rebuild an unpooled output: ("dense", keep_mask, shape) /
+        # ("ragged", row_splits) / ("sparse", indices, dense_shape).
+        self.layout = layout
+
+
+def _check_int(t, what):
+    if not t.dtype.is_integer:
+        raise TypeError(
+            f"{what}: ids must be an integer tensor (int32 or int64). "
+            f"Received: dtype={t.dtype.name}."
+        )
+
+
+def normalize_ids(ids, weights=None, name="lookup"):
+    """Flattens dense (-1 padded), ragged or sparse ids of one feature.
+
+    Args:
+        ids: a `tf.SparseTensor` or `tf.RaggedTensor` of shape
+            `[batch, None]`, or a dense tensor of shape `[batch]` or
+            `[batch, n]` where `-1` marks padding.
+        weights: optional per-id weights with the same structure.
+        name: the layer or table name, for error messages.
+
+    Returns:
+        An `_Ids`.
+    """
+    if isinstance(ids, tf.SparseTensor):
+        _check_int(ids.values, name)
+        if ids.indices.shape.rank is not None and ids.indices.shape[1] != 2:
+            raise ValueError(
+                f"{name}: SparseTensor ids must be 2-D [batch, n]. "
+                f"Received: dense_shape rank {ids.indices.shape[1]}."
+            )
+        values = tf.cast(ids.values, tf.int64)
+        segs = ids.indices[:, 0]
+        w = None
+        if weights is not None:
+            w = weights.values if isinstance(weights, tf.SparseTensor) else (
+                tf.convert_to_tensor(weights))
+        keep = tf.not_equal(values, -1)
+        values, segs = tf.boolean_mask(values, keep), tf.boolean_mask(
+            segs, keep)
+        if w is not None:
+            w = tf.boolean_mask(w, keep)
+        layout = ("sparse", tf.boolean_mask(ids.indices, keep),
+                  ids.dense_shape)
+        return _Ids(values, segs, ids.dense_shape[0], w, layout)
+    if isinstance(ids, tf.RaggedTensor):
+        _check_int(ids.flat_values, name)
+        if ids.ragged_rank != 1:
+            raise ValueError(
+                f"{name}: RaggedTensor ids must be 2-D [batch, None]. "
+                f"Received: ragged_rank={ids.ragged_rank}."
+            )
+        values = tf.cast(ids.values, tf.int64)
+        segs = ids.value_rowids()
+        w = None
+        if weights is not None:
+            w = weights.values if isinstance(weights, tf.RaggedTensor) else (
+                tf.convert_to_tensor(weights))
+        keep = tf.not_equal(values, -1)
+        values_k = tf.boolean_mask(values, keep)
+        segs_k = tf.boolean_mask(segs, keep)
+        if w is not None:
+            w = tf.boolean_mask(w, keep)
+        layout = ("ragged", segs_k, ids.nrows())
+        return _Ids(values_k, segs_k, ids.nrows(), w, layout)
+    ids = tf.convert_to_tensor(ids)
+    _check_int(ids, name)
+    if ids.shape.rank == 1:
+        ids = ids[:, None]
+        dense_shape = None
+    elif ids.shape.rank == 2:
+        dense_shape = tf.shape(ids, out_type=tf.int64)
+    else:
+        raise ValueError(
+            f"{name}: dense ids must have shape [batch] or [batch, n]. "
+            f"Received: shape={ids.shape}."
+        )
+    shape = tf.shape(ids, out_type=tf.int64)
+    flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
+    keep = tf.not_equal(flat, -1)
+    segs = tf.repeat(tf.range(shape[0]), shape[1])
+    w = None
+    if weights is not None:
+        w = tf.boolean_mask(tf.reshape(tf.convert_to_tensor(weights), [-1]),
+                            keep)
+    layout = ("dense", keep, dense_shape)
+    return _Ids(
+        tf.boolean_mask(flat, keep), tf.boolean_mask(segs, keep), shape[0],
+        w, layout,
+    )
+
+
+def _as_int64(x):
+    return tf.cast(x, tf.int64)
+
+
+def gather_rows(param, ids, table_name=None):
+    """Looks up the rows of `ids` in a sharded table, deduplicated.
+
+    Args:
+        param: a `sok_keras.Variable`.
+        ids: int64 `[nnz]` global ids, padding removed.
+        table_name: the name used in error messages.
+
+    Returns:
+        `(rows, inverse)`: `rows` `[U, dim]` holds each distinct id's row once
+        (differentiable, its gradient reaches `param` as a `tf.IndexedSlices`)
+        and `inverse` `[nnz]` maps every id to its row in `rows`.
+    """
+    if not isinstance(param, Variable):
+        raise TypeError(
+            "sok_keras lookups need a sok_keras.Variable. Received: "
+            f"{type(param).__name__} {getattr(param, 'name', '')!r}."
+        )
+    name = table_name or _table_key(param)
+    n = param.num_ranks
+    vocab = param.vocabulary_size
+    owner = param.target_rank
+    table = param.value
+    if n == 1:
+        _, local_rows, inverse, _, _ = lookup_ops.dedup_bucketize(
+            ids, num_ranks=1, vocab_size=vocab, owner=-1, table_name=name,
+            raise_on_error=True,
+        )
+        return tf.gather(table, local_rows), inverse
+    if n != world.num_ranks():
+        raise RuntimeError(
+            f"Table '{name}' was created for {n} ranks, but the world now "
+            f"has {world.num_ranks()}."
+        )
+    comm = world.communicator()
+    key = _call_site_key(_table_key(param))
+    unique, _, inverse, counts, error = lookup_ops.dedup_bucketize(
+        ids, num_ranks=n, vocab_size=vocab, owner=owner, table_name=name,
+        raise_on_error=False,
+    )
+    gathered = comm.all_gather(
+        tf.concat([counts, error], 0)[None, :], key=key + "/counts")
+    counts_matrix = lookup_ops.check_exchange(gathered, vocab, name)
+    received = comm.exchange(unique, counts_matrix, key=key + "/ids")
+    _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
+        received, num_ranks=n, vocab_size=vocab, owner=owner,
+        table_name=name, raise_on_error=True,
+    )
+    owned = tf.gather(table, local_rows)
+    outgoing = tf.gather(owned, recv_inverse)
+    rows = comm.exchange(
+        outgoing, tf.transpose(counts_matrix), key=key + "/rows")
+    return rows, inverse
+
+
+def _pool(rows, inverse, feat, combiner):
+    weights = feat.weights
+    if weights is None:
+        weights = tf.zeros([0], rows.dtype)
+    else:
+        weights = tf.cast(weights, rows.dtype)
+    return lookup_ops.segment_combine(
+        rows, inverse, feat.segment_ids, weights, feat.batch_size, combiner)
+
+
+def _unpooled(rows, inverse, feat):
+    per_id = tf.gather(rows, inverse)  # [nnz, dim]
+    if feat.weights is not None:
+        per_id = per_id * tf.cast(feat.weights, per_id.dtype)[:, None]
+    kind = feat.layout[0]
+    dim = tf.shape(rows, out_type=tf.int64)[1]
+    if kind == "dense":
+        keep, dense_shape = feat.layout[1], feat.layout[2]
+        positions = tf.where(keep)
+        total = tf.shape(keep, out_type=tf.int64)[0]
+        out = tf.scatter_nd(positions, per_id, tf.stack([total, dim]))
+        if dense_shape is None:
+            return tf.reshape(out, tf.stack([total, dim]))
+        return tf.reshape(out, tf.concat([dense_shape, [dim]], 0))
+    if kind == "ragged":
+        segs, nrows = feat.layout[1], feat.layout[2]
+        return tf.RaggedTensor.from_value_rowids(per_id, segs, nrows=nrows)
+    indices, dense_shape = feat.layout[1], feat.layout[2]
+    # A SparseTensor of embeddings is awkward to consume; densify it to
+    # [batch, n, dim] with zero rows where there is no id.
+    return tf.scatter_nd(
+        indices, per_id, tf.concat([dense_shape, [dim]], 0))
+
+
+def _check_combiner(combiner, where):
+    if combiner is not None and combiner not in SUPPORTED_COMBINERS:
+        raise ValueError(
+            f"{where}: `combiner` must be one of {SUPPORTED_COMBINERS} or "
+            f"None. Received: combiner={combiner!r}."
+        )
+
+
+def lookup_one(param, ids, weights=None, combiner="sum", name=None):
+    """Looks up (and pools) one feature in one table. See `lookup_sparse`."""
+    name = name or _table_key(param)
+    _check_combiner(combiner, name)
+    feat = normalize_ids(ids, weights, name)
+    rows, inverse = gather_rows(param, feat.values, table_name=name)
+    if combiner is None:
+        return _unpooled(rows, inverse, feat)
+    return _pool(rows, inverse, feat, combiner)
+
+
+def _to_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
+                  hotness=None):
+    """Looks up and pools sparse ids in several sharded tables at once.
+
+    The result for each table equals `tf.nn.embedding_lookup_sparse` on the
+    whole (unsharded) table.
+
+    Args:
+        params: a `sok_keras.Variable` or a list of them.
+        sp_ids: ids for each table: `tf.SparseTensor`, `tf.RaggedTensor`
+            (`[batch, None]`) or a dense `[batch, n]` tensor with `-1` as
+            padding. One per table.
+        sp_weights: optional per-id weights, same structure as `sp_ids`
+            (a list with `None` entries is allowed).
+        combiners: `"sum"`, `"mean"` or `"sqrtn"` (one string for all
+            tables, or one per table). Defaults to `"sum"`.
+        hotness: optional maximum number of ids per sample for each table.
+            Only checked for consistency; the lookup does not need it.
+
+    Returns:
+        A `[batch, dim]` tensor per table: a list if `sp_ids` is a list.
+
+    Example:
+
+    >>> v1 = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype="float32")
+    >>> ids = tf.SparseTensor([[0, 0], [0, 1]], [1, 1], [1, 3])
+    >>> sok.lookup_sparse([v1], [ids], combiners=["sum"])[0]
+    [[6., 8., 10.]]
+    """
+    is_list = isinstance(sp_ids, (list, tuple))
+    params, sp_ids = _to_list(params), _to_list(sp_ids)
+    if len(params) != len(sp_ids):
+        raise ValueError(
+            "lookup_sparse needs one ids tensor per table. Received: "
+            f"{len(params)} tables and {len(sp_ids)} ids."
+        )
+    if sp_weights is None:
+        sp_weights = [None] * len(params)
+    sp_weights = _to_list(sp_weights)
+    if combiners is None:
+        combiners = "sum"
+    if isinstance(combiners, str):
+        combiners = [combiners] * len(params)
+    combiners = list(combiners)
+    for what, value in (("sp_weights", sp_weights),
+                        ("combiners", combiners)):
+        if len(value) != len(params):
+            raise ValueError(
+                f"lookup_sparse: `{what}` must have one entry per table "
+                f"({len(params)}). Received: {len(value)} entries."
+            )
+    if hotness is not None:
+        hotness = _to_list(hotness)
+        if len(hotness) != len(params):
+            raise ValueError(
+                f"lookup_sparse: `hotness` must have one entry per table "
+                f"({len(params)}). Received: hotness={hotness}."
+            )
+    outputs = []
+    for p, ids, w, c in zip(params, sp_ids, sp_weights, combiners):
+        if c is None:
+            raise ValueError(
+                "lookup_sparse pools: `combiners` must be 'sum', 'mean' or "
+                "'sqrtn'. Use all2all_dense_embedding for unpooled rows."
+            )
+        outputs.append(lookup_one(p, ids, w, c))
+    return outputs if is_list else outputs[0]
+
+
+def all2all_dense_embedding(param, indices):
+    """Looks up every id of a dense tensor, without pooling.
+
+    Args:
+        param: a `sok_keras.Variable`.
+        indices: an integer tensor of any shape; every entry must be a valid
+            id (no padding).
+
+    Returns:
+        A tensor of shape `indices.shape + [dim]`.
+
+    Example:
+
+    >>> v = sok.Variable(np.arange(7 * 5).reshape(7, 5), dtype="float32")
+    >>> sok.all2all_dense_embedding(v, [[1, 2]]).shape
+    TensorShape([1, 2, 5])
+    """
+    indices = tf.convert_to_tensor(indices)
+    name = _table_key(param)
+    _check_int(indices, name)
+    flat = tf.reshape(_as_int64(indices), [-1])
+    rows, inverse = gather_rows(param, flat, table_name=name)
+    out = tf.gather(rows, inverse)
+    shape = tf.concat(
+        [tf.shape(indices, out_type=tf.int64),
+         tf.shape(rows, out_type=tf.int64)[1:]], 0)
+    out = tf.reshape(out, shape)
+    if indices.shape.rank is not None and param.global_shape[1] is not None:
+        out.set_shape(indices.shape.concatenate([param.global_shape[1]]))
+    return out

@@ -1,0 +1,263 @@
+"""`sok_keras.Variable`: an embedding table sharded across the ranks."""
+
+import re
+
+import keras
+import numpy as np
+
+from sok_keras import world
+
+DISTRIBUTED = "distributed"
+LOCALIZED = "localized"
+_LOCALIZED_RE = re.compile(r"^localized:(\d+)$")
+
+
+def parse_mode(mode, num_ranks, name=None):
+    """Parses a sharding mode string.
+
+    Args:
+        mode: `"distributed"` (row `id` on rank `id % N`) or
+            `"localized:<rank>"` (the whole table on one rank).
+        num_ranks: the number of ranks.
+        name: the table's name, for error messages.
+
+    Returns:
+        `(kind, target_rank)` with `kind` in `("distributed", "localized")`
+        and `target_rank` `-1` for distributed tables.
+    """
+    where = f" of table '{name}'" if name else ""
+    if mode is None or mode == DISTRIBUTED:
+        return DISTRIBUTED, -1
+    if isinstance(mode, str):
+        m = _LOCALIZED_RE.match(mode)
+        if m:
+            target = int(m.group(1))
+            if target >= num_ranks:
+                raise ValueError(
+                    f"`mode`{where} places the table on rank {target}, but "
+                    f"there are only {num_ranks} rank(s). Received: "
+                    f"mode={mode!r}."
+                )
+            return LOCALIZED, target
+    raise ValueError(
+        f"`mode`{where} must be 'distributed' or 'localized:<rank>'. "
+        f"Received: mode={mode!r}."
+    )
+
+
+def shard_rows(global_rows, kind, target_rank, rank, num_ranks):
+    """Returns the number of rows the given rank holds."""
+    if kind == DISTRIBUTED:
+        return max(0, (global_rows - rank + num_ranks - 1) // num_ranks)
+    return global_rows if rank == target_rank else 0
+
+
+def global_to_local(global_rows, kind, rank, num_ranks):
+    """Returns the global ids of the rows the given rank holds, in order."""
+    if kind == DISTRIBUTED:
+        return np.arange(rank, global_rows, num_ranks, dtype=np.int64)
+    return np.arange(global_rows, dtype=np.int64)
+
+
+class Variable(keras.Variable):
+    """An embedding table whose rows are sharded across the ranks.
+
+    Each rank holds one shard. In `"distributed"` mode row `id` lives on
+    rank `id % N` at local row `id // N` (17 rows on 2 ranks give shards of
+    9 and 8 rows). In `"localized:<r>"` mode the whole table lives on rank
+    `r` and the other ranks hold an empty `[0, dim]` shard. `shape` is the
+    local shard's shape; `global_shape` is the table's.
+
+    A `Variable` is a `keras.Variable`: a layer that assigns one to an
+    attribute owns it, `model.summary()` counts it, and a
+    `tf.GradientTape` differentiates through `sok_keras.lookup_sparse`
+    to a `tf.IndexedSlices` gradient over the local shard.
+
+    Args:
+        initial_value: the whole table, as an array of shape
+            `[rows, dim]` (every rank keeps its own rows of it), or a Keras
+            initializer (a name such as `"uniform"`, or an instance) used
+            with `shape`, which fills only the local shard.
+        mode: `"distributed"` (default) or `"localized:<rank>"`.
+        dtype: the table's dtype. Defaults to the dtype of
+            `initial_value` when it is floating point, else `"float32"`.
+        name: the table's name.
+        shape: `(rows, dim)`, required when `initial_value` is an
+            initializer.
+        trainable: whether the table is trained. Defaults to `True`.
+
+    Example:
+
+    >>> import numpy as np
+    >>> import sok_keras as sok
+    >>> v = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype="float32")
+    >>> v.global_shape
+    (17, 3)
+    """
+
+    def __init__(
+        self,
+        initial_value=None,
+        mode=DISTRIBUTED,
+        dtype=None,
+        name=None,
+        shape=None,
+        trainable=True,
+        **kwargs,
+    ):
+        if initial_value is None:
+            initial_value = kwargs.pop("initializer", None)
+        if kwargs:
+            raise TypeError(
+                f"Unexpected keyword argument(s) for sok_keras.Variable: "
+                f"{sorted(kwargs)}."
+            )
+        num_ranks, rank = world.num_ranks(), world.rank()
+        kind, target = parse_mode(mode, num_ranks, name)
+        if initial_value is None:
+            raise ValueError(
+                f"sok_keras.Variable '{name}' needs an `initial_value` "
+                "(an array, or an initializer with `shape`)."
+            )
+        if _is_initializer(initial_value):
+            if shape is None or len(tuple(shape)) != 2:
+                raise ValueError(
+                    f"sok_keras.Variable '{name}': an initializer needs "
+                    f"`shape=(rows, dim)`. Received: shape={shape}."
+                )
+            global_shape = tuple(int(s) for s in shape)
+            dtype = dtype or "float32"
+            local = (
+                shard_rows(global_shape[0], kind, target, rank, num_ranks),
+                global_shape[1],
+            )
+            init = keras.initializers.get(initial_value)
+            value = init(shape=local, dtype=dtype)
+        else:
+            array = np.asarray(
+                keras.ops.convert_to_numpy(initial_value)
+                if not isinstance(initial_value, np.ndarray)
+                else initial_value
+            )
+            if array.ndim != 2:
+                raise ValueError(
+                    f"sok_keras.Variable '{name}' must be 2-D "
+                    f"[rows, dim]. Received: shape={array.shape}."
+                )
+            if shape is not None and tuple(shape) != array.shape:
+                raise ValueError(
+                    f"sok_keras.Variable '{name}': `shape` {tuple(shape)} "
+                    f"does not match the initial value's {array.shape}."
+                )
+            if dtype is None:
+                dtype = (
+                    array.dtype.name
+                    if np.issubdtype(array.dtype, np.floating)
+                    else "float32"
+                )
+            global_shape = array.shape
+            rows = global_to_local(global_shape[0], kind, rank, num_ranks)
+            if kind == "localized" and rank != target:
+                rows = rows[:0]
+            value = array[rows].astype(keras.backend.standardize_dtype(dtype))
+        self._sok_kind = kind
+        self._sok_target = target
+        self._sok_rank = rank
+        self._sok_num_ranks = num_ranks
+        self._sok_global_shape = tuple(int(s) for s in global_shape)
+        super().__init__(
+            value, dtype=dtype, trainable=trainable, name=name, autocast=False
+        )
+
+    # -- sharding facts ---------------------------------------------------
+    @property
+    def mode(self):
+        """`"distributed"` or `"localized:<rank>"`."""
+        if self._sok_kind == DISTRIBUTED:
+            return DISTRIBUTED
+        return f"{LOCALIZED}:{self._sok_target}"
+
+    @property
+    def sharding(self):
+        """`"distributed"` or `"localized"`."""
+        return self._sok_kind
+
+    @property
+    def target_rank(self):
+        """The rank holding a localized table; -1 for distributed ones."""
+        return self._sok_target
+
+    # SOK's name for `target_rank`.
+    target_gpu = target_rank
+
+    @property
+    def num_ranks(self):
+        """The number of ranks the table is sharded over."""
+        return self._sok_num_ranks
+
+    @property
+    def rank(self):
+        """The rank of this process when the table was created."""
+        return self._sok_rank
+
+    @property
+    def global_shape(self):
+        """The whole table's shape `(rows, dim)`."""
+        return self._sok_global_shape
+
+    @property
+    def vocabulary_size(self):
+        """The whole table's number of rows."""
+        return self._sok_global_shape[0]
+
+    def local_ids(self):
+        """Returns the global ids of this shard's rows, as NumPy int64."""
+        if self._sok_kind == LOCALIZED and self._sok_rank != self._sok_target:
+            return np.zeros([0], np.int64)
+        return global_to_local(
+            self.vocabulary_size, self._sok_kind, self._sok_rank,
+            self._sok_num_ranks,
+        )
+
+    def __repr__(self):
+        return (
+            f"<sok_keras.Variable path={self.path}, shape={self.shape}, "
+            f"global_shape={self.global_shape}, mode={self.mode}, "
+            f"rank={self.rank}/{self.num_ranks}>"
+        )
+
+
+def _is_initializer(value):
+    if isinstance(value, (str, dict)):
+        return True
+    if isinstance(value, keras.initializers.Initializer):
+        return True
+    return callable(value) and not hasattr(value, "__array__")
+
+
+def is_sok_variable(v):
+    """True if `v` is a `sok_keras.Variable`."""
+    return isinstance(v, Variable)
+
+
+def filter_variables(variables):
+    """Splits variables into sok tables and everything else.
+
+    Args:
+        variables: an iterable of variables (e.g. `model.trainable_variables`).
+
+    Returns:
+        `(sok_variables, other_variables)`, two lists in the input order.
+
+    Example:
+
+    >>> sok_vars, dense_vars = sok.filter_variables(model.trainable_variables)
+    """
+    sok_vars, others = [], []
+    for v in variables:
+        (sok_vars if is_sok_variable(v) else others).append(v)
+    return sok_vars, others
+
+
+# The seed's name.
+split_embedding_variable_from_others = filter_variables

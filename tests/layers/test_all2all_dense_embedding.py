@@ -1,0 +1,41 @@
+"""`All2AllDenseEmbedding`, SOK's unpooled fixed-shape layer."""
+
+import keras
+import numpy as np
+import pytest
+
+import sok_keras as sok
+from tests.testing import assert_config_round_trip
+from tests.testing import assert_model_saving
+
+
+def test_output_shape_and_rows():
+    layer = sok.layers.All2AllDenseEmbedding(
+        max_vocabulary_size_per_gpu=20, embedding_vec_size=4, slot_num=3,
+        nnz_per_slot=2)
+    ids = np.random.default_rng(0).integers(0, 20, size=(5, 3, 2))
+    out = layer(ids)
+    assert out.shape == (5, 3, 2, 4)
+    table = layer.embeddings.numpy()
+    np.testing.assert_allclose(out.numpy(), table[ids], rtol=1e-6)
+
+
+def test_shape_errors_and_hashtable():
+    layer = sok.layers.All2AllDenseEmbedding(10, 4, slot_num=3,
+                                             nnz_per_slot=2, name="dense_emb")
+    with pytest.raises(ValueError, match=r"dense_emb.*\[batch, 3, 2\]"):
+        layer(np.zeros((2, 3, 5), np.int64))
+    with pytest.raises(ValueError, match="use_hashtable"):
+        sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, use_hashtable=True)
+
+
+def test_config_and_saving(tmp_path):
+    layer = sok.layers.All2AllDenseEmbedding(
+        16, 3, slot_num=2, nnz_per_slot=2, vocabulary_size=40, name="a2a")
+    clone = assert_config_round_trip(layer)
+    assert clone.vocabulary_size == 40 and clone.slot_num == 2
+    ids = keras.Input(shape=(2, 2), dtype="int64")
+    out = keras.layers.Dense(1)(keras.layers.Flatten()(layer(ids)))
+    model = keras.Model(ids, out)
+    x = np.random.default_rng(1).integers(0, 40, size=(6, 2, 2))
+    assert_model_saving(model, x, tmp_path)

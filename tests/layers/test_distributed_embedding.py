@@ -1,0 +1,173 @@
+"""`DistributedEmbedding` in one process: correctness and Keras behaviour."""
+
+import io
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+from tests.testing import assert_config_round_trip
+from tests.testing import assert_model_saving
+
+
+def _layer_with_table(table, **kwargs):
+    layer = sok.layers.DistributedEmbedding(
+        table.shape[0], table.shape[1], **kwargs)
+    layer.build()
+    layer.embeddings.assign(table)
+    return layer
+
+
+def test_unpooled_equals_keras_embedding_forward_and_grad():
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(40, 8)).astype(np.float32)
+    ids = rng.integers(0, 40, size=(16, 5))
+    layer = _layer_with_table(table, combiner=None)
+    ref = keras.layers.Embedding(40, 8)
+    ref.build()
+    ref.embeddings.assign(table)
+    upstream = rng.normal(size=(16, 5, 8)).astype(np.float32)
+    with tf.GradientTape(persistent=True) as tape:
+        out = layer(ids)
+        ref_out = ref(ids)
+        loss = tf.reduce_sum(out * upstream)
+        ref_loss = tf.reduce_sum(ref_out * upstream)
+    np.testing.assert_allclose(out.numpy(), ref_out.numpy(), rtol=1e-6)
+    g = tape.gradient(loss, layer.embeddings)
+    g_ref = tape.gradient(ref_loss, ref.embeddings)
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(g).numpy(), tf.convert_to_tensor(g_ref).numpy(),
+        rtol=1e-6, atol=1e-6)
+
+
+def test_unpooled_padding_and_ragged():
+    table = np.arange(20, dtype=np.float32).reshape(10, 2)
+    layer = _layer_with_table(table, combiner=None)
+    out = layer(np.array([[1, -1], [3, 4]]))
+    np.testing.assert_array_equal(
+        out.numpy(), [[table[1], [0, 0]], [table[3], table[4]]])
+    ragged = layer(tf.ragged.constant([[1], [3, 4, 5]], tf.int64))
+    assert isinstance(ragged, tf.RaggedTensor)
+    np.testing.assert_array_equal(ragged[1].numpy(), table[[3, 4, 5]])
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_pooled_with_weights_equals_tf(combiner):
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(25, 4)).astype(np.float32)
+    layer = _layer_with_table(table, combiner=combiner)
+    ids = tf.ragged.constant([[1, 1, 2], [], [24], [3, 7, 7, 7]], tf.int64)
+    w = tf.ragged.constant([[0.5, 2.0, 1.0], [], [3.0], [1.0, 1, 1, 0.25]])
+    out = layer(ids, weights=w)
+    ref = tf.nn.embedding_lookup_sparse(
+        tf.constant(table), ids.to_sparse(), w.to_sparse(),
+        combiner=combiner)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_bad_ids_raise_and_name_the_layer():
+    layer = _layer_with_table(np.zeros((17, 3), np.float32),
+                              name="user_table")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"user_table.*id 99\b"):
+        layer(np.array([[1, 99]]))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"user_table.*id -5\b"):
+        layer(np.array([[-5, 1]]))
+    with pytest.raises(TypeError, match="integer"):
+        layer(np.array([[1.0, 2.0]], np.float32))
+
+
+def test_failed_fit_step_leaves_table_untouched():
+    model = keras.Sequential([
+        keras.Input(shape=(2,), dtype="int64"),
+        sok.layers.DistributedEmbedding(10, 3, name="emb"),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    before = model.get_layer("emb").embeddings.numpy().copy()
+    x = np.array([[1, 2], [3, 10]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="emb.*10"):
+        model.fit(x, np.zeros((2, 1)), verbose=0)
+    np.testing.assert_array_equal(
+        model.get_layer("emb").embeddings.numpy(), before)
+
+
+def test_argument_validation():
+    with pytest.raises(ValueError, match="vocabulary_size.*-3"):
+        sok.layers.DistributedEmbedding(-3, 4)
+    with pytest.raises(ValueError, match="embedding_dim.*2.5"):
+        sok.layers.DistributedEmbedding(3, 2.5)
+    with pytest.raises(ValueError, match="combiner.*'max'"):
+        sok.layers.DistributedEmbedding(3, 4, combiner="max")
+
+
+def test_config_round_trip_with_non_defaults():
+    layer = sok.layers.DistributedEmbedding(
+        123, 7, combiner="sqrtn",
+        embeddings_initializer=keras.initializers.RandomNormal(stddev=0.3),
+        name="tbl", dtype="float64")
+    clone = assert_config_round_trip(layer)
+    assert clone.combiner == "sqrtn" and clone.vocabulary_size == 123
+    assert clone.dtype_policy.name == "float64"
+
+
+def _functional():
+    ids = keras.Input(shape=(4,), dtype="int64", name="ids")
+    x = sok.layers.DistributedEmbedding(50, 6, combiner="mean")(ids)
+    out = keras.layers.Dense(1)(x)
+    return keras.Model(ids, out)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = sok.layers.DistributedEmbedding(50, 6, combiner="sum")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.emb(x))
+
+
+@pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
+def test_models_train_with_fit_and_jit_auto(kind):
+    rng = np.random.default_rng(5)
+    if kind == "functional":
+        model = _functional()
+    elif kind == "sequential":
+        model = keras.Sequential([
+            keras.Input(shape=(4,), dtype="int64"),
+            sok.layers.DistributedEmbedding(50, 6),
+            keras.layers.Dense(1),
+        ])
+    else:
+        model = _Subclassed()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  jit_compile="auto")
+    x = rng.integers(-1, 50, size=(64, 4))
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_summary_counts_table_parameters():
+    model = _functional()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        model.summary()
+    assert "300" in buf.getvalue()  # 50 x 6 table
+    assert model.count_params() == 50 * 6 + 6 + 1
+
+
+def test_model_save_and_load(tmp_path):
+    rng = np.random.default_rng(6)
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x = rng.integers(0, 50, size=(32, 4))
+    model.fit(x, rng.normal(size=(32, 1)), verbose=0)
+    loaded = assert_model_saving(model, x, tmp_path)
+    assert isinstance(loaded.layers[1], sok.layers.DistributedEmbedding)

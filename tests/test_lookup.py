@@ -1,0 +1,129 @@
+"""`lookup_sparse` / `all2all_dense_embedding` against TensorFlow's lookups."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+
+
+def _random_sparse(rng, batch, max_hot, vocab, shuffle=True, empty=True):
+    indices, values = [], []
+    for b in range(batch):
+        k = rng.integers(0 if empty else 1, max_hot + 1)
+        for j in range(k):
+            indices.append([b, j])
+            values.append(rng.integers(0, vocab))
+    indices = np.array(indices, np.int64).reshape(-1, 2)
+    values = np.array(values, np.int64)
+    order = rng.permutation(len(values)) if shuffle else np.arange(
+        len(values))
+    return indices[order], values[order]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_matches_embedding_lookup_sparse(combiner, weighted):
+    rng = np.random.default_rng(1)
+    vocab, dim, batch = 50, 7, 33
+    table = rng.normal(size=(vocab, dim)).astype(np.float32)
+    # Small vocabulary and many ids: lots of duplicates; some empty rows;
+    # indices deliberately out of order.
+    indices, values = _random_sparse(rng, batch, 6, vocab)
+    weights = rng.uniform(0.1, 2.0, len(values)).astype(np.float32)
+    sp = tf.SparseTensor(indices, values, [batch, 6])
+    sp_w = tf.SparseTensor(indices, weights, [batch, 6]) if weighted else None
+
+    v = sok.Variable(table)
+    ref_var = tf.Variable(table)
+    with tf.GradientTape(persistent=True) as tape:
+        out = sok.lookup_sparse(v, sp, sp_w, combiners=combiner)
+        ordered = tf.sparse.reorder(sp)
+        ordered_w = tf.sparse.reorder(sp_w) if weighted else None
+        ref = tf.nn.embedding_lookup_sparse(
+            ref_var, ordered, ordered_w, combiner=combiner)
+        upstream = tf.constant(rng.normal(size=(batch, dim)), tf.float32)
+        loss = tf.reduce_sum(out * upstream)
+        ref_loss = tf.reduce_sum(ref * upstream)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-6,
+                               atol=1e-6)
+    g = tape.gradient(loss, v)
+    g_ref = tape.gradient(ref_loss, ref_var)
+    assert isinstance(g, tf.IndexedSlices)
+    # Reduced per distinct id: no duplicate rows in the gradient.
+    assert len(np.unique(g.indices.numpy())) == len(g.indices.numpy())
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(g).numpy(), tf.convert_to_tensor(g_ref).numpy(),
+        rtol=1e-6, atol=1e-6)
+
+
+def test_ragged_dense_and_sparse_inputs_agree():
+    rng = np.random.default_rng(2)
+    table = rng.normal(size=(20, 4)).astype(np.float32)
+    v = sok.Variable(table)
+    dense = np.array([[1, 2, -1], [-1, -1, -1], [5, 5, 19]], np.int64)
+    ragged = tf.ragged.constant([[1, 2], [], [5, 5, 19]], tf.int64)
+    sparse = tf.SparseTensor([[2, 2], [0, 0], [0, 1], [2, 0], [2, 1]],
+                             tf.constant([19, 1, 2, 5, 5], tf.int64), [3, 3])
+    expected = np.stack([table[1] + table[2], np.zeros(4),
+                         2 * table[5] + table[19]])
+    for ids in (dense, ragged, sparse, tf.constant(dense, tf.int32)):
+        out = sok.lookup_sparse(v, ids, combiners="sum")
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6)
+    # A [batch] vector is one id per sample.
+    out = sok.lookup_sparse(v, tf.constant([3, 4]), combiners="mean")
+    np.testing.assert_allclose(out.numpy(), table[[3, 4]], rtol=1e-6)
+
+
+def test_lookup_in_tf_function_and_several_tables():
+    rng = np.random.default_rng(3)
+    t1 = rng.normal(size=(30, 3)).astype(np.float32)
+    t2 = rng.normal(size=(9, 5)).astype(np.float32)
+    v1, v2 = sok.Variable(t1), sok.Variable(t2)
+
+    @tf.function
+    def step(a, b):
+        return sok.lookup_sparse([v1, v2], [a, b], combiners=["mean", "sum"])
+
+    for batch in (4, 9):  # new shapes retrace / reuse the function
+        a = rng.integers(0, 30, size=(batch, 3))
+        b = rng.integers(0, 9, size=(batch, 2))
+        o1, o2 = step(tf.constant(a), tf.constant(b))
+        np.testing.assert_allclose(o1.numpy(), t1[a].mean(1), rtol=1e-6)
+        np.testing.assert_allclose(o2.numpy(), t2[b].sum(1), rtol=1e-6)
+
+
+def test_all2all_dense_embedding_shape_and_values():
+    rng = np.random.default_rng(4)
+    table = rng.normal(size=(11, 6)).astype(np.float32)
+    v = sok.Variable(table)
+    ids = rng.integers(0, 11, size=(4, 3, 2))
+    out = sok.all2all_dense_embedding(v, ids)
+    assert out.shape == (4, 3, 2, 6)
+    np.testing.assert_allclose(out.numpy(), table[ids], rtol=1e-6)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(sok.all2all_dense_embedding(v, ids))
+    g = tf.convert_to_tensor(tape.gradient(loss, v)).numpy()
+    counts = np.bincount(ids.ravel(), minlength=11)
+    np.testing.assert_allclose(g, np.repeat(counts[:, None], 6, 1))
+
+
+def test_out_of_range_ids_raise_and_name_the_table():
+    v = sok.Variable(np.zeros((17, 3), np.float32), name="my_table")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"my_table.*\b17\b"):
+        sok.lookup_sparse(v, tf.constant([[1, 17]]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"-2"):
+        sok.lookup_sparse(v, tf.constant([[1, -2]]))
+    with pytest.raises(TypeError, match="integer"):
+        sok.lookup_sparse(v, tf.constant([[1.0, 2.0]]))
+
+
+def test_argument_errors():
+    v = sok.Variable(np.zeros((5, 2), np.float32))
+    with pytest.raises(ValueError, match="combiner"):
+        sok.lookup_sparse(v, tf.constant([[1]]), combiners="max")
+    with pytest.raises(ValueError, match="one ids tensor per table"):
+        sok.lookup_sparse([v, v], [tf.constant([[1]])])
+    with pytest.raises(TypeError, match="sok_keras.Variable"):
+        sok.lookup_sparse(tf.Variable(np.zeros((5, 2))), tf.constant([[1]]))
