@@ -1,0 +1,546 @@
+#include "core/lookup.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+
+namespace sok {
+namespace lookup {
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// Lowers `target` to `value` if `value` is smaller (lock-free).
+void AtomicMin(std::atomic<int64_t>* target, int64_t value) {
+  int64_t current = target->load(std::memory_order_relaxed);
+  while (value < current &&
+         !target->compare_exchange_weak(current, value,
+                                        std::memory_order_relaxed)) {
+  }
+}
+
+void RunParallel(const ParallelFor& parallel_for, int64_t n,
+                 int64_t cost_per_unit,
+                 const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (parallel_for) {
+    parallel_for(n, cost_per_unit, fn);
+  } else {
+    fn(0, n);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Deduplication.
+
+// Maps each distinct id to the index of its first appearance. Open
+// addressing with linear probing; grows to keep the load factor <= 1/2.
+class FirstAppearanceTable {
+ public:
+  explicit FirstAppearanceTable(int64_t expected) {
+    int bits = 4;
+    while ((int64_t{1} << bits) < 2 * expected && bits < 62) ++bits;
+    Resize(bits);
+  }
+
+  // Returns the index of `key`, inserting it as keys->size() if new.
+  int32_t FindOrInsert(int64_t key, std::vector<int64_t>* keys) {
+    uint64_t slot = Hash(key);
+    while (true) {
+      Slot& s = slots_[slot];
+      if (s.key == key) return s.index;
+      if (s.key == kEmpty) {
+        const int32_t index = static_cast<int32_t>(keys->size());
+        s.key = key;
+        s.index = index;
+        keys->push_back(key);
+        if (2 * keys->size() > slots_.size()) Grow(*keys);
+        return index;
+      }
+      slot = (slot + 1) & mask_;
+    }
+  }
+
+ private:
+  static constexpr int64_t kEmpty = -1;
+  struct Slot {
+    int64_t key;
+    int32_t index;
+  };
+
+  uint64_t Hash(int64_t key) const {
+    return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_;
+  }
+
+  void Resize(int bits) {
+    slots_.assign(size_t{1} << bits, Slot{kEmpty, 0});
+    mask_ = (uint64_t{1} << bits) - 1;
+    shift_ = 64 - bits;
+    bits_ = bits;
+  }
+
+  void Grow(const std::vector<int64_t>& keys) {
+    Resize(bits_ + 1);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      uint64_t slot = Hash(keys[i]);
+      while (slots_[slot].key != kEmpty) slot = (slot + 1) & mask_;
+      slots_[slot] = Slot{keys[i], static_cast<int32_t>(i)};
+    }
+  }
+
+  std::vector<Slot> slots_;
+  uint64_t mask_ = 0;
+  int shift_ = 0;
+  int bits_ = 0;
+};
+
+struct KeyIndex {
+  int64_t key;    // Sort key: ascending key is the required output order.
+  int64_t index;  // Index of first appearance.
+  bool operator<(const KeyIndex& other) const { return key < other.key; }
+};
+
+// Sorts distinct keys: sorts chunks in parallel, then merges them in
+// parallel rounds. The result is unique since the keys are distinct.
+void ParallelSort(std::vector<KeyIndex>* items,
+                  const ParallelFor& parallel_for) {
+  const int64_t n = static_cast<int64_t>(items->size());
+  constexpr int64_t kMinChunk = 1 << 15;
+  int64_t chunks = 1;
+  while (chunks < 16 && n / (2 * chunks) >= kMinChunk) chunks *= 2;
+  if (chunks == 1) {
+    std::sort(items->begin(), items->end());
+    return;
+  }
+  auto bound = [n, chunks](int64_t c) { return n * c / chunks; };
+  KeyIndex* data = items->data();
+  const int64_t log_n = 64 - __builtin_clzll(static_cast<uint64_t>(n));
+  RunParallel(parallel_for, chunks, n / chunks * log_n * 8,
+              [&](int64_t begin, int64_t end) {
+                for (int64_t c = begin; c < end; ++c) {
+                  std::sort(data + bound(c), data + bound(c + 1));
+                }
+              });
+  for (int64_t width = 1; width < chunks; width *= 2) {
+    const int64_t merges = chunks / (2 * width);
+    RunParallel(parallel_for, merges, n / merges * 8,
+                [&](int64_t begin, int64_t end) {
+                  for (int64_t m = begin; m < end; ++m) {
+                    const int64_t c = m * 2 * width;
+                    std::inplace_merge(data + bound(c),
+                                       data + bound(c + width),
+                                       data + bound(c + 2 * width));
+                  }
+                });
+  }
+}
+
+// Rank of `id` and its position in the output order. For the distributed
+// layout the order key is (rank, id), encoded as rank * span + id / R, which
+// orders by rank, then by local row (equivalently by id within a rank).
+struct Layout {
+  int64_t num_ranks;
+  int64_t owner;
+  int64_t Rank(int64_t id) const {
+    return owner >= 0 ? owner : id % num_ranks;
+  }
+  int64_t LocalRow(int64_t id) const {
+    return owner >= 0 ? id : id / num_ranks;
+  }
+};
+
+// Dedup through a direct-address table over [0, max_id]; used when the id
+// range is small relative to nnz. Produces the output order without sorting.
+template <typename Tid>
+void DedupDirect(const Tid* ids, int64_t nnz, int64_t max_id,
+                 const Layout& layout, const ParallelFor& parallel_for,
+                 int32_t* inverse, DedupResult* result) {
+  const int64_t span = max_id + 1;
+  std::vector<int32_t> slot(span, -1);
+  for (int64_t i = 0; i < nnz; ++i) slot[ids[i]] = 0;
+  int32_t next = 0;
+  auto visit = [&](int64_t id) {
+    if (slot[id] < 0) return;
+    slot[id] = next++;
+    result->unique_ids.push_back(id);
+    result->local_rows.push_back(layout.LocalRow(id));
+    ++result->counts[layout.Rank(id)];
+  };
+  if (layout.owner >= 0) {
+    for (int64_t id = 0; id < span; ++id) visit(id);
+  } else {
+    for (int64_t r = 0; r < layout.num_ranks && r < span; ++r) {
+      for (int64_t id = r; id < span; id += layout.num_ranks) visit(id);
+    }
+  }
+  RunParallel(parallel_for, nnz, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) inverse[i] = slot[ids[i]];
+  });
+}
+
+template <typename Tid>
+void DedupHashed(const Tid* ids, int64_t nnz, const Layout& layout,
+                 const ParallelFor& parallel_for, int32_t* inverse,
+                 DedupResult* result) {
+  // 1. Distinct ids in order of first appearance; inverse into that order.
+  std::vector<int64_t> keys;
+  {
+    FirstAppearanceTable table(std::min<int64_t>(nnz, int64_t{1} << 16));
+    keys.reserve(std::min<int64_t>(nnz, int64_t{1} << 16));
+    for (int64_t i = 0; i < nnz; ++i) {
+      inverse[i] = table.FindOrInsert(static_cast<int64_t>(ids[i]), &keys);
+    }
+  }
+  const int64_t num_unique = static_cast<int64_t>(keys.size());
+
+  // 2. Sort the distinct ids into the output order: by rank (a counting
+  // sort), then by id within each rank.
+  std::vector<int64_t> offsets(layout.num_ranks + 1, 0);
+  for (int64_t key : keys) ++offsets[layout.Rank(key) + 1];
+  for (int64_t r = 0; r < layout.num_ranks; ++r) {
+    result->counts[r] = offsets[r + 1];
+    offsets[r + 1] += offsets[r];
+  }
+  std::vector<KeyIndex> sorted(num_unique);
+  {
+    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+    for (int64_t k = 0; k < num_unique; ++k) {
+      sorted[fill[layout.Rank(keys[k])]++] = KeyIndex{keys[k], k};
+    }
+  }
+  for (int64_t r = 0; r < layout.num_ranks; ++r) {
+    if (offsets[r + 1] - offsets[r] < 2) continue;
+    std::vector<KeyIndex> group(sorted.begin() + offsets[r],
+                                sorted.begin() + offsets[r + 1]);
+    ParallelSort(&group, parallel_for);
+    std::copy(group.begin(), group.end(), sorted.begin() + offsets[r]);
+  }
+
+  // 3. Emit the outputs and remap the inverse to the sorted order.
+  result->unique_ids.resize(num_unique);
+  result->local_rows.resize(num_unique);
+  std::vector<int32_t> position(num_unique);
+  RunParallel(parallel_for, num_unique, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t id = sorted[p].key;
+      result->unique_ids[p] = id;
+      result->local_rows[p] = layout.LocalRow(id);
+      position[sorted[p].index] = static_cast<int32_t>(p);
+    }
+  });
+  RunParallel(parallel_for, nnz, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) inverse[i] = position[inverse[i]];
+  });
+}
+
+// ----------------------------------------------------------------------------
+// Segment pooling.
+
+// Groups positions [0, nnz) by key (a stable counting sort): the positions
+// with key k are order[offsets[k] .. offsets[k + 1]), ascending. When the
+// keys are already sorted, `order` stays empty (it is the identity).
+template <typename Tkey>
+void GroupPositions(const Tkey* keys, int64_t nnz, int64_t num_keys,
+                    std::vector<int64_t>* offsets,
+                    std::vector<int64_t>* order) {
+  offsets->assign(num_keys + 1, 0);
+  bool sorted = true;
+  for (int64_t i = 0; i < nnz; ++i) {
+    ++(*offsets)[static_cast<int64_t>(keys[i]) + 1];
+    if (i > 0 && keys[i] < keys[i - 1]) sorted = false;
+  }
+  for (int64_t k = 0; k < num_keys; ++k) {
+    (*offsets)[k + 1] += (*offsets)[k];
+  }
+  order->clear();
+  if (sorted) return;
+  order->resize(nnz);
+  std::vector<int64_t> fill(offsets->begin(), offsets->end() - 1);
+  for (int64_t i = 0; i < nnz; ++i) {
+    (*order)[fill[static_cast<int64_t>(keys[i])]++] = i;
+  }
+}
+
+}  // namespace
+
+ParallelFor SerialParallelFor() {
+  return [](int64_t n, int64_t /*cost_per_unit*/,
+            const std::function<void(int64_t, int64_t)>& fn) {
+    if (n > 0) fn(0, n);
+  };
+}
+
+template <typename Tid>
+IdError FindFirstInvalidId(const Tid* ids, int64_t nnz, int64_t vocab_size,
+                           const ParallelFor& parallel_for) {
+  std::atomic<int64_t> first(std::numeric_limits<int64_t>::max());
+  RunParallel(parallel_for, nnz, 2, [&](int64_t begin, int64_t end) {
+    if (begin >= first.load(std::memory_order_relaxed)) return;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t id = static_cast<int64_t>(ids[i]);
+      if (id < 0 || id >= vocab_size) {
+        AtomicMin(&first, i);
+        return;
+      }
+    }
+  });
+  IdError error;
+  const int64_t position = first.load();
+  if (position != std::numeric_limits<int64_t>::max()) {
+    error.position = position;
+    error.value = static_cast<int64_t>(ids[position]);
+  }
+  return error;
+}
+
+template <typename Tid>
+LookupStatus DedupBucketize(const Tid* ids, int64_t nnz, int64_t num_ranks,
+                            int64_t owner, const ParallelFor& parallel_for,
+                            int32_t* inverse, DedupResult* result) {
+  if (num_ranks < 1) {
+    return LookupStatus::Error("num_ranks must be at least 1, got " +
+                               std::to_string(num_ranks) + ".");
+  }
+  if (owner >= num_ranks) {
+    return LookupStatus::Error(
+        "owner must be -1 or less than num_ranks (" +
+        std::to_string(num_ranks) + "), got " + std::to_string(owner) + ".");
+  }
+  if (nnz > kInt32Max) {
+    return LookupStatus::Error("the number of ids (" + std::to_string(nnz) +
+                               ") must fit in int32.");
+  }
+  result->unique_ids.clear();
+  result->local_rows.clear();
+  result->counts.assign(num_ranks, 0);
+  if (nnz == 0) return LookupStatus::Ok();
+
+  int64_t max_id = 0;
+  for (int64_t i = 0; i < nnz; ++i) {
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    if (id < 0) {
+      return LookupStatus::Error("id " + std::to_string(id) +
+                                 " at position " + std::to_string(i) +
+                                 " is negative.");
+    }
+    max_id = std::max(max_id, id);
+  }
+  const Layout layout{num_ranks, owner < 0 ? -1 : owner};
+  // A direct-address table costs 4 bytes per id in [0, max_id]; the hash
+  // table costs about 32 bytes per distinct id plus a sort.
+  if (max_id < 4 * nnz + (int64_t{1} << 16)) {
+    DedupDirect(ids, nnz, max_id, layout, parallel_for, inverse, result);
+  } else {
+    DedupHashed(ids, nnz, layout, parallel_for, inverse, result);
+  }
+  return LookupStatus::Ok();
+}
+
+LookupStatus ParseCombiner(const std::string& name, Combiner* combiner) {
+  if (name == "sum") {
+    *combiner = Combiner::kSum;
+  } else if (name == "mean") {
+    *combiner = Combiner::kMean;
+  } else if (name == "sqrtn") {
+    *combiner = Combiner::kSqrtn;
+  } else {
+    return LookupStatus::Error("combiner must be 'sum', 'mean' or 'sqrtn', "
+                               "got '" + name + "'.");
+  }
+  return LookupStatus::Ok();
+}
+
+template <typename Tseg>
+LookupStatus ValidateSegmentIndices(const int32_t* inverse,
+                                    const Tseg* segment_ids, int64_t nnz,
+                                    int64_t num_rows, int64_t num_segments,
+                                    const ParallelFor& parallel_for) {
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  std::atomic<int64_t> bad_inverse(kNone);
+  std::atomic<int64_t> bad_segment(kNone);
+  RunParallel(parallel_for, nnz, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (inverse[i] < 0 || inverse[i] >= num_rows) {
+        AtomicMin(&bad_inverse, i);
+        break;
+      }
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = static_cast<int64_t>(segment_ids[i]);
+      if (s < 0 || s >= num_segments) {
+        AtomicMin(&bad_segment, i);
+        break;
+      }
+    }
+  });
+  const int64_t i = bad_inverse.load();
+  if (i != kNone) {
+    return LookupStatus::Error(
+        "inverse[" + std::to_string(i) + "] = " + std::to_string(inverse[i]) +
+        " is out of range [0, " + std::to_string(num_rows) + ").");
+  }
+  const int64_t s = bad_segment.load();
+  if (s != kNone) {
+    return LookupStatus::Error(
+        "segment_ids[" + std::to_string(s) +
+        "] = " + std::to_string(static_cast<int64_t>(segment_ids[s])) +
+        " is out of range [0, " + std::to_string(num_segments) + ").");
+  }
+  return LookupStatus::Ok();
+}
+
+template <typename T, typename Tseg>
+void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
+                    const Tseg* segment_ids, const T* weights, int64_t nnz,
+                    int64_t num_segments, Combiner combiner,
+                    const ParallelFor& parallel_for, T* out) {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> order;
+  GroupPositions(segment_ids, nnz, num_segments, &offsets, &order);
+  const bool identity = order.empty();
+  const int64_t cost = (nnz / std::max<int64_t>(num_segments, 1) + 1) *
+                       (dim * 2 + 8);
+  RunParallel(parallel_for, num_segments, cost, [&](int64_t begin,
+                                                    int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      T* o = out + b * dim;
+      std::fill(o, o + dim, T(0));
+      T weight_sum = 0;
+      T square_sum = 0;
+      for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
+        const int64_t i = identity ? k : order[k];
+        const T* row = rows + static_cast<int64_t>(inverse[i]) * dim;
+        if (weights == nullptr) {
+          for (int64_t d = 0; d < dim; ++d) o[d] += row[d];
+          weight_sum += T(1);
+        } else {
+          const T w = weights[i];
+          for (int64_t d = 0; d < dim; ++d) o[d] += w * row[d];
+          weight_sum += w;
+          square_sum += w * w;
+        }
+      }
+      if (weights == nullptr) square_sum = weight_sum;
+      T denominator = 1;
+      if (combiner == Combiner::kMean) {
+        denominator = weight_sum;
+      } else if (combiner == Combiner::kSqrtn) {
+        denominator = std::sqrt(square_sum);
+      } else {
+        continue;
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        o[d] = denominator == T(0) ? T(0) : o[d] / denominator;
+      }
+    }
+  });
+}
+
+template <typename T, typename Tseg>
+void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
+                        const Tseg* segment_ids, const T* weights, int64_t nnz,
+                        int64_t num_segments, int64_t num_rows,
+                        Combiner combiner, const ParallelFor& parallel_for,
+                        T* out) {
+  // For mean and sqrtn, scale the incoming gradient by each segment's
+  // denominator first (div_no_nan), as the forward divides after summing.
+  std::vector<T> scaled;
+  const T* source = grad;
+  if (combiner != Combiner::kSum) {
+    std::vector<T> denominator(num_segments, T(0));
+    for (int64_t i = 0; i < nnz; ++i) {
+      const T w = weights == nullptr ? T(1) : weights[i];
+      denominator[static_cast<int64_t>(segment_ids[i])] +=
+          combiner == Combiner::kMean ? w : w * w;
+    }
+    scaled.resize(num_segments * dim);
+    RunParallel(parallel_for, num_segments, dim * 4 + 8,
+                [&](int64_t begin, int64_t end) {
+                  for (int64_t b = begin; b < end; ++b) {
+                    T den = denominator[b];
+                    if (combiner == Combiner::kSqrtn) den = std::sqrt(den);
+                    const T* g = grad + b * dim;
+                    T* s = scaled.data() + b * dim;
+                    for (int64_t d = 0; d < dim; ++d) {
+                      s[d] = den == T(0) ? T(0) : g[d] / den;
+                    }
+                  }
+                });
+    source = scaled.data();
+  }
+
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> order;
+  GroupPositions(inverse, nnz, num_rows, &offsets, &order);
+  const bool identity = order.empty();
+  const int64_t cost = (nnz / std::max<int64_t>(num_rows, 1) + 1) *
+                       (dim * 2 + 8);
+  RunParallel(parallel_for, num_rows, cost, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      T* o = out + u * dim;
+      std::fill(o, o + dim, T(0));
+      for (int64_t k = offsets[u]; k < offsets[u + 1]; ++k) {
+        const int64_t i = identity ? k : order[k];
+        const T* g = source + static_cast<int64_t>(segment_ids[i]) * dim;
+        if (weights == nullptr) {
+          for (int64_t d = 0; d < dim; ++d) o[d] += g[d];
+        } else {
+          const T w = weights[i];
+          for (int64_t d = 0; d < dim; ++d) o[d] += g[d] * w;
+        }
+      }
+    }
+  });
+}
+
+int64_t FirstRankWithError(const int64_t* gathered, int64_t num_ranks,
+                           IdError* error) {
+  const int64_t width = num_ranks + 2;
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    const int64_t position = gathered[r * width + num_ranks];
+    if (position != -1) {
+      error->position = position;
+      error->value = gathered[r * width + num_ranks + 1];
+      return r;
+    }
+  }
+  *error = IdError();
+  return -1;
+}
+
+// Explicit instantiations.
+#define SOK_INSTANTIATE_IDS(Tid)                                             \
+  template IdError FindFirstInvalidId<Tid>(const Tid*, int64_t, int64_t,     \
+                                           const ParallelFor&);              \
+  template LookupStatus DedupBucketize<Tid>(const Tid*, int64_t, int64_t,    \
+                                            int64_t, const ParallelFor&,     \
+                                            int32_t*, DedupResult*);
+SOK_INSTANTIATE_IDS(int32_t)
+SOK_INSTANTIATE_IDS(int64_t)
+#undef SOK_INSTANTIATE_IDS
+
+#define SOK_INSTANTIATE_SEG(Tseg)                                            \
+  template LookupStatus ValidateSegmentIndices<Tseg>(                        \
+      const int32_t*, const Tseg*, int64_t, int64_t, int64_t,                \
+      const ParallelFor&);
+SOK_INSTANTIATE_SEG(int32_t)
+SOK_INSTANTIATE_SEG(int64_t)
+#undef SOK_INSTANTIATE_SEG
+
+#define SOK_INSTANTIATE_COMBINE(T, Tseg)                                     \
+  template void SegmentCombine<T, Tseg>(                                     \
+      const T*, int64_t, const int32_t*, const Tseg*, const T*, int64_t,     \
+      int64_t, Combiner, const ParallelFor&, T*);                            \
+  template void SegmentCombineGrad<T, Tseg>(                                 \
+      const T*, int64_t, const int32_t*, const Tseg*, const T*, int64_t,     \
+      int64_t, int64_t, Combiner, const ParallelFor&, T*);
+SOK_INSTANTIATE_COMBINE(float, int32_t)
+SOK_INSTANTIATE_COMBINE(float, int64_t)
+SOK_INSTANTIATE_COMBINE(double, int32_t)
+SOK_INSTANTIATE_COMBINE(double, int64_t)
+#undef SOK_INSTANTIATE_COMBINE
+
+}  // namespace lookup
+}  // namespace sok

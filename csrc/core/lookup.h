@@ -1,0 +1,127 @@
+// Framework-neutral CPU kernels for the embedding lookup path.
+//
+// Everything here works on raw pointers and has no TensorFlow dependency.
+// Errors are returned as a `LookupStatus`; nothing throws or exits.
+// Parallelism comes from an injected `ParallelFor` so that the framework
+// adapter can supply its own thread pool. Every kernel is deterministic:
+// its output does not depend on how the work is split between threads.
+
+#ifndef SOK_KERAS_CORE_LOOKUP_H_
+#define SOK_KERAS_CORE_LOOKUP_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace sok {
+namespace lookup {
+
+// Runs fn(begin, end) over disjoint ranges that cover [0, n). `cost_per_unit`
+// is a rough cost estimate of one unit of work (in cycles).
+using ParallelFor = std::function<void(
+    int64_t n, int64_t cost_per_unit,
+    const std::function<void(int64_t, int64_t)>& fn)>;
+
+// Returns a ParallelFor that runs everything on the calling thread.
+ParallelFor SerialParallelFor();
+
+// A minimal status: ok() or an error message.
+class LookupStatus {
+ public:
+  LookupStatus() = default;
+  static LookupStatus Ok() { return LookupStatus(); }
+  static LookupStatus Error(std::string message) {
+    LookupStatus status;
+    status.ok_ = false;
+    status.message_ = std::move(message);
+    return status;
+  }
+  bool ok() const { return ok_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  bool ok_ = true;
+  std::string message_;
+};
+
+// The first invalid id of a lookup: its position and value, or (-1, 0).
+struct IdError {
+  int64_t position = -1;
+  int64_t value = 0;
+  bool ok() const { return position < 0; }
+};
+
+// Returns the first id (by position) that is < 0 or >= vocab_size.
+template <typename Tid>
+IdError FindFirstInvalidId(const Tid* ids, int64_t nnz, int64_t vocab_size,
+                           const ParallelFor& parallel_for);
+
+// The result of DedupBucketize, sized by the number of unique ids U.
+struct DedupResult {
+  std::vector<int64_t> unique_ids;  // [U], grouped by owner rank.
+  std::vector<int64_t> local_rows;  // [U], row of each id on its owner.
+  std::vector<int64_t> counts;      // [num_ranks], unique ids per rank.
+};
+
+// Deduplicates `ids` (all of which must be in [0, vocab_size); check with
+// FindFirstInvalidId first) and groups the distinct ids by owner rank.
+//
+// owner < 0 ("distributed"): id lives on rank id % num_ranks, at local row
+// id / num_ranks. owner >= 0 ("localized"): every id lives on rank `owner`
+// at local row id. The unique ids are ordered by ascending rank, then by
+// ascending id. `inverse` ([nnz], written by this call) receives the index
+// of each id in the unique ids.
+//
+// Fails if nnz does not fit the int32 inverse or the arguments are invalid.
+template <typename Tid>
+LookupStatus DedupBucketize(const Tid* ids, int64_t nnz, int64_t num_ranks,
+                            int64_t owner, const ParallelFor& parallel_for,
+                            int32_t* inverse, DedupResult* result);
+
+enum class Combiner { kSum, kMean, kSqrtn };
+
+// Parses "sum", "mean" or "sqrtn".
+LookupStatus ParseCombiner(const std::string& name, Combiner* combiner);
+
+// Checks that every inverse[i] is in [0, num_rows) and every segment_ids[i]
+// is in [0, num_segments). Reports the first offending position.
+template <typename Tseg>
+LookupStatus ValidateSegmentIndices(const int32_t* inverse,
+                                    const Tseg* segment_ids, int64_t nnz,
+                                    int64_t num_rows, int64_t num_segments,
+                                    const ParallelFor& parallel_for);
+
+// Pools the rows of each segment (the forward of a sparse lookup):
+//   out[b] = combine({weights[i] * rows[inverse[i]] : segment_ids[i] == b}).
+// `weights` may be null (all weights 1). Indices must have been validated.
+// rows: [num_rows, dim], out: [num_segments, dim].
+template <typename T, typename Tseg>
+void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
+                    const Tseg* segment_ids, const T* weights, int64_t nnz,
+                    int64_t num_segments, Combiner combiner,
+                    const ParallelFor& parallel_for, T* out);
+
+// The gradient of SegmentCombine with respect to `rows`, reduced per row:
+//   out[u] = sum over i with inverse[i] == u of scale_i * grad[segment_ids[i]]
+// grad: [num_segments, dim], out: [num_rows, dim]. Indices must have been
+// validated.
+template <typename T, typename Tseg>
+void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
+                        const Tseg* segment_ids, const T* weights, int64_t nnz,
+                        int64_t num_segments, int64_t num_rows,
+                        Combiner combiner, const ParallelFor& parallel_for,
+                        T* out);
+
+// Checks the gathered per-rank lookup summaries of a multi-rank lookup.
+// gathered: [num_ranks, num_ranks + 2], row r = concat(counts_r, error_r).
+// Returns the first rank (>= 0) whose error position is not -1, with its
+// error, or -1 when every rank is clean.
+int64_t FirstRankWithError(const int64_t* gathered, int64_t num_ranks,
+                           IdError* error);
+
+}  // namespace lookup
+}  // namespace sok
+
+#endif  // SOK_KERAS_CORE_LOOKUP_H_

@@ -1,0 +1,178 @@
+"""Python wrappers of the compiled embedding-lookup ops.
+
+The lookup of a sharded table runs in three steps:
+
+1. `dedup_bucketize` deduplicates the ids of a batch and groups the distinct
+   ids by the rank that owns them (and reports invalid ids).
+2. In the multi-rank path, every rank gathers the `counts` and `error` of all
+   ranks and calls `check_exchange`, so that every rank raises the same
+   error for an invalid id instead of one rank raising and the others
+   hanging in a collective.
+3. `segment_combine` pools the looked-up unique rows per batch row. Its
+   gradient with respect to the rows is reduced per unique row (by
+   `SokSegmentCombineGrad`) before it is sent anywhere.
+"""
+
+import tensorflow as tf
+
+from sok_keras._ops import ops
+from sok_keras._ops import register_gradient_once
+
+_COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def dedup_bucketize(
+    ids, num_ranks, vocab_size, owner=-1, table_name="", raise_on_error=True
+):
+    """Deduplicates ids and groups the distinct ids by owner rank.
+
+    With `owner=-1` the table is distributed: id `i` lives on rank
+    `i % num_ranks` at local row `i // num_ranks`. With `owner >= 0` the whole
+    table lives on rank `owner`, and id `i` at local row `i`.
+
+    Args:
+        ids: int32 or int64 tensor of shape `[nnz]`, the ids to look up, with
+            padding already removed.
+        num_ranks: int >= 1, the number of ranks the table is sharded over.
+        vocab_size: int >= 0, the number of rows of the whole table. Ids must
+            be in `[0, vocab_size)`.
+        owner: -1 for a distributed table, else the rank holding the table
+            (must be less than `num_ranks`).
+        table_name: the table's name, used in error messages.
+        raise_on_error: if True, an invalid id raises
+            `tf.errors.InvalidArgumentError`. If False, the op does not fail:
+            it returns no unique ids, a zero `inverse` and zero `counts`, and
+            reports the first invalid id in `error`, so that the caller can
+            raise collectively (see `check_exchange`).
+
+    Returns:
+        A tuple `(unique_ids, local_rows, inverse, counts, error)`:
+        `unique_ids` (int64 `[U]`) the distinct ids, grouped by owner rank in
+        ascending rank order and ascending within a rank; `local_rows` (int64
+        `[U]`) the row of each unique id on its owner; `inverse` (int32
+        `[nnz]`) with `unique_ids[inverse[i]] == ids[i]`; `counts` (int64
+        `[num_ranks]`) the number of unique ids per owner rank; `error` (int64
+        `[2]`) the position and value of the first invalid id, or `(-1, 0)`.
+    """
+    ids = tf.convert_to_tensor(ids)
+    if ids.dtype not in (tf.int32, tf.int64):
+        ids = tf.cast(ids, tf.int64)
+    return ops().sok_dedup_bucketize(
+        ids=ids,
+        num_ranks=int(num_ranks),
+        owner=int(owner),
+        vocab_size=int(vocab_size),
+        table_name=str(table_name),
+        raise_on_error=bool(raise_on_error),
+    )
+
+
+def check_exchange(gathered, vocab_size, table_name):
+    """Checks the per-rank lookup summaries gathered from every rank.
+
+    Args:
+        gathered: int64 tensor of shape `[num_ranks, num_ranks + 2]`; row `r`
+            is rank `r`'s `concat([counts, error])` from `dedup_bucketize`.
+        vocab_size: the number of rows of the whole table (for messages).
+        table_name: the table's name (for messages).
+
+    Returns:
+        int64 tensor `[num_ranks, num_ranks]`: row `r` holds how many unique
+        ids rank `r` sends to each rank.
+
+    Raises:
+        tf.errors.InvalidArgumentError: if any rank saw an invalid id; the
+            message names the table, the first such rank, the id and its
+            position.
+    """
+    gathered = tf.cast(tf.convert_to_tensor(gathered), tf.int64)
+    return ops().sok_check_exchange(
+        gathered=gathered, table_name=str(table_name), vocab_size=int(vocab_size)
+    )
+
+
+def segment_combine(
+    rows, inverse, segment_ids, weights=None, num_segments=None, combiner="sum"
+):
+    """Pools looked-up rows per segment (the forward of a sparse lookup).
+
+    For each segment `b`, over the positions `i` with `segment_ids[i] == b`:
+    `sum` gives `sum_i w_i * rows[inverse[i]]`, `mean` divides that by
+    `sum_i w_i`, and `sqrtn` divides it by `sqrt(sum_i w_i**2)`. A zero
+    denominator gives zeros, and so do empty segments. This matches
+    `tf.nn.embedding_lookup_sparse`.
+
+    The gradient with respect to `rows` is computed by
+    `SokSegmentCombineGrad` and reduced per unique row. There is no gradient
+    with respect to `weights` (it is None), nor with respect to the integer
+    inputs.
+
+    Args:
+        rows: float32 or float64 tensor `[U, D]`, the unique rows.
+        inverse: int32 tensor `[nnz]`, the row of each position.
+        segment_ids: int32 or int64 tensor `[nnz]`, the output row of each
+            position, in any order.
+        weights: tensor `[nnz]` of the dtype of `rows`, or None (or an empty
+            tensor) for all-one weights.
+        num_segments: the number of output rows (the batch size), a Python
+            int or an integer scalar tensor.
+        combiner: one of `"sum"`, `"mean"` or `"sqrtn"`.
+
+    Returns:
+        A tensor `[num_segments, D]` of the dtype of `rows`.
+    """
+    if combiner not in _COMBINERS:
+        raise ValueError(
+            f"combiner must be one of {_COMBINERS}, got {combiner!r}."
+        )
+    if num_segments is None:
+        raise ValueError("segment_combine needs num_segments (the batch size).")
+    rows = tf.convert_to_tensor(rows)
+    inverse = tf.cast(inverse, tf.int32)
+    segment_ids = tf.convert_to_tensor(segment_ids)
+    if segment_ids.dtype not in (tf.int32, tf.int64):
+        segment_ids = tf.cast(segment_ids, tf.int64)
+    if weights is None:
+        weights = tf.zeros([0], dtype=rows.dtype)
+    else:
+        weights = tf.cast(weights, rows.dtype)
+    num_segments = tf.cast(num_segments, tf.int64)
+    return ops().sok_segment_combine(
+        rows=rows,
+        inverse=inverse,
+        segment_ids=segment_ids,
+        weights=weights,
+        num_segments=num_segments,
+        combiner=combiner,
+    )
+
+
+@register_gradient_once("SokSegmentCombine")
+def _segment_combine_grad(op, grad):
+    """Gradient of SokSegmentCombine: rows only (weights get None)."""
+    rows, inverse, segment_ids, weights, _ = op.inputs
+    num_unique = tf.shape(rows, out_type=tf.int64)[0]
+    combiner = op.get_attr("combiner")
+    if isinstance(combiner, bytes):
+        combiner = combiner.decode()
+    rows_grad = ops().sok_segment_combine_grad(
+        grad=grad,
+        inverse=inverse,
+        segment_ids=segment_ids,
+        weights=weights,
+        num_unique=num_unique,
+        combiner=combiner,
+    )
+    return [rows_grad, None, None, None, None]
+
+
+def _no_gradient(op_type):
+    try:
+        tf.no_gradient(op_type)
+    except (KeyError, LookupError):
+        pass  # registered by an earlier import of this module
+
+
+_no_gradient("SokDedupBucketize")
+_no_gradient("SokCheckExchange")
+_no_gradient("SokSegmentCombineGrad")
