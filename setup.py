@@ -55,6 +55,7 @@ class BuildTfOps(build_ext):
                 "-fvisibility=hidden",
                 "-Wno-deprecated-declarations",
                 "-Wno-sign-compare",
+                "-Wno-interference-size",
                 f'-DSOK_TF_VERSION="{tf.__version__}"',
             ]
             ext.extra_link_args = lflags + ["-g0", "-Wl,--no-undefined"]

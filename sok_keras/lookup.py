@@ -50,7 +50,16 @@ def _call_site_key(table_key):
     return f"{table_key}#{index}"
 
 
+def _check_table(param):
+    if not isinstance(param, Variable):
+        raise TypeError(
+            "sok_keras lookups need a sok_keras.Variable. Received: "
+            f"{type(param).__name__} {getattr(param, 'name', '')!r}."
+        )
+
+
 def _table_key(param):
+    _check_table(param)
     return param.path or param.name
 
 
@@ -173,11 +182,6 @@ def gather_rows(param, ids, table_name=None):
         (differentiable, its gradient reaches `param` as a `tf.IndexedSlices`)
         and `inverse` `[nnz]` maps every id to its row in `rows`.
     """
-    if not isinstance(param, Variable):
-        raise TypeError(
-            "sok_keras lookups need a sok_keras.Variable. Received: "
-            f"{type(param).__name__} {getattr(param, 'name', '')!r}."
-        )
     name = table_name or _table_key(param)
     n = param.num_ranks
     vocab = param.vocabulary_size

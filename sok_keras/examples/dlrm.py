@@ -83,14 +83,14 @@ def build_dlrm(vocab_sizes, embedding_dim=16, bottom=(64, 16),
                             name="sparse")
     init = iter(range(seed * 100, seed * 100 + 100))
 
-    def dense(units, activation="relu"):
+    def dense(units, name, activation="relu"):
         return keras.layers.Dense(
-            units, activation=activation,
+            units, activation=activation, name=name,
             kernel_initializer=keras.initializers.GlorotUniform(next(init)))
 
     x = dense_in
-    for units in bottom:
-        x = dense(units)(x)
+    for i, units in enumerate(bottom):
+        x = dense(units, f"bottom_{i}")(x)
     ids = FeatureOffsets(vocab_sizes, name="offsets")(sparse_in)
     total = int(sum(vocab_sizes))
     if embedding == "sok":
@@ -106,7 +106,7 @@ def build_dlrm(vocab_sizes, embedding_dim=16, bottom=(64, 16),
         [keras.layers.Reshape((1, embedding_dim))(x), emb])
     inter = DotInteraction(name="interaction")(stacked)
     z = keras.layers.Concatenate()([x, inter])
-    for units in top:
-        z = dense(units)(z)
-    out = dense(1, activation="sigmoid")(z)
+    for i, units in enumerate(top):
+        z = dense(units, f"top_{i}")(z)
+    out = dense(1, "click", activation="sigmoid")(z)
     return keras.Model({"dense": dense_in, "sparse": sparse_in}, out)

@@ -123,8 +123,8 @@ class BaseEmbedding(keras.layers.Layer):
             self.embeddings, inputs, weights, self.combiner, name=self.name)
         return tf.cast(out, self.compute_dtype)
 
-    def compute_output_shape(self, input_shape, weights_shape=None):
-        input_shape = tuple(input_shape)
+    def compute_output_shape(self, inputs_shape, weights_shape=None):
+        input_shape = tuple(inputs_shape)
         if self.combiner is not None:
             return (input_shape[0], self.embedding_dim)
         if len(input_shape) == 1:

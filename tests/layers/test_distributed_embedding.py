@@ -123,7 +123,7 @@ def _functional():
     return keras.Model(ids, out)
 
 
-class _Subclassed(keras.Model):
+class SubclassedModel(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.emb = sok.layers.DistributedEmbedding(50, 6, combiner="sum")
@@ -145,7 +145,7 @@ def test_models_train_with_fit_and_jit_auto(kind):
             keras.layers.Dense(1),
         ])
     else:
-        model = _Subclassed()
+        model = SubclassedModel()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                   jit_compile="auto")
     x = rng.integers(-1, 50, size=(64, 4))
