@@ -15,6 +15,8 @@ def test_library_built_for_another_tensorflow_gives_clear_import_error(
     fake = types.ModuleType("sok_keras._build_info")
     fake.TF_VERSION = "2.99.0"
     monkeypatch.setitem(sys.modules, "sok_keras._build_info", fake)
+    monkeypatch.setattr(sys.modules["sok_keras"], "_build_info", fake,
+                        raising=False)
     with pytest.raises(ImportError) as info:
         _ops._check_versions()
     message = str(info.value)
