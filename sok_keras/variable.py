@@ -4,6 +4,7 @@ import re
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from sok_keras import world
 
@@ -218,6 +219,55 @@ class Variable(keras.Variable):
             self.vocabulary_size, self._sok_kind, self._sok_rank,
             self._sok_num_ranks,
         )
+
+    def read_global(self):
+        """Returns the whole table, in global row order, as a NumPy array.
+
+        With several ranks this is a collective: every rank must call it.
+        """
+        if self._sok_num_ranks == 1:
+            return keras.ops.convert_to_numpy(self.value)
+        comm = world.communicator()
+        rows, dim = self._sok_global_shape
+        n = self._sok_num_ranks
+        key = f"read_global/{self.path}"
+        if self._sok_kind == LOCALIZED:
+            local = self.value if self._sok_rank == self._sok_target else (
+                tf.zeros([rows, dim], self.dtype))
+            return comm.broadcast(
+                tf.convert_to_tensor(local), key=key, root=self._sok_target
+            ).numpy()
+        per_rank = -(-rows // n)
+        shard = tf.convert_to_tensor(self.value)
+        shard = tf.pad(shard, [[0, per_rank - int(shard.shape[0])], [0, 0]])
+        everything = comm.all_gather(shard, key=key).numpy()
+        interleaved = everything.reshape(n, per_rank, dim).transpose(1, 0, 2)
+        return interleaved.reshape(n * per_rank, dim)[:rows]
+
+    def assign_global(self, table, name=None):
+        """Sets this shard from the whole table (rows in global order).
+
+        Only this rank's rows of `table` are read, so an `h5py.Dataset` or a
+        memory-mapped array never has to be loaded whole.
+
+        Args:
+            table: array-like `[rows, dim]` (NumPy, h5py, memmap).
+            name: the owner's name for error messages (defaults to the path).
+        """
+        shape = tuple(int(s) for s in table.shape)
+        if shape != self._sok_global_shape:
+            raise ValueError(
+                f"'{name or self.path}': the table has shape {shape}, but "
+                f"the variable's whole table has shape "
+                f"{self._sok_global_shape}."
+            )
+        if self._sok_kind == DISTRIBUTED:
+            local = np.asarray(table[self._sok_rank::self._sok_num_ranks])
+        elif self._sok_rank == self._sok_target:
+            local = np.asarray(table[:])
+        else:
+            local = np.zeros((0, shape[1]))
+        self.assign(local.astype(keras.backend.standardize_dtype(self.dtype)))
 
     def __repr__(self):
         return (

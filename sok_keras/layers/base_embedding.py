@@ -4,10 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from sok_keras import world
 from sok_keras.lookup import SUPPORTED_COMBINERS
-from sok_keras.variable import DISTRIBUTED
-from sok_keras.variable import LOCALIZED
 from sok_keras.variable import Variable
 
 
@@ -31,49 +28,6 @@ def check_combiner(combiner, layer):
             f"None. Received: combiner={combiner!r}."
         )
     return combiner
-
-
-def gather_table(var):
-    """Returns the whole table of a sharded `Variable` as a NumPy array.
-
-    Every rank must call it (it is a collective when there are several).
-    """
-    if var.num_ranks == 1:
-        return keras.ops.convert_to_numpy(var.value)
-    comm = world.communicator()
-    rows, dim = var.global_shape
-    n = var.num_ranks
-    key = f"gather_table/{var.path}"
-    if var.sharding == LOCALIZED:
-        local = var.value if var.rank == var.target_rank else tf.zeros(
-            [rows, dim], var.dtype)
-        return comm.broadcast(
-            tf.convert_to_tensor(local), key=key, root=var.target_rank
-        ).numpy()
-    per_rank = -(-rows // n)
-    shard = tf.convert_to_tensor(var.value)
-    pad = per_rank - int(shard.shape[0])
-    shard = tf.pad(shard, [[0, pad], [0, 0]])
-    everything = comm.all_gather(shard, key=key).numpy()  # [n*per_rank, dim]
-    interleaved = everything.reshape(n, per_rank, dim).transpose(1, 0, 2)
-    return interleaved.reshape(n * per_rank, dim)[:rows]
-
-
-def load_local_shard(var, full, layer):
-    """Assigns this rank's rows of `full` (array-like, e.g. h5py) to `var`."""
-    shape = tuple(int(s) for s in full.shape)
-    if shape != tuple(var.global_shape):
-        raise ValueError(
-            f"Layer '{layer}': the saved table has shape {shape}, but the "
-            f"layer's table has shape {tuple(var.global_shape)}."
-        )
-    if var.sharding == DISTRIBUTED:
-        local = np.asarray(full[var.rank::var.num_ranks])
-    elif var.rank == var.target_rank:
-        local = np.asarray(full[:])
-    else:
-        local = np.zeros((0, shape[1]), dtype=np.asarray(full[:0]).dtype)
-    var.assign(local.astype(var.dtype))
 
 
 class BaseEmbedding(keras.layers.Layer):
@@ -134,7 +88,7 @@ class BaseEmbedding(keras.layers.Layer):
     # -- saving: the table is stored whole, in global row order, so that it
     # loads at any number of ranks.
     def save_own_variables(self, store):
-        store["embeddings"] = gather_table(self.embeddings)
+        store["embeddings"] = self.embeddings.read_global()
 
     def load_own_variables(self, store):
         if "embeddings" not in store:
@@ -142,7 +96,7 @@ class BaseEmbedding(keras.layers.Layer):
                 f"Layer '{self.name}': no 'embeddings' entry in the saved "
                 f"weights. Found: {list(store.keys())}."
             )
-        load_local_shard(self.embeddings, store["embeddings"], self.name)
+        self.embeddings.assign_global(store["embeddings"], self.name)
 
     def get_config(self):
         config = super().get_config()
