@@ -1,0 +1,152 @@
+// Sparse ("lazy") optimizer row updates over raw pointers.
+//
+// Framework-neutral C++17: no TensorFlow headers. The TensorFlow kernels in
+// csrc/tf/sparse_optimizer_ops.cc validate shapes/dtypes, lock the variables,
+// and then call into here.
+//
+// Layout: a table (and every slot) is a dense row-major [rows, dim] array.
+// A sparse gradient is `k` row indices plus a [k, dim] gradient. Duplicate
+// indices are first summed (`BuildUniqueIndex` + `SumDuplicateRows`) so that
+// each unique row gets exactly one update; rows that are not present are not
+// read or written.
+//
+// Every `Apply*` function takes the unique row list `rows_idx[n]` and the
+// per-row (already summed) gradients `grad[n, dim]`, and updates only those
+// rows, in parallel over rows through the injected `ParallelFor`. The formulas
+// follow Keras 3's optimizers (keras/src/optimizers/*.py) element by element.
+//
+// Errors are returned as `Status`, never thrown.
+#ifndef SOK_CORE_SPARSE_OPTIMIZERS_H_
+#define SOK_CORE_SPARSE_OPTIMIZERS_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace sok {
+namespace sparse_opt {
+
+// A minimal status: ok() or an invalid-argument message.
+class Status {
+ public:
+  Status() = default;
+  static Status Ok() { return Status(); }
+  static Status InvalidArgument(std::string msg) {
+    Status s;
+    s.ok_ = false;
+    s.message_ = std::move(msg);
+    return s;
+  }
+  bool ok() const { return ok_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  bool ok_ = true;
+  std::string message_;
+};
+
+// parallel_for(n, cost_per_unit, fn) must call fn(begin, end) over disjoint
+// ranges that together cover [0, n) (possibly concurrently). `cost_per_unit`
+// is a rough number of cycles per unit, for the scheduler.
+using WorkFn = std::function<void(int64_t, int64_t)>;
+using ParallelFor =
+    std::function<void(int64_t n, int64_t cost_per_unit, const WorkFn& fn)>;
+
+// Runs fn(0, n) on the calling thread.
+void SerialFor(int64_t n, int64_t cost_per_unit, const WorkFn& fn);
+
+// The unique rows of an index list and, per unique row, the positions at
+// which it occurs (CSR layout, ascending positions).
+struct UniqueIndex {
+  // Unique row ids, in order of first occurrence.
+  std::vector<int64_t> rows;
+  // positions[offsets[u] .. offsets[u+1]) are the positions of rows[u] in
+  // the input index list, ascending. Empty when `all_unique`.
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> positions;
+  // True when the input had no duplicates; then rows[i] == indices[i].
+  bool all_unique = true;
+};
+
+// Builds `out` from indices[0..k). Fails (without writing anything else) if
+// an index is outside [0, num_rows); the message names the position, the
+// index and the row count.
+template <typename Index>
+Status BuildUniqueIndex(const Index* indices, int64_t k, int64_t num_rows,
+                        UniqueIndex* out);
+
+// out[u, :] = sum over positions p of unique row u (ascending p) of
+// grad[p, :]. `out` has uniq.rows.size() * dim elements. Deterministic.
+template <typename T>
+void SumDuplicateRows(const T* grad, int64_t dim, const UniqueIndex& uniq,
+                      T* out, const ParallelFor& parallel_for);
+
+// ---- Row-update rules. `rows_idx` are unique, already validated in
+// [0, num_rows); `grad` is [n, dim] (one summed gradient per unique row).
+// All return an error only for inconsistent arguments (checked up front,
+// before any write).
+
+// w -= lr * g
+template <typename T>
+Status ApplySgd(T* var, int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                const T* grad, int64_t n, T lr, const ParallelFor& pf);
+
+// m = momentum * m - lr * g
+// nesterov: w += momentum * m - lr * g   else: w += m
+template <typename T>
+Status ApplyMomentum(T* var, T* mom, int64_t num_rows, int64_t dim,
+                     const int64_t* rows_idx, const T* grad, int64_t n, T lr,
+                     T momentum, bool nesterov, const ParallelFor& pf);
+
+// acc += g^2;  w -= lr * g / sqrt(acc + epsilon)
+template <typename T>
+Status ApplyAdagrad(T* var, T* acc, int64_t num_rows, int64_t dim,
+                    const int64_t* rows_idx, const T* grad, int64_t n, T lr,
+                    T epsilon, const ParallelFor& pf);
+
+// Optional decoupled weight decay (AdamW), then Adam:
+//   w -= w * weight_decay * lr                 (only if apply_weight_decay)
+//   alpha = lr * sqrt(1 - beta_2^step) / (1 - beta_1^step)
+//   m += (g - m) * (1 - beta_1)
+//   v += (g^2 - v) * (1 - beta_2)
+//   amsgrad (vhat != nullptr): vhat = max(vhat, v); v_used = vhat
+//   w -= m * alpha / (sqrt(v_used) + epsilon)
+template <typename T>
+Status ApplyAdam(T* var, T* m, T* v, T* vhat, int64_t num_rows, int64_t dim,
+                 const int64_t* rows_idx, const T* grad, int64_t n, T lr,
+                 T beta_1, T beta_2, T epsilon, T step, bool apply_weight_decay,
+                 T weight_decay, const ParallelFor& pf);
+
+// Keras Ftrl (keras/src/optimizers/ftrl.py):
+//   l2_reg = l2 + beta / (2 * lr)
+//   g2 = g + 2 * l2_shrinkage * w
+//   new_acc = acc + g^2
+//   linear += g2 - (new_acc^(-lr_power) - acc^(-lr_power)) / lr * w
+//   quadratic = new_acc^(-lr_power) / lr + 2 * l2_reg
+//   w = (clip(linear, -l1, l1) - linear) / quadratic
+//   acc = new_acc
+template <typename T>
+Status ApplyFtrl(T* var, T* acc, T* linear, int64_t num_rows, int64_t dim,
+                 const int64_t* rows_idx, const T* grad, int64_t n, T lr,
+                 T lr_power, T l1, T l2, T l2_shrinkage, T beta,
+                 const ParallelFor& pf);
+
+// Keras RMSprop (keras/src/optimizers/rmsprop.py):
+//   vel = rho * vel + (1 - rho) * g^2
+//   centered: avg = rho * avg + (1 - rho) * g; denom = vel - avg^2 + epsilon
+//   else:     denom = vel + epsilon
+//   inc = lr * g / sqrt(denom)
+//   mom != nullptr: mom = momentum * mom + inc; w -= mom
+//   else:           w -= inc
+// `avg` == nullptr means not centered; `mom` == nullptr means no momentum.
+template <typename T>
+Status ApplyRmsprop(T* var, T* vel, T* mom, T* avg, int64_t num_rows,
+                    int64_t dim, const int64_t* rows_idx, const T* grad,
+                    int64_t n, T lr, T rho, T momentum, T epsilon,
+                    const ParallelFor& pf);
+
+}  // namespace sparse_opt
+}  // namespace sok
+
+#endif  // SOK_CORE_SPARSE_OPTIMIZERS_H_

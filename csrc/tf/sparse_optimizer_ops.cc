@@ -1,0 +1,557 @@
+// TensorFlow ops for sparse ("lazy") optimizer updates of ResourceVariables.
+//
+// Every op takes the resource handles of a variable [rows, ...] and of its
+// optimizer slots (same shape), then `indices` [k] (local rows, duplicates
+// allowed) and `grad` [k, ...], then the hyperparameters as scalar inputs (so
+// that learning-rate schedules work), with structural flags as attrs.
+// Duplicate indices are summed first (deterministically), then each unique
+// row gets one update; rows not in `indices` are not touched.
+//
+// Input order of every op: resources..., indices, grad, scalars...
+// Resource inputs that the attrs make unused (vhat without amsgrad; mom
+// without use_momentum; mg without centered) are never looked up; callers may
+// pass any resource handle there (the Python wrappers pass `var`).
+//
+// Kernels lock all used variables exclusively, in mutex-address order,
+// validate everything (dtype, shapes, indices in [0, rows)) before writing,
+// and copy a variable's buffer before updating it in place when the buffer is
+// shared (e.g. with a tensor read from the variable earlier), so earlier
+// reads keep their values.
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/sparse_optimizers.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tensorflow {
+namespace {
+
+namespace so = ::sok::sparse_opt;
+using shape_inference::DimensionHandle;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+// ---------------------------------------------------------------------------
+// Shape functions.
+
+absl::Status SparseApplyShape(InferenceContext* c, int num_resources,
+                              int num_scalars) {
+  ShapeHandle indices;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(num_resources), 1, &indices));
+  ShapeHandle grad;
+  TF_RETURN_IF_ERROR(
+      c->WithRankAtLeast(c->input(num_resources + 1), 1, &grad));
+  DimensionHandle unused_dim;
+  TF_RETURN_IF_ERROR(
+      c->Merge(c->Dim(indices, 0), c->Dim(grad, 0), &unused_dim));
+  ShapeHandle unused;
+  for (int i = 0; i < num_scalars; ++i) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(num_resources + 2 + i), 0, &unused));
+  }
+  // If the variable's shape is known, its inner dims must match grad's.
+  const auto* handle = c->input_handle_shapes_and_types(0);
+  if (handle != nullptr && !handle->empty() && c->RankKnown((*handle)[0].shape)) {
+    ShapeHandle var = (*handle)[0].shape;
+    TF_RETURN_IF_ERROR(c->WithRankAtLeast(var, 1, &var));
+    ShapeHandle var_inner, grad_inner;
+    TF_RETURN_IF_ERROR(c->Subshape(var, 1, &var_inner));
+    TF_RETURN_IF_ERROR(c->Subshape(grad, 1, &grad_inner));
+    TF_RETURN_IF_ERROR(c->Merge(var_inner, grad_inner, &unused));
+  }
+  return absl::OkStatus();
+}
+
+#define SOK_SHAPE_FN(NRES, NSCALARS)                 \
+  [](InferenceContext* c) -> absl::Status {          \
+    return SparseApplyShape(c, (NRES), (NSCALARS));  \
+  }
+
+#define SOK_COMMON_ATTRS                      \
+  Attr("T: {float, double}")                  \
+      .Attr("Tindices: {int32, int64} = DT_INT64")
+
+REGISTER_OP("SokSparseApplySgd")
+    .Input("var: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(1, 1))
+    .Doc(R"doc(
+Lazy SGD: for each unique row r of indices (duplicates summed into g):
+var[r] -= lr * g.
+)doc");
+
+REGISTER_OP("SokSparseApplyMomentum")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("momentum: T")
+    .SOK_COMMON_ATTRS
+    .Attr("nesterov: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(2, 2))
+    .Doc(R"doc(
+Lazy Keras SGD with momentum, per unique row: m = momentum * m - lr * g;
+nesterov: var += momentum * m - lr * g, else var += m.
+)doc");
+
+REGISTER_OP("SokSparseApplyAdagrad")
+    .Input("var: resource")
+    .Input("accumulator: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("epsilon: T")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(2, 2))
+    .Doc(R"doc(
+Lazy Keras Adagrad, per unique row: acc += g^2;
+var -= lr * g / sqrt(acc + epsilon).
+)doc");
+
+REGISTER_OP("SokSparseApplyAdam")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("vhat: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("beta_1: T")
+    .Input("beta_2: T")
+    .Input("epsilon: T")
+    .Input("step: T")
+    .SOK_COMMON_ATTRS
+    .Attr("amsgrad: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(4, 5))
+    .Doc(R"doc(
+Lazy Keras Adam, per unique row, with alpha = lr * sqrt(1 - beta_2^step) /
+(1 - beta_1^step): m += (g - m)(1 - beta_1); v += (g^2 - v)(1 - beta_2);
+amsgrad: vhat = max(vhat, v) and vhat is used instead of v;
+var -= m * alpha / (sqrt(v) + epsilon). vhat is ignored unless amsgrad.
+)doc");
+
+REGISTER_OP("SokSparseApplyAdamW")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("vhat: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("beta_1: T")
+    .Input("beta_2: T")
+    .Input("epsilon: T")
+    .Input("step: T")
+    .Input("weight_decay: T")
+    .SOK_COMMON_ATTRS
+    .Attr("amsgrad: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(4, 6))
+    .Doc(R"doc(
+Lazy Keras AdamW: per unique row, var -= var * weight_decay * lr, then the
+SokSparseApplyAdam update.
+)doc");
+
+REGISTER_OP("SokSparseApplyFtrl")
+    .Input("var: resource")
+    .Input("accumulator: resource")
+    .Input("linear: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("lr_power: T")
+    .Input("l1: T")
+    .Input("l2: T")
+    .Input("l2_shrinkage: T")
+    .Input("beta: T")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(3, 6))
+    .Doc(R"doc(
+Lazy Keras Ftrl, per unique row (see keras/src/optimizers/ftrl.py).
+)doc");
+
+REGISTER_OP("SokSparseApplyRmsprop")
+    .Input("var: resource")
+    .Input("velocity: resource")
+    .Input("mom: resource")
+    .Input("mg: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("rho: T")
+    .Input("momentum: T")
+    .Input("epsilon: T")
+    .SOK_COMMON_ATTRS
+    .Attr("centered: bool = false")
+    .Attr("use_momentum: bool = false")
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(4, 4))
+    .Doc(R"doc(
+Lazy Keras RMSprop, per unique row: velocity = rho * velocity + (1 - rho) g^2;
+centered: mg = rho * mg + (1 - rho) g, denom = velocity - mg^2 + epsilon,
+else denom = velocity + epsilon; inc = lr * g / sqrt(denom);
+use_momentum: mom = momentum * mom + inc, var -= mom; else var -= inc.
+mom is ignored unless use_momentum, mg unless centered.
+)doc");
+
+#undef SOK_SHAPE_FN
+#undef SOK_COMMON_ATTRS
+
+// ---------------------------------------------------------------------------
+// Kernels.
+
+template <typename T>
+absl::Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
+  Tensor* t = var->tensor();
+  if (t->RefCountIsOne()) return absl::OkStatus();
+  Tensor tmp;
+  AllocatorAttributes attr;
+  attr.set_gpu_compatible(true);
+  attr.set_nic_compatible(true);
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &tmp, attr));
+  if (t->NumElements() > 0) {
+    tmp.flat<T>().device(ctx->eigen_cpu_device()) =
+        const_cast<const Tensor*>(t)->flat<T>();
+  }
+  *t = tmp;
+  return absl::OkStatus();
+}
+
+struct ApplyArgs {
+  int64_t rows = 0;
+  int64_t dim = 0;
+  const int64_t* uniq_rows = nullptr;
+  int64_t n = 0;
+  so::ParallelFor pf;
+};
+
+// Shared logic; subclasses name their resource inputs and run the rule.
+template <typename T, typename Index>
+class SokSparseApplyBase : public OpKernel {
+ public:
+  SokSparseApplyBase(OpKernelConstruction* c, std::vector<std::string> names,
+                     int num_scalars)
+      : OpKernel(c), names_(std::move(names)), num_scalars_(num_scalars) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const int nres = static_cast<int>(names_.size());
+    const std::string op = type_string();
+    const Tensor& indices = ctx->input(nres);
+    const Tensor& grad = ctx->input(nres + 1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
+                errors::InvalidArgument(op, ": indices must be a vector, got "
+                                            "shape ",
+                                        indices.shape().DebugString()));
+    OP_REQUIRES(ctx, grad.dims() >= 1,
+                errors::InvalidArgument(op, ": grad must have rank >= 1, got "
+                                            "shape ",
+                                        grad.shape().DebugString()));
+    OP_REQUIRES(ctx, grad.dim_size(0) == indices.dim_size(0),
+                errors::InvalidArgument(
+                    op, ": grad's first dimension must equal the number of "
+                        "indices; grad shape ",
+                    grad.shape().DebugString(), ", indices shape ",
+                    indices.shape().DebugString()));
+    for (int i = 0; i < num_scalars_; ++i) {
+      const Tensor& s = ctx->input(nres + 2 + i);
+      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(s.shape()),
+                  errors::InvalidArgument(
+                      op, ": hyperparameter '",
+                      def().input(nres + 2 + i), "' must be a scalar, got "
+                      "shape ", s.shape().DebugString()));
+    }
+
+    // Look up the used variables.
+    const std::vector<int> used = UsedResources();
+    std::vector<core::RefCountPtr<Var>> vars(used.size());
+    for (size_t j = 0; j < used.size(); ++j) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, used[j]),
+                                         &vars[j]));
+    }
+    for (size_t a = 0; a < used.size(); ++a) {
+      for (size_t b = a + 1; b < used.size(); ++b) {
+        OP_REQUIRES(ctx, vars[a].get() != vars[b].get(),
+                    errors::InvalidArgument(
+                        op, ": '", names_[used[a]], "' and '",
+                        names_[used[b]], "' are the same variable"));
+      }
+    }
+    // Lock them all, in a consistent (address) order.
+    std::vector<mutex*> mus;
+    for (auto& v : vars) mus.push_back(v->mu());
+    std::sort(mus.begin(), mus.end());
+    std::vector<mutex_lock> locks;
+    locks.reserve(mus.size());
+    for (mutex* mu : mus) locks.emplace_back(*mu);
+
+    // Validate dtypes and shapes.
+    const DataType dt = DataTypeToEnum<T>::v();
+    for (size_t j = 0; j < used.size(); ++j) {
+      const Tensor* t = vars[j]->tensor();
+      const std::string& name = names_[used[j]];
+      OP_REQUIRES(ctx, t->IsInitialized(),
+                  errors::FailedPrecondition(op, ": variable '", name,
+                                             "' is uninitialized"));
+      OP_REQUIRES(ctx, t->dtype() == dt,
+                  errors::InvalidArgument(
+                      op, ": variable '", name, "' has dtype ",
+                      DataTypeString(t->dtype()), " but grad has dtype ",
+                      DataTypeString(dt)));
+    }
+    const TensorShape& var_shape = vars[0]->tensor()->shape();
+    OP_REQUIRES(ctx, var_shape.dims() >= 1,
+                errors::InvalidArgument(op, ": var must have rank >= 1, got "
+                                            "shape ",
+                                        var_shape.DebugString()));
+    for (size_t j = 1; j < used.size(); ++j) {
+      const TensorShape& s = vars[j]->tensor()->shape();
+      OP_REQUIRES(ctx, s == var_shape,
+                  errors::InvalidArgument(
+                      op, ": slot '", names_[used[j]], "' has shape ",
+                      s.DebugString(), " but var has shape ",
+                      var_shape.DebugString()));
+    }
+    bool inner_ok = grad.dims() == var_shape.dims();
+    int64_t dim = 1;
+    for (int d = 1; d < var_shape.dims(); ++d) {
+      dim *= var_shape.dim_size(d);
+      if (inner_ok && grad.dim_size(d) != var_shape.dim_size(d)) {
+        inner_ok = false;
+      }
+    }
+    OP_REQUIRES(ctx, inner_ok,
+                errors::InvalidArgument(
+                    op, ": grad shape ", grad.shape().DebugString(),
+                    " does not match var shape ", var_shape.DebugString(),
+                    " (expected [k] + var.shape[1:] with k = number of "
+                    "indices)"));
+    const int64_t rows = var_shape.dim_size(0);
+    const int64_t k = indices.dim_size(0);
+
+    // Unique rows; validates every index before anything is written.
+    so::UniqueIndex uniq;
+    so::Status st = so::BuildUniqueIndex<Index>(indices.flat<Index>().data(),
+                                                k, rows, &uniq);
+    OP_REQUIRES(ctx, st.ok(), errors::InvalidArgument(op, ": ", st.message()));
+    if (k == 0) return;
+
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    ApplyArgs args;
+    args.rows = rows;
+    args.dim = dim;
+    args.uniq_rows = uniq.rows.data();
+    args.n = static_cast<int64_t>(uniq.rows.size());
+    args.pf = [workers](int64_t n, int64_t cost, const so::WorkFn& fn) {
+      workers->ParallelFor(n, cost, fn);
+    };
+
+    // Sum duplicates.
+    const T* g = grad.flat<T>().data();
+    Tensor summed;
+    if (!uniq.all_unique) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, TensorShape({args.n, dim}),
+                                             &summed));
+      so::SumDuplicateRows<T>(g, dim, uniq, summed.flat<T>().data(), args.pf);
+      g = summed.flat<T>().data();
+    }
+
+    // Copy-on-write, then update in place.
+    std::vector<T*> bufs(names_.size(), nullptr);
+    for (size_t j = 0; j < used.size(); ++j) {
+      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer<T>(ctx, vars[j].get()));
+      bufs[used[j]] = vars[j]->tensor()->flat<T>().data();
+    }
+    st = Apply(ctx, bufs, g, args);
+    OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
+  }
+
+ protected:
+  T Scalar(OpKernelContext* ctx, int i) const {
+    return ctx->input(static_cast<int>(names_.size()) + 2 + i).scalar<T>()();
+  }
+  // Indices (into names_) of the resource inputs that are read/written.
+  virtual std::vector<int> UsedResources() const {
+    std::vector<int> all(names_.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+    return all;
+  }
+  // bufs[i] is the data of resource input i (nullptr if unused).
+  virtual so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& bufs,
+                           const T* grad, const ApplyArgs& a) = 0;
+
+ private:
+  std::vector<std::string> names_;
+  int num_scalars_;
+};
+
+template <typename T, typename Index>
+class SgdOp : public SokSparseApplyBase<T, Index> {
+ public:
+  explicit SgdOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<T, Index>(c, {"var"}, 1) {}
+
+ protected:
+  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
+                   const T* g, const ApplyArgs& a) override {
+    return so::ApplySgd<T>(b[0], a.rows, a.dim, a.uniq_rows, g, a.n,
+                           this->Scalar(ctx, 0), a.pf);
+  }
+};
+
+template <typename T, typename Index>
+class MomentumOp : public SokSparseApplyBase<T, Index> {
+ public:
+  explicit MomentumOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<T, Index>(c, {"var", "m"}, 2) {
+    OP_REQUIRES_OK(c, c->GetAttr("nesterov", &nesterov_));
+  }
+
+ protected:
+  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
+                   const T* g, const ApplyArgs& a) override {
+    return so::ApplyMomentum<T>(b[0], b[1], a.rows, a.dim, a.uniq_rows, g,
+                                a.n, this->Scalar(ctx, 0),
+                                this->Scalar(ctx, 1), nesterov_, a.pf);
+  }
+
+ private:
+  bool nesterov_ = false;
+};
+
+template <typename T, typename Index>
+class AdagradOp : public SokSparseApplyBase<T, Index> {
+ public:
+  explicit AdagradOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<T, Index>(c, {"var", "accumulator"}, 2) {}
+
+ protected:
+  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
+                   const T* g, const ApplyArgs& a) override {
+    return so::ApplyAdagrad<T>(b[0], b[1], a.rows, a.dim, a.uniq_rows, g, a.n,
+                               this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                               a.pf);
+  }
+};
+
+template <typename T, typename Index, bool kWeightDecay>
+class AdamOp : public SokSparseApplyBase<T, Index> {
+ public:
+  explicit AdamOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<T, Index>(c, {"var", "m", "v", "vhat"},
+                                     kWeightDecay ? 6 : 5) {
+    OP_REQUIRES_OK(c, c->GetAttr("amsgrad", &amsgrad_));
+  }
+
+ protected:
+  std::vector<int> UsedResources() const override {
+    if (amsgrad_) return {0, 1, 2, 3};
+    return {0, 1, 2};
+  }
+  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
+                   const T* g, const ApplyArgs& a) override {
+    const T wd = kWeightDecay ? this->Scalar(ctx, 5) : T(0);
+    return so::ApplyAdam<T>(b[0], b[1], b[2], amsgrad_ ? b[3] : nullptr,
+                            a.rows, a.dim, a.uniq_rows, g, a.n,
+                            this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                            this->Scalar(ctx, 2), this->Scalar(ctx, 3),
+                            this->Scalar(ctx, 4), kWeightDecay, wd, a.pf);
+  }
+
+ private:
+  bool amsgrad_ = false;
+};
+
+template <typename T, typename Index>
+class FtrlOp : public SokSparseApplyBase<T, Index> {
+ public:
+  explicit FtrlOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<T, Index>(c, {"var", "accumulator", "linear"}, 6) {}
+
+ protected:
+  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
+                   const T* g, const ApplyArgs& a) override {
+    return so::ApplyFtrl<T>(b[0], b[1], b[2], a.rows, a.dim, a.uniq_rows, g,
+                            a.n, this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                            this->Scalar(ctx, 2), this->Scalar(ctx, 3),
+                            this->Scalar(ctx, 4), this->Scalar(ctx, 5), a.pf);
+  }
+};
+
+template <typename T, typename Index>
+class RmspropOp : public SokSparseApplyBase<T, Index> {
+ public:
+  explicit RmspropOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<T, Index>(c, {"var", "velocity", "mom", "mg"}, 4) {
+    OP_REQUIRES_OK(c, c->GetAttr("centered", &centered_));
+    OP_REQUIRES_OK(c, c->GetAttr("use_momentum", &use_momentum_));
+  }
+
+ protected:
+  std::vector<int> UsedResources() const override {
+    std::vector<int> u = {0, 1};
+    if (use_momentum_) u.push_back(2);
+    if (centered_) u.push_back(3);
+    return u;
+  }
+  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
+                   const T* g, const ApplyArgs& a) override {
+    return so::ApplyRmsprop<T>(
+        b[0], b[1], use_momentum_ ? b[2] : nullptr, centered_ ? b[3] : nullptr,
+        a.rows, a.dim, a.uniq_rows, g, a.n, this->Scalar(ctx, 0),
+        this->Scalar(ctx, 1), this->Scalar(ctx, 2), this->Scalar(ctx, 3),
+        a.pf);
+  }
+
+ private:
+  bool centered_ = false;
+  bool use_momentum_ = false;
+};
+
+template <typename T, typename Index>
+using AdamNoWd = AdamOp<T, Index, false>;
+template <typename T, typename Index>
+using AdamWd = AdamOp<T, Index, true>;
+
+#define SOK_REGISTER(NAME, KERNEL, T, Index)                       \
+  REGISTER_KERNEL_BUILDER(Name(NAME)                               \
+                              .Device(DEVICE_CPU)                  \
+                              .TypeConstraint<T>("T")              \
+                              .TypeConstraint<Index>("Tindices"),  \
+                          KERNEL<T, Index>);
+
+#define SOK_REGISTER_ALL(T, Index)                                  \
+  SOK_REGISTER("SokSparseApplySgd", SgdOp, T, Index)               \
+  SOK_REGISTER("SokSparseApplyMomentum", MomentumOp, T, Index)     \
+  SOK_REGISTER("SokSparseApplyAdagrad", AdagradOp, T, Index)       \
+  SOK_REGISTER("SokSparseApplyAdam", AdamNoWd, T, Index)           \
+  SOK_REGISTER("SokSparseApplyAdamW", AdamWd, T, Index)            \
+  SOK_REGISTER("SokSparseApplyFtrl", FtrlOp, T, Index)             \
+  SOK_REGISTER("SokSparseApplyRmsprop", RmspropOp, T, Index)
+
+SOK_REGISTER_ALL(float, int32)
+SOK_REGISTER_ALL(float, int64_t)
+SOK_REGISTER_ALL(double, int32)
+SOK_REGISTER_ALL(double, int64_t)
+
+#undef SOK_REGISTER_ALL
+#undef SOK_REGISTER
+
+}  // namespace
+}  // namespace tensorflow

@@ -1,0 +1,415 @@
+"""Sparse ("lazy") optimizer updates on whole embedding tables.
+
+Each function here updates a table variable and its optimizer slots in place
+with one compiled op (``SokSparseApply*``), touching only the rows named in
+``indices``:
+
+* ``indices`` is an int64 (or int32) vector ``[k]`` of local row ids; the
+  same id may appear several times.
+* ``grad`` is ``[k] + var.shape[1:]`` (usually ``[k, D]``); it is cast to the
+  variable's dtype (float32 or float64).
+* Duplicate ids are summed first (deterministically, in order of position),
+  then every unique row gets exactly one update with its summed gradient
+  ``g``. Rows not present in ``indices`` -- and their slot entries -- are not
+  read or written (the "lazy" rule; for SGD/Adagrad this is exactly Keras'
+  sparse update, for the other rules Keras would also decay the slots of
+  absent rows).
+* The formulas match Keras 3's optimizers (``keras/src/optimizers``)
+  element by element.
+
+Variables may be ``keras.Variable`` (its ``.value`` is used) or
+``tf.Variable`` (resource variables). Hyperparameters may be Python numbers
+or scalar tensors/variables (e.g. a learning rate from a schedule); they are
+cast to the variable's dtype.
+
+Every index is checked against ``[0, rows)`` and all shapes are checked
+before anything is written; a bad index raises ``InvalidArgumentError``
+naming the op, the index and the row count, and leaves everything unchanged.
+If a tensor read from a variable earlier still shares its buffer, the op
+copies the buffer before updating it, so that tensor keeps its old value.
+
+Each function returns the op: ``None`` when executing eagerly, the
+``tf.Operation`` inside a ``tf.function`` / graph.
+"""
+
+import tensorflow as tf
+
+from sok_keras._ops import ops
+
+__all__ = [
+    "sparse_sgd",
+    "sparse_momentum",
+    "sparse_adagrad",
+    "sparse_adam",
+    "sparse_adamw",
+    "sparse_ftrl",
+    "sparse_rmsprop",
+]
+
+
+def _tf_var(v, what):
+    """Returns the tf.Variable behind a keras.Variable or tf.Variable."""
+    inner = getattr(v, "value", None)
+    if isinstance(v, tf.Variable):
+        inner = v
+    elif not isinstance(inner, tf.Variable):
+        raise TypeError(
+            f"`{what}` must be a keras.Variable or a tf.Variable, got "
+            f"{type(v).__name__}."
+        )
+    if not hasattr(inner, "handle"):
+        raise TypeError(f"`{what}` must be a resource variable.")
+    return inner
+
+
+def _scalar(x, dtype, what):
+    if hasattr(x, "value") and isinstance(getattr(x, "value"), tf.Variable):
+        x = x.value  # keras.Variable
+    if isinstance(x, (tf.Tensor, tf.Variable)) or tf.is_tensor(x):
+        x = tf.cast(x, dtype)
+    else:
+        x = tf.convert_to_tensor(x, dtype=dtype)
+    if x.shape.rank is not None and x.shape.rank != 0:
+        raise ValueError(f"`{what}` must be a scalar, got shape {x.shape}.")
+    return x
+
+
+def _prep(var, indices, grad):
+    var = _tf_var(var, "var")
+    dtype = var.dtype
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype not in (tf.int32, tf.int64):
+        indices = tf.cast(indices, tf.int64)
+    grad = tf.convert_to_tensor(grad)
+    if grad.dtype != dtype:
+        grad = tf.cast(grad, dtype)
+    return var, dtype, indices, grad
+
+
+def sparse_sgd(var, indices, grad, learning_rate):
+    """Lazy SGD (Keras ``SGD`` with ``momentum=0``).
+
+    For each unique row ``r`` in ``indices`` with summed gradient ``g``::
+
+        var[r] -= learning_rate * g
+
+    Args:
+      var: the table, ``keras.Variable`` or ``tf.Variable`` ``[rows, D]``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients, one per entry of ``indices``.
+      learning_rate: float or scalar tensor.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad = _prep(var, indices, grad)
+    return ops().sok_sparse_apply_sgd(
+        var=v.handle,
+        indices=indices,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+    )
+
+
+def sparse_momentum(
+    var, momentum_slot, indices, grad, learning_rate, momentum, nesterov=False
+):
+    """Lazy SGD with momentum (Keras ``SGD(momentum=..., nesterov=...)``).
+
+    For each unique row ``r`` with summed gradient ``g``::
+
+        m[r] = momentum * m[r] - learning_rate * g
+        nesterov:  var[r] += momentum * m[r] - learning_rate * g   (new m)
+        otherwise: var[r] += m[r]
+
+    Args:
+      var: the table ``[rows, D]``.
+      momentum_slot: the momentum slot ``m``, same shape as ``var``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate: float or scalar tensor.
+      momentum: float or scalar tensor.
+      nesterov: Python bool.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad = _prep(var, indices, grad)
+    m = _tf_var(momentum_slot, "momentum_slot")
+    return ops().sok_sparse_apply_momentum(
+        var=v.handle,
+        m=m.handle,
+        indices=indices,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        momentum=_scalar(momentum, dt, "momentum"),
+        nesterov=bool(nesterov),
+    )
+
+
+def sparse_adagrad(var, accumulator, indices, grad, learning_rate, epsilon=1e-7):
+    """Lazy Adagrad (Keras ``Adagrad``).
+
+    For each unique row ``r`` with summed gradient ``g``::
+
+        acc[r] += g ** 2
+        var[r] -= learning_rate * g / sqrt(acc[r] + epsilon)
+
+    Args:
+      var: the table ``[rows, D]``.
+      accumulator: the accumulator slot (Keras initializes it to
+        ``initial_accumulator_value``, 0.1 by default), same shape as ``var``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate: float or scalar tensor.
+      epsilon: float or scalar tensor (inside the square root, as Keras).
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad = _prep(var, indices, grad)
+    acc = _tf_var(accumulator, "accumulator")
+    return ops().sok_sparse_apply_adagrad(
+        var=v.handle,
+        accumulator=acc.handle,
+        indices=indices,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        epsilon=_scalar(epsilon, dt, "epsilon"),
+    )
+
+
+def _adam(var, m, v, indices, grad, learning_rate, step, beta_1, beta_2,
+          epsilon, vhat, weight_decay):
+    tv, dt, indices, grad = _prep(var, indices, grad)
+    m = _tf_var(m, "m")
+    v = _tf_var(v, "v")
+    amsgrad = vhat is not None
+    vh = _tf_var(vhat, "vhat") if amsgrad else tv  # ignored unless amsgrad
+    kwargs = dict(
+        var=tv.handle,
+        m=m.handle,
+        v=v.handle,
+        vhat=vh.handle,
+        indices=indices,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        beta_1=_scalar(beta_1, dt, "beta_1"),
+        beta_2=_scalar(beta_2, dt, "beta_2"),
+        epsilon=_scalar(epsilon, dt, "epsilon"),
+        step=_scalar(step, dt, "step"),
+        amsgrad=amsgrad,
+    )
+    if weight_decay is None:
+        return ops().sok_sparse_apply_adam(**kwargs)
+    kwargs["weight_decay"] = _scalar(weight_decay, dt, "weight_decay")
+    return ops().sok_sparse_apply_adam_w(**kwargs)
+
+
+def sparse_adam(
+    var,
+    m,
+    v,
+    indices,
+    grad,
+    learning_rate,
+    step,
+    beta_1=0.9,
+    beta_2=0.999,
+    epsilon=1e-7,
+    vhat=None,
+):
+    """Lazy Adam (Keras ``Adam``; AMSGrad when ``vhat`` is given).
+
+    With ``t = step`` (the global step, Keras' ``iterations + 1``)::
+
+        alpha = learning_rate * sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t)
+
+    and for each unique row ``r`` with summed gradient ``g``::
+
+        m[r] += (g - m[r]) * (1 - beta_1)
+        v[r] += (g ** 2 - v[r]) * (1 - beta_2)
+        amsgrad: vhat[r] = max(vhat[r], v[r]);  u = vhat[r]
+        else:    u = v[r]
+        var[r] -= m[r] * alpha / (sqrt(u) + epsilon)
+
+    Rows not in ``indices`` keep their ``m``/``v`` (no decay), while the bias
+    correction uses the global step.
+
+    Args:
+      var: the table ``[rows, D]``.
+      m: first-moment slot, same shape as ``var``.
+      v: second-moment slot, same shape as ``var``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate: float or scalar tensor.
+      step: float or scalar tensor, the 1-based global step
+        (``optimizer.iterations + 1``).
+      beta_1, beta_2, epsilon: floats or scalar tensors.
+      vhat: optional ``velocity_hat`` slot; given means AMSGrad.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    return _adam(var, m, v, indices, grad, learning_rate, step, beta_1,
+                 beta_2, epsilon, vhat, None)
+
+
+def sparse_adamw(
+    var,
+    m,
+    v,
+    indices,
+    grad,
+    learning_rate,
+    step,
+    weight_decay=0.004,
+    beta_1=0.9,
+    beta_2=0.999,
+    epsilon=1e-7,
+    vhat=None,
+):
+    """Lazy AdamW (Keras ``AdamW``; AMSGrad when ``vhat`` is given).
+
+    For each unique row ``r`` (only those rows: the decay is lazy too)::
+
+        var[r] -= var[r] * weight_decay * learning_rate
+
+    followed by exactly the :func:`sparse_adam` update of that row.
+
+    Args:
+      var, m, v, indices, grad, learning_rate, step, beta_1, beta_2, epsilon,
+        vhat: as in :func:`sparse_adam`.
+      weight_decay: float or scalar tensor.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    return _adam(var, m, v, indices, grad, learning_rate, step, beta_1,
+                 beta_2, epsilon, vhat, weight_decay)
+
+
+def sparse_ftrl(
+    var,
+    accumulator,
+    linear,
+    indices,
+    grad,
+    learning_rate,
+    learning_rate_power=-0.5,
+    l1_regularization_strength=0.0,
+    l2_regularization_strength=0.0,
+    l2_shrinkage_regularization_strength=0.0,
+    beta=0.0,
+):
+    """Lazy FTRL (Keras ``Ftrl``).
+
+    With ``p = learning_rate_power``, ``lr = learning_rate``,
+    ``l2_reg = l2 + beta / (2 * lr)``, for each unique row ``r`` with summed
+    gradient ``g`` (element-wise; ``w = var[r]``, ``a = acc[r]``,
+    ``n = linear[r]``)::
+
+        g2 = g + 2 * l2_shrinkage * w
+        a_new = a + g ** 2
+        n += g2 - (a_new ** -p - a ** -p) / lr * w
+        quadratic = a_new ** -p / lr + 2 * l2_reg
+        w = (clip(n, -l1, l1) - n) / quadratic
+        a = a_new
+
+    Args:
+      var: the table ``[rows, D]``.
+      accumulator: accumulator slot (Keras initializes it to
+        ``initial_accumulator_value``, 0.1 by default).
+      linear: linear slot (zeros initially).
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate: float or scalar tensor.
+      learning_rate_power, l1_regularization_strength,
+        l2_regularization_strength, l2_shrinkage_regularization_strength,
+        beta: floats or scalar tensors, as in Keras.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad = _prep(var, indices, grad)
+    acc = _tf_var(accumulator, "accumulator")
+    lin = _tf_var(linear, "linear")
+    return ops().sok_sparse_apply_ftrl(
+        var=v.handle,
+        accumulator=acc.handle,
+        linear=lin.handle,
+        indices=indices,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        lr_power=_scalar(learning_rate_power, dt, "learning_rate_power"),
+        l1=_scalar(l1_regularization_strength, dt, "l1_regularization_strength"),
+        l2=_scalar(l2_regularization_strength, dt, "l2_regularization_strength"),
+        l2_shrinkage=_scalar(
+            l2_shrinkage_regularization_strength,
+            dt,
+            "l2_shrinkage_regularization_strength",
+        ),
+        beta=_scalar(beta, dt, "beta"),
+    )
+
+
+def sparse_rmsprop(
+    var,
+    velocity,
+    indices,
+    grad,
+    learning_rate,
+    rho=0.9,
+    momentum=0.0,
+    epsilon=1e-7,
+    momentum_slot=None,
+    average_gradient=None,
+):
+    """Lazy RMSprop (Keras ``RMSprop``).
+
+    Centered iff ``average_gradient`` is given; with momentum iff
+    ``momentum_slot`` is given (Keras creates it when ``momentum > 0``).
+    For each unique row ``r`` with summed gradient ``g``::
+
+        vel[r] = rho * vel[r] + (1 - rho) * g ** 2
+        centered: avg[r] = rho * avg[r] + (1 - rho) * g
+                  denom = vel[r] - avg[r] ** 2 + epsilon
+        else:     denom = vel[r] + epsilon
+        inc = learning_rate * g / sqrt(denom)
+        momentum slot: mom[r] = momentum * mom[r] + inc;  var[r] -= mom[r]
+        else:          var[r] -= inc
+
+    Args:
+      var: the table ``[rows, D]``.
+      velocity: velocity slot, same shape as ``var``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate, rho, momentum, epsilon: floats or scalar tensors.
+      momentum_slot: optional momentum slot.
+      average_gradient: optional average-gradient slot (centered RMSprop).
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad = _prep(var, indices, grad)
+    vel = _tf_var(velocity, "velocity")
+    mom = _tf_var(momentum_slot, "momentum_slot") if momentum_slot is not None else v
+    mg = (
+        _tf_var(average_gradient, "average_gradient")
+        if average_gradient is not None
+        else v
+    )
+    return ops().sok_sparse_apply_rmsprop(
+        var=v.handle,
+        velocity=vel.handle,
+        mom=mom.handle,
+        mg=mg.handle,
+        indices=indices,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        rho=_scalar(rho, dt, "rho"),
+        momentum=_scalar(momentum, dt, "momentum"),
+        epsilon=_scalar(epsilon, dt, "epsilon"),
+        centered=average_gradient is not None,
+        use_momentum=momentum_slot is not None,
+    )
