@@ -46,7 +46,7 @@ def dedup_bucketize(
             raise collectively (see `check_exchange`).
 
     Returns:
-        A tuple `(unique_ids, local_rows, inverse, counts, error)`:
+        A namedtuple `(unique_ids, local_rows, inverse, counts, error)`:
         `unique_ids` (int64 `[U]`) the distinct ids, grouped by owner rank in
         ascending rank order and ascending within a rank; `local_rows` (int64
         `[U]`) the row of each unique id on its owner; `inverse` (int32
@@ -55,6 +55,8 @@ def dedup_bucketize(
         `[2]`) the position and value of the first invalid id, or `(-1, 0)`.
     """
     ids = tf.convert_to_tensor(ids)
+    if not ids.dtype.is_integer:
+        raise TypeError(f"ids must be an integer tensor, got {ids.dtype.name}.")
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int64)
     return ops().sok_dedup_bucketize(

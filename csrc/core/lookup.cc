@@ -35,8 +35,18 @@ void RunParallel(const ParallelFor& parallel_for, int64_t n,
 // ----------------------------------------------------------------------------
 // Deduplication.
 
+// Hash-based dedup splits the ids into 2^kPartitionBits partitions by the
+// top bits of their hash and deduplicates the partitions in parallel.
+constexpr int kPartitionBits = 3;
+constexpr uint64_t kHashMultiplier = 0x9E3779B97F4A7C15ull;
+
+inline uint64_t HashId(int64_t key) {
+  return static_cast<uint64_t>(key) * kHashMultiplier;
+}
+
 // Maps each distinct id to the index of its first appearance. Open
 // addressing with linear probing; grows to keep the load factor <= 1/2.
+// Slots are chosen by the hash bits below the partition bits.
 class FirstAppearanceTable {
  public:
   explicit FirstAppearanceTable(int64_t expected) {
@@ -63,15 +73,17 @@ class FirstAppearanceTable {
     }
   }
 
- private:
   static constexpr int64_t kEmpty = -1;
   struct Slot {
     int64_t key;
     int32_t index;
   };
 
+  void Prefetch(int64_t key) const { __builtin_prefetch(&slots_[Hash(key)]); }
+
+ private:
   uint64_t Hash(int64_t key) const {
-    return (static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_;
+    return (HashId(key) << kPartitionBits) >> shift_;
   }
 
   void Resize(int bits) {
@@ -97,49 +109,44 @@ class FirstAppearanceTable {
 };
 
 struct KeyIndex {
-  int64_t key;    // Sort key: ascending key is the required output order.
+  uint64_t key;   // Sort key: ascending key is the required output order.
   int64_t index;  // Index of first appearance.
-  bool operator<(const KeyIndex& other) const { return key < other.key; }
 };
 
-// Sorts distinct keys: sorts chunks in parallel, then merges them in
-// parallel rounds. The result is unique since the keys are distinct.
-void ParallelSort(std::vector<KeyIndex>* items,
-                  const ParallelFor& parallel_for) {
-  const int64_t n = static_cast<int64_t>(items->size());
-  constexpr int64_t kMinChunk = 1 << 15;
-  int64_t chunks = 1;
-  while (chunks < 16 && n / (2 * chunks) >= kMinChunk) chunks *= 2;
-  if (chunks == 1) {
-    std::sort(items->begin(), items->end());
-    return;
+// Sorts items by key (all keys in [0, max_key]) with a stable LSD radix
+// sort over 11-bit digits.
+void RadixSort(std::vector<KeyIndex>* items, uint64_t max_key) {
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  const size_t n = items->size();
+  std::vector<KeyIndex> buffer(n);
+  KeyIndex* from = items->data();
+  KeyIndex* to = buffer.data();
+  std::vector<size_t> offsets(kBuckets);
+  for (int shift = 0; shift < 64 && (max_key >> shift) != 0; shift += kBits) {
+    std::fill(offsets.begin(), offsets.end(), 0);
+    for (size_t i = 0; i < n; ++i) {
+      ++offsets[(from[i].key >> shift) &
+                (kBuckets - 1)];
+    }
+    size_t sum = 0;
+    for (size_t& offset : offsets) {
+      const size_t count = offset;
+      offset = sum;
+      sum += count;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const size_t digit =
+          (from[i].key >> shift) & (kBuckets - 1);
+      to[offsets[digit]++] = from[i];
+    }
+    std::swap(from, to);
   }
-  auto bound = [n, chunks](int64_t c) { return n * c / chunks; };
-  KeyIndex* data = items->data();
-  const int64_t log_n = 64 - __builtin_clzll(static_cast<uint64_t>(n));
-  RunParallel(parallel_for, chunks, n / chunks * log_n * 8,
-              [&](int64_t begin, int64_t end) {
-                for (int64_t c = begin; c < end; ++c) {
-                  std::sort(data + bound(c), data + bound(c + 1));
-                }
-              });
-  for (int64_t width = 1; width < chunks; width *= 2) {
-    const int64_t merges = chunks / (2 * width);
-    RunParallel(parallel_for, merges, n / merges * 8,
-                [&](int64_t begin, int64_t end) {
-                  for (int64_t m = begin; m < end; ++m) {
-                    const int64_t c = m * 2 * width;
-                    std::inplace_merge(data + bound(c),
-                                       data + bound(c + width),
-                                       data + bound(c + 2 * width));
-                  }
-                });
-  }
+  if (from != items->data()) std::copy(from, from + n, items->data());
 }
 
-// Rank of `id` and its position in the output order. For the distributed
-// layout the order key is (rank, id), encoded as rank * span + id / R, which
-// orders by rank, then by local row (equivalently by id within a rank).
+// Where ids live. The output order is by rank, then by local row (which is
+// the order of the ids within a rank).
 struct Layout {
   int64_t num_ranks;
   int64_t owner;
@@ -158,10 +165,11 @@ void DedupDirect(const Tid* ids, int64_t nnz, int64_t max_id,
                  const Layout& layout, const ParallelFor& parallel_for,
                  int32_t* inverse, DedupResult* result) {
   const int64_t span = max_id + 1;
+  // slot[id]: -1 if id is not looked up, else (after marking) its index.
   std::vector<int32_t> slot(span, -1);
   for (int64_t i = 0; i < nnz; ++i) slot[ids[i]] = 0;
   int32_t next = 0;
-  auto visit = [&](int64_t id) {
+  auto visit = [&](int64_t id) {  // Called once per id, in output order.
     if (slot[id] < 0) return;
     slot[id] = next++;
     result->unique_ids.push_back(id);
@@ -184,47 +192,100 @@ template <typename Tid>
 void DedupHashed(const Tid* ids, int64_t nnz, const Layout& layout,
                  const ParallelFor& parallel_for, int32_t* inverse,
                  DedupResult* result) {
-  // 1. Distinct ids in order of first appearance; inverse into that order.
-  std::vector<int64_t> keys;
+  // 1. Group the positions by partition (a counting sort).
+  constexpr int64_t kPartitions = int64_t{1} << kPartitionBits;
+  auto partition_of = [ids](int64_t i) {
+    return static_cast<int64_t>(HashId(static_cast<int64_t>(ids[i])) >>
+                                (64 - kPartitionBits));
+  };
+  std::vector<int64_t> part_offsets(kPartitions + 1, 0);
+  for (int64_t i = 0; i < nnz; ++i) ++part_offsets[partition_of(i) + 1];
+  for (int64_t p = 0; p < kPartitions; ++p) {
+    part_offsets[p + 1] += part_offsets[p];
+  }
+  std::vector<int32_t> positions(nnz);
   {
-    FirstAppearanceTable table(std::min<int64_t>(nnz, int64_t{1} << 16));
-    keys.reserve(std::min<int64_t>(nnz, int64_t{1} << 16));
+    std::vector<int64_t> fill(part_offsets.begin(), part_offsets.end() - 1);
     for (int64_t i = 0; i < nnz; ++i) {
-      inverse[i] = table.FindOrInsert(static_cast<int64_t>(ids[i]), &keys);
+      positions[fill[partition_of(i)]++] = static_cast<int32_t>(i);
     }
   }
-  const int64_t num_unique = static_cast<int64_t>(keys.size());
 
-  // 2. Sort the distinct ids into the output order: by rank (a counting
-  // sort), then by id within each rank.
-  std::vector<int64_t> offsets(layout.num_ranks + 1, 0);
-  for (int64_t key : keys) ++offsets[layout.Rank(key) + 1];
-  for (int64_t r = 0; r < layout.num_ranks; ++r) {
-    result->counts[r] = offsets[r + 1];
-    offsets[r + 1] += offsets[r];
+  // 2. Deduplicate each partition; inverse points into its distinct ids.
+  std::vector<std::vector<int64_t>> part_keys(kPartitions);
+  RunParallel(parallel_for, kPartitions, nnz / kPartitions * 100,
+              [&](int64_t begin, int64_t end) {
+    constexpr int64_t kAhead = 8;
+    for (int64_t p = begin; p < end; ++p) {
+      const int32_t* pos = positions.data() + part_offsets[p];
+      const int64_t count = part_offsets[p + 1] - part_offsets[p];
+      std::vector<int64_t>* keys = &part_keys[p];
+      FirstAppearanceTable table(std::min<int64_t>(count, int64_t{1} << 20));
+      for (int64_t k = 0; k < count; ++k) {
+        if (k + kAhead < count) {
+          table.Prefetch(static_cast<int64_t>(ids[pos[k + kAhead]]));
+        }
+        inverse[pos[k]] =
+            table.FindOrInsert(static_cast<int64_t>(ids[pos[k]]), keys);
+      }
+    }
+  });
+
+  // 3. Concatenate the partitions' distinct ids; shift the inverse.
+  std::vector<int64_t> key_offsets(kPartitions + 1, 0);
+  for (int64_t p = 0; p < kPartitions; ++p) {
+    key_offsets[p + 1] =
+        key_offsets[p] + static_cast<int64_t>(part_keys[p].size());
   }
+  const int64_t num_unique = key_offsets[kPartitions];
+  std::vector<int64_t> keys(num_unique);
+  RunParallel(parallel_for, kPartitions, nnz / kPartitions * 4,
+              [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      std::copy(part_keys[p].begin(), part_keys[p].end(),
+                keys.begin() + key_offsets[p]);
+      std::vector<int64_t>().swap(part_keys[p]);
+      const int32_t shift = static_cast<int32_t>(key_offsets[p]);
+      for (int64_t k = part_offsets[p]; k < part_offsets[p + 1]; ++k) {
+        inverse[positions[k]] += shift;
+      }
+    }
+  });
+
+  // 4. Sort the distinct ids into the output order with the key
+  // rank * rows_per_rank + local_row.
+  int64_t max_key = 0;
+  for (int64_t key : keys) {
+    max_key = std::max(max_key, key);
+    ++result->counts[layout.Rank(key)];
+  }
+  // Unsigned: the largest key, <= max_key + num_ranks - 1, cannot overflow.
+  const uint64_t rows_per_rank =
+      layout.owner >= 0
+          ? 0
+          : static_cast<uint64_t>(max_key / layout.num_ranks) + 1;
   std::vector<KeyIndex> sorted(num_unique);
-  {
-    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (int64_t k = 0; k < num_unique; ++k) {
-      sorted[fill[layout.Rank(keys[k])]++] = KeyIndex{keys[k], k};
+  RunParallel(parallel_for, num_unique, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t id = keys[k];
+      sorted[k] = KeyIndex{
+          static_cast<uint64_t>(layout.Rank(id)) * rows_per_rank +
+              static_cast<uint64_t>(layout.LocalRow(id)),
+          k};
     }
-  }
-  for (int64_t r = 0; r < layout.num_ranks; ++r) {
-    if (offsets[r + 1] - offsets[r] < 2) continue;
-    std::vector<KeyIndex> group(sorted.begin() + offsets[r],
-                                sorted.begin() + offsets[r + 1]);
-    ParallelSort(&group, parallel_for);
-    std::copy(group.begin(), group.end(), sorted.begin() + offsets[r]);
-  }
+  });
+  RadixSort(&sorted,
+            layout.owner >= 0
+                ? static_cast<uint64_t>(max_key)
+                : static_cast<uint64_t>(layout.num_ranks) * rows_per_rank - 1);
 
-  // 3. Emit the outputs and remap the inverse to the sorted order.
+  // 5. Emit the outputs and remap the inverse to the sorted order.
   result->unique_ids.resize(num_unique);
   result->local_rows.resize(num_unique);
   std::vector<int32_t> position(num_unique);
   RunParallel(parallel_for, num_unique, 8, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t id = sorted[p].key;
+      const int64_t id = keys[sorted[p].index];
       result->unique_ids[p] = id;
       result->local_rows[p] = layout.LocalRow(id);
       position[sorted[p].index] = static_cast<int32_t>(p);

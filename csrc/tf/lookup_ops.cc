@@ -296,7 +296,8 @@ void ValidateCombineInputs(OpKernelContext* ctx, const char* dense_name,
   const Tensor& segment_ids = ctx->input(2);
   const Tensor& weights = ctx->input(3);
   OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(dense.shape()),
-              errors::InvalidArgument(dense_name, " must be a matrix, got shape ",
+              errors::InvalidArgument(dense_name,
+                                      " must be a matrix, got shape ",
                                       dense.shape().DebugString(), "."));
   OP_REQUIRES(ctx, TensorShapeUtils::IsVector(inverse.shape()),
               errors::InvalidArgument("inverse must be a vector, got shape ",
