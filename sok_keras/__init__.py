@@ -19,6 +19,7 @@ from sok_keras.layers import DistributedEmbedding
 from sok_keras.layers import LocalizedEmbedding
 from sok_keras.lookup import all2all_dense_embedding
 from sok_keras.lookup import lookup_sparse
+from sok_keras.optimizers import OptimizerScope
 from sok_keras.optimizers import OptimizerWrapper
 from sok_keras.variable import Variable
 from sok_keras.variable import filter_variables
@@ -48,7 +49,7 @@ _ops.ops()
 
 __all__ = [
     "All2AllDenseEmbedding", "DistributedEmbedding", "Init",
-    "LocalizedEmbedding", "OptimizerWrapper", "Variable",
+    "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper", "Variable",
     "all2all_dense_embedding", "callbacks", "data", "filter_variables",
     "init", "layers", "lookup_sparse", "num_ranks", "optimizers", "rank",
     "shard_batches", "split_embedding_variable_from_others",

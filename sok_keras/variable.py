@@ -166,6 +166,8 @@ class Variable(keras.Variable):
         self._sok_rank = rank
         self._sok_num_ranks = num_ranks
         self._sok_global_shape = tuple(int(s) for s in global_shape)
+        self._sok_slots = {}
+        self._sok_pending_slots = {}
         super().__init__(
             value, dtype=dtype, trainable=trainable, name=name, autocast=False
         )
@@ -210,6 +212,39 @@ class Variable(keras.Variable):
     def vocabulary_size(self):
         """The whole table's number of rows."""
         return self._sok_global_shape[0]
+
+    @property
+    def slots(self):
+        """Optimizer slot tables kept beside this table, by slot name.
+
+        Each slot is a `Variable` with this table's sharding; the layer that
+        owns the table saves and restores them with it.
+        """
+        return self._sok_slots
+
+    def restore_slot(self, name, table):
+        """Restores slot `name` from its whole table (global row order).
+
+        If the optimizer has not created the slot yet, the value is kept and
+        applied when it does (`add_slot`).
+        """
+        if name in self._sok_slots:
+            self._sok_slots[name].assign_global(table, f"{self.path}:{name}")
+        else:
+            self._sok_pending_slots[name] = np.asarray(table[:])
+
+    def add_slot(self, name, slot):
+        """Registers `slot` (a `Variable` shaped like this table) as `name`."""
+        if tuple(slot.global_shape) != self._sok_global_shape:
+            raise ValueError(
+                f"Slot '{name}' of '{self.path}' must have shape "
+                f"{self._sok_global_shape}. Received: {slot.global_shape}."
+            )
+        self._sok_slots[name] = slot
+        pending = self._sok_pending_slots.pop(name, None)
+        if pending is not None:
+            slot.assign_global(pending, f"{self.path}:{name}")
+        return slot
 
     def local_ids(self):
         """Returns the global ids of this shard's rows, as NumPy int64."""

@@ -85,10 +85,12 @@ class BaseEmbedding(keras.layers.Layer):
             return (input_shape[0], self.embedding_dim)
         return input_shape + (self.embedding_dim,)
 
-    # -- saving: the table is stored whole, in global row order, so that it
-    # loads at any number of ranks.
+    # -- saving: the table (and its optimizer slots) are stored whole, in
+    # global row order, so that they load at any number of ranks.
     def save_own_variables(self, store):
         store["embeddings"] = self.embeddings.read_global()
+        for name in sorted(self.embeddings.slots):
+            store[f"slot.{name}"] = self.embeddings.slots[name].read_global()
 
     def load_own_variables(self, store):
         if "embeddings" not in store:
@@ -97,6 +99,9 @@ class BaseEmbedding(keras.layers.Layer):
                 f"weights. Found: {list(store.keys())}."
             )
         self.embeddings.assign_global(store["embeddings"], self.name)
+        for key in store.keys():
+            if key.startswith("slot."):
+                self.embeddings.restore_slot(key[len("slot."):], store[key])
 
     def get_config(self):
         config = super().get_config()

@@ -1,9 +1,12 @@
 """`OptimizerWrapper`: any Keras optimizer, for models with sharded tables."""
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
 from sok_keras import world
+from sok_keras.optimizers import sparse_rules
 from sok_keras.variable import is_sok_variable
 
 _UNSUPPORTED_BASE_ARGS = {
@@ -58,20 +61,182 @@ def broadcast_variables(variables, root=0, key="broadcast_variables"):
             v.assign(value)
 
 
+def reduce_across_ranks(grads, variables):
+    """Averages gradients over the ranks (data-parallel mean).
+
+    Dense gradients are all-reduced (one packed buffer per dtype). A
+    `sok_keras.Variable`'s gradient is only divided by the number of ranks:
+    the exchange already summed every rank's contribution on the owner.
+    """
+    n = world.num_ranks()
+    if n == 1:
+        return list(grads)
+    out, dense_idx = list(grads), []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if is_sok_variable(v):
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = tf.IndexedSlices(g.values / n, g.indices,
+                                          g.dense_shape)
+            else:
+                out[i] = g / n
+        else:
+            dense_idx.append(i)
+    if dense_idx:
+        reduced = _pack_allreduce_mean(
+            [tf.convert_to_tensor(grads[i]) for i in dense_idx],
+            world.communicator(), key="sok_optimizer/allreduce")
+        for i, r in zip(dense_idx, reduced):
+            out[i] = r
+    return out
+
+
+def _as_slices(g, v):
+    if isinstance(g, tf.IndexedSlices):
+        return g
+    g = tf.convert_to_tensor(g)
+    rows = tf.shape(g, out_type=tf.int64)[0]
+    return tf.IndexedSlices(g, tf.range(rows), tf.shape(g, out_type=tf.int64))
+
+
+def _sparse_sq_norms(slices):
+    """Squared norms of the tables' gradients, summed over all ranks."""
+    sq = tf.stack([tf.reduce_sum(tf.square(s.values)) for s in slices])
+    if world.num_ranks() > 1:
+        sq = world.communicator().all_reduce(
+            sq, key=f"sok_optimizer/sq_norms/{len(slices)}", op="sum")
+    return sq
+
+
+def clip_gradients(opt, dense, slices):
+    """Keras' clipping (`clipnorm`, else `global_clipnorm`, else
+    `clipvalue`), extended to sharded tables.
+
+    A table's gradient is its per-row gradient (each id once), so:
+    `clipnorm` clips each table by the norm of its whole gradient (summed
+    over every rank's shard); `global_clipnorm` uses the norm over every
+    dense gradient and every table; `clipvalue` clips elementwise.
+    """
+    if opt.clipnorm and opt.clipnorm > 0:
+        dense = [tf.clip_by_norm(g, opt.clipnorm) for g in dense]
+        if slices:
+            norms = tf.sqrt(_sparse_sq_norms(slices))
+            scale = opt.clipnorm / tf.maximum(norms, opt.clipnorm)
+            slices = [tf.IndexedSlices(s.values * tf.cast(scale[i],
+                                                          s.values.dtype),
+                                       s.indices, s.dense_shape)
+                      for i, s in enumerate(slices)]
+    elif opt.global_clipnorm and opt.global_clipnorm > 0:
+        sq = tf.constant(0.0, tf.float32)
+        for g in dense:
+            sq += tf.cast(tf.reduce_sum(tf.square(g)), tf.float32)
+        if slices:
+            sq += tf.cast(tf.reduce_sum(_sparse_sq_norms(slices)), tf.float32)
+        norm = tf.sqrt(sq)
+        scale = opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm)
+        dense = [g * tf.cast(scale, g.dtype) for g in dense]
+        slices = [tf.IndexedSlices(s.values * tf.cast(scale, s.values.dtype),
+                                   s.indices, s.dense_shape) for s in slices]
+    elif opt.clipvalue and opt.clipvalue > 0:
+        c = opt.clipvalue
+        dense = [tf.clip_by_value(g, -c, c) for g in dense]
+        slices = [tf.IndexedSlices(tf.clip_by_value(s.values, -c, c),
+                                   s.indices, s.dense_shape) for s in slices]
+    return dense, slices
+
+
+@contextlib.contextmanager
+def _clipping_off(opt):
+    saved = (opt.clipnorm, opt.global_clipnorm, opt.clipvalue)
+    opt.clipnorm = opt.global_clipnorm = opt.clipvalue = None
+    try:
+        yield
+    finally:
+        opt.clipnorm, opt.global_clipnorm, opt.clipvalue = saved
+
+
+def _check_supported(opt):
+    for arg in ("use_ema", "gradient_accumulation_steps",
+                "loss_scale_factor"):
+        if getattr(opt, arg, None):
+            raise ValueError(
+                f"sok_keras: `{arg}` on {type(opt).__name__} is not supported "
+                f"with sharded tables. Received: {arg}="
+                f"{getattr(opt, arg)!r}."
+            )
+
+
+def create_table_slots(opt, variables):
+    """Creates the slot tables of every sharded table in `variables`."""
+    tables = [v for v in variables if is_sok_variable(v)]
+    if not tables:
+        return
+    rule = sparse_rules.rule_for(opt)
+    for table in tables:
+        sparse_rules.ensure_slots(rule, opt, table)
+
+
+def apply_with_tables(opt, grads, variables, apply_dense):
+    """One training step for a mix of dense weights and sharded tables.
+
+    Args:
+        opt: the Keras optimizer whose hyperparameters rule the update.
+        grads: gradients, one per variable (None allowed).
+        variables: the variables.
+        apply_dense: `fn(grads, variables)` applying `opt`'s own update to
+            the dense variables (called with clipping already done, and with
+            empty lists when there are none: it must still count the step).
+    """
+    grads = reduce_across_ranks(list(grads), variables)
+    dense_g, dense_v, slices, tables = [], [], [], []
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        if is_sok_variable(v):
+            slices.append(_as_slices(g, v))
+            tables.append(v)
+        else:
+            dense_g.append(g)
+            dense_v.append(v)
+    dense_g, slices = clip_gradients(
+        opt, [tf.convert_to_tensor(g) for g in dense_g], slices)
+    if tables:
+        rule = sparse_rules.rule_for(opt)
+        lr = opt.learning_rate
+        step = tf.cast(opt.iterations + 1, tables[0].dtype)
+        for s, table in zip(slices, tables):
+            slots = sparse_rules.ensure_slots(rule, opt, table)
+            rule.apply(opt, table, slots, s.indices, s.values, lr, step)
+    with _clipping_off(opt):
+        apply_dense(dense_g, dense_v)
+
+
 @keras.saving.register_keras_serializable(package="sok_keras")
 class OptimizerWrapper(keras.optimizers.Optimizer):
-    """Makes a Keras optimizer train models with sharded tables.
+    """Makes any supported Keras optimizer train sharded tables, sparsely.
 
-    Wrap the optimizer you would use anyway; the wrapper
-    - averages the gradients of dense (replicated) weights across ranks
-      (one all-reduce per dtype per step) and starts them identical on every
-      rank (broadcast from rank 0 when the optimizer is built);
-    - averages the gradients of `sok_keras.Variable` shards the same way
-      (each rank's loss is a mean over its own batch) but never all-reduces
-      them: each shard is updated by the rank that owns it;
-    - delegates every update to the inner optimizer.
+    Keras' own optimizers update a whole table (and every slot) on each step
+    once momentum or Adam-style slots are involved. The wrapper
+    - applies the inner optimizer's rule lazily to `sok_keras.Variable`
+      tables: only the rows looked up in the step change (and their slot
+      rows), with the inner optimizer's hyperparameters and learning rate
+      schedule, on the rank that owns the rows. Slots live beside the table
+      rows (`table.slots`) and are saved with the table;
+    - hands every other variable to the inner optimizer unchanged;
+    - with several ranks, averages dense gradients across ranks (one packed
+      all-reduce per dtype) and starts dense weights identical on every
+      rank (broadcast from rank 0 when built); table gradients are never
+      all-reduced, only divided by the number of ranks (data-parallel mean).
 
-    With one rank it only delegates.
+    Supported inner optimizers: SGD (with momentum / Nesterov), Adagrad,
+    Adam (with amsgrad), AdamW, Ftrl, RMSprop (centered, with momentum).
+    Clipping set on the inner optimizer (`clipnorm`, `global_clipnorm`,
+    `clipvalue`) covers tables too: see `clip_gradients`.
+
+    Lazy rules differ from Keras' dense ones in one way: a row absent from a
+    step keeps its slots (Keras decays every row's momentum / moments each
+    step). Adam's bias correction uses the global step.
 
     Args:
         inner_optimizer: a `keras.optimizers.Optimizer` instance.
@@ -81,7 +246,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     >>> model.compile(
     ...     optimizer=sok.optimizers.OptimizerWrapper(
-    ...         keras.optimizers.SGD(0.1)),
+    ...         keras.optimizers.Adam(1e-3)),
     ...     loss="binary_crossentropy")
     """
 
@@ -107,15 +272,17 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             )
         if isinstance(inner_optimizer, OptimizerWrapper):
             raise ValueError("OptimizerWrapper cannot wrap another one.")
+        sparse_rules.rule_for(inner_optimizer)  # fail early
+        _check_supported(inner_optimizer)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
 
     def build(self, var_list):
-        self.inner_optimizer.build(var_list)
+        dense = [v for v in var_list if not is_sok_variable(v)]
+        self.inner_optimizer.build(dense)
+        create_table_slots(self.inner_optimizer, var_list)
         super().build(var_list)
-        broadcast_variables(
-            [v for v in var_list if not is_sok_variable(v)],
-            key="optimizer_wrapper/broadcast")
+        broadcast_variables(dense, key="sok_optimizer/broadcast")
 
     @property
     def variables(self):
@@ -133,39 +300,21 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
-    def _reduce(self, grads, variables):
-        n = world.num_ranks()
-        if n == 1:
-            return list(grads)
-        comm = world.communicator()
-        dense_idx, out = [], list(grads)
-        for i, (g, v) in enumerate(zip(grads, variables)):
-            if g is None:
-                continue
-            if is_sok_variable(v):
-                if isinstance(g, tf.IndexedSlices):
-                    out[i] = tf.IndexedSlices(
-                        g.values / n, g.indices, g.dense_shape)
-                else:
-                    out[i] = g / n
-            else:
-                dense_idx.append(i)
-        if dense_idx:
-            reduced = _pack_allreduce_mean(
-                [tf.convert_to_tensor(grads[i]) for i in dense_idx], comm,
-                key="optimizer_wrapper/allreduce")
-            for i, r in zip(dense_idx, reduced):
-                out[i] = r
-        return out
-
     def apply(self, grads, trainable_variables=None):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         variables = trainable_variables or self._trainable_variables
-        grads = self._reduce(list(grads), variables)
-        self.inner_optimizer.apply(grads, trainable_variables)
+        inner = self.inner_optimizer
+
+        def apply_dense(g, v):
+            if v:
+                inner.apply(g, v)
+            else:
+                inner.iterations.assign_add(1)
+
+        apply_with_tables(inner, grads, variables, apply_dense)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -174,7 +323,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         )
 
     def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
+        self.inner_optimizer.finalize_variable_values(
+            [v for v in var_list if not is_sok_variable(v)])
 
     def get_config(self):
         return {

@@ -1,0 +1,67 @@
+"""Keras optimizers that update sharded tables sparsely, directly.
+
+`sok.optimizers.Adam(1e-3)` is a `keras.optimizers.Adam` whose update of a
+`sok_keras.Variable` is the lazy sparse rule (only looked-up rows and their
+slots change), with the same multi-rank averaging as `OptimizerWrapper`.
+Use whichever reads better; `OptimizerWrapper(keras.optimizers.Adam(1e-3))`
+behaves the same.
+"""
+
+import keras
+
+from sok_keras.optimizers.wrapper import apply_with_tables
+from sok_keras.optimizers.wrapper import broadcast_variables
+from sok_keras.optimizers.wrapper import create_table_slots
+from sok_keras.variable import is_sok_variable
+
+
+class _TablesMixin:
+    """Routes `sok_keras.Variable`s to the sparse rule of the Keras base."""
+
+    def build(self, var_list):
+        dense = [v for v in var_list if not is_sok_variable(v)]
+        super().build(dense)
+        create_table_slots(self, var_list)
+        broadcast_variables(dense, key="sok_optimizer/broadcast")
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        variables = trainable_variables or self._trainable_variables
+        base = super()
+
+        def apply_dense(g, v):
+            if v:
+                base.apply(g, v)
+            else:
+                self.iterations.assign_add(1)
+
+        apply_with_tables(self, grads, variables, apply_dense)
+
+
+def _make(keras_class):
+    cls = type(
+        keras_class.__name__,
+        (_TablesMixin, keras_class),
+        {
+            "_sok_keras_class": keras_class,
+            "__module__": __name__,
+            "__doc__": (
+                f"`keras.optimizers.{keras_class.__name__}` with a lazy "
+                "sparse update for `sok_keras.Variable` tables.\n\n"
+                f"Takes the arguments of `keras.optimizers."
+                f"{keras_class.__name__}`.\n"
+            ),
+        },
+    )
+    return keras.saving.register_keras_serializable(package="sok_keras")(cls)
+
+
+SGD = _make(keras.optimizers.SGD)
+Adagrad = _make(keras.optimizers.Adagrad)
+Adam = _make(keras.optimizers.Adam)
+AdamW = _make(keras.optimizers.AdamW)
+Ftrl = _make(keras.optimizers.Ftrl)
+RMSprop = _make(keras.optimizers.RMSprop)

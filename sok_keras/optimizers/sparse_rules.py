@@ -1,0 +1,177 @@
+"""Which sparse update rule serves which Keras optimizer, and its slots.
+
+A rule reads the hyperparameters of a Keras optimizer instance (so learning
+rate schedules and later changes are honoured), names the slot tables it
+needs with their initial values, and applies the compiled lazy update
+(`sparse_kernels`) to one table shard.
+
+Slots are `sok_keras.Variable`s with the table's sharding: slot row `i`
+sits on the same rank as table row `i`. They hang off the table
+(`table.slots`), so the layer that owns the table saves and restores them
+with it, in global row order.
+"""
+
+import keras
+import tensorflow as tf
+
+from sok_keras.optimizers import sparse_kernels as k
+
+
+class SparseRule:
+    """One optimizer family's lazy update."""
+
+    name = None
+    keras_class = None
+
+    def slots(self, opt):
+        """Returns `[(slot_name, initial_value)]` for `opt`."""
+        raise NotImplementedError
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        """Applies the update to rows `indices` of `var`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def weight_decay(opt, var):
+        if opt.weight_decay is None or not opt._use_weight_decay(var):
+            return 0.0
+        return opt.weight_decay
+
+
+class _Sgd(SparseRule):
+    name, keras_class = "SGD", keras.optimizers.SGD
+
+    def slots(self, opt):
+        return [("momentum", 0.0)] if opt.momentum else []
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        if not opt.momentum:
+            return k.sparse_sgd(var, indices, grad, lr)
+        return k.sparse_momentum(
+            var, slots["momentum"], indices, grad, lr, opt.momentum,
+            nesterov=opt.nesterov)
+
+
+class _Adagrad(SparseRule):
+    name, keras_class = "Adagrad", keras.optimizers.Adagrad
+
+    def slots(self, opt):
+        return [("accumulator", opt.initial_accumulator_value)]
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_adagrad(var, slots["accumulator"], indices, grad, lr,
+                                epsilon=opt.epsilon)
+
+
+class _Adam(SparseRule):
+    name, keras_class = "Adam", keras.optimizers.Adam
+
+    def slots(self, opt):
+        names = [("m", 0.0), ("v", 0.0)]
+        return names + ([("vhat", 0.0)] if opt.amsgrad else [])
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        wd = self.weight_decay(opt, var)
+        common = dict(beta_1=opt.beta_1, beta_2=opt.beta_2,
+                      epsilon=opt.epsilon, vhat=slots.get("vhat"))
+        if wd:
+            return k.sparse_adamw(var, slots["m"], slots["v"], indices, grad,
+                                  lr, step, weight_decay=wd, **common)
+        return k.sparse_adam(var, slots["m"], slots["v"], indices, grad, lr,
+                             step, **common)
+
+
+class _AdamW(_Adam):
+    name, keras_class = "AdamW", keras.optimizers.AdamW
+
+
+class _Ftrl(SparseRule):
+    name, keras_class = "Ftrl", keras.optimizers.Ftrl
+
+    def slots(self, opt):
+        return [("accumulator", opt.initial_accumulator_value),
+                ("linear", 0.0)]
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_ftrl(
+            var, slots["accumulator"], slots["linear"], indices, grad, lr,
+            learning_rate_power=opt.learning_rate_power,
+            l1_regularization_strength=opt.l1_regularization_strength,
+            l2_regularization_strength=opt.l2_regularization_strength,
+            l2_shrinkage_regularization_strength=(
+                opt.l2_shrinkage_regularization_strength),
+            beta=opt.beta)
+
+
+class _RMSprop(SparseRule):
+    name, keras_class = "RMSprop", keras.optimizers.RMSprop
+
+    def slots(self, opt):
+        names = [("velocity", 0.0)]
+        if opt.momentum > 0:
+            names.append(("momentum", 0.0))
+        if opt.centered:
+            names.append(("average_gradient", 0.0))
+        return names
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_rmsprop(
+            var, slots["velocity"], indices, grad, lr, rho=opt.rho,
+            momentum=opt.momentum, epsilon=opt.epsilon,
+            momentum_slot=slots.get("momentum"),
+            average_gradient=slots.get("average_gradient"))
+
+
+# Subclasses first: AdamW is an Adam.
+_RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd())
+SUPPORTED = tuple(r.name for r in _RULES)
+
+
+def rule_for(optimizer):
+    """Returns the `SparseRule` of a Keras optimizer, or raises ValueError.
+
+    The match is on the exact class (a user's subclass may change the update,
+    so it has no sparse rule); sok_keras' own sparse optimizers name the Keras
+    class they implement in `_sok_keras_class`.
+    """
+    cls = getattr(type(optimizer), "_sok_keras_class", type(optimizer))
+    for rule in _RULES:
+        if cls is rule.keras_class:
+            break
+    else:
+        raise ValueError(
+            "sok_keras has no sparse update rule for "
+            f"{type(optimizer).__name__}. Supported optimizers: "
+            f"{', '.join(SUPPORTED)}."
+        )
+    if optimizer.weight_decay and rule.name not in ("Adam", "AdamW"):
+        raise ValueError(
+            f"sok_keras: `weight_decay` on {rule.name} is not supported for "
+            "sharded tables (only Adam and AdamW decay lazily). Received: "
+            f"weight_decay={optimizer.weight_decay}."
+        )
+    return rule
+
+
+def ensure_slots(rule, optimizer, table):
+    """Creates (once) the slot tables `rule` needs beside `table`.
+
+    Returns:
+        A dict `{slot_name: sok_keras.Variable}`.
+    """
+    from sok_keras.variable import Variable
+
+    have = table.slots
+    with tf.init_scope():
+        for slot, initial in rule.slots(optimizer):
+            if slot in have:
+                continue
+            table.add_slot(slot, Variable(
+                keras.initializers.Constant(initial),
+                shape=table.global_shape,
+                mode=table.mode,
+                dtype=table.dtype,
+                trainable=False,
+                name=f"{table.path.replace('/', '.')}.{slot}",
+            ))
+    return {name: have[name] for name, _ in rule.slots(optimizer)}
