@@ -1,0 +1,49 @@
+"""Watchdog: rank 1 stalls (sleeps instead of joining an exchange); rank 0
+must get an error naming its rank and the key within the timeout."""
+
+import sys
+import time
+
+from _worker import RANK, write_result
+
+import sok_keras.world as world
+
+TIMEOUT = float(sys.argv[1])
+STALL = float(sys.argv[2])
+world.init(timeout=TIMEOUT)
+
+import tensorflow as tf  # noqa: E402
+
+comm = world.communicator()
+N = comm.num_ranks
+# Everyone is connected and collectives work.
+warm = comm.all_reduce(tf.constant([1.0]), "warm").numpy().tolist()
+
+
+@tf.function
+def step(x, c):
+    return comm.exchange(x, c, "stall/ids")
+
+
+result = {"warm": warm}
+if RANK == 1:
+    time.sleep(STALL)  # a stalled peer: alive, never joins
+else:
+    c = tf.ones([N, N], tf.int64)
+    start = time.time()
+    try:
+        step(tf.ones([N, 4]), c)
+        result["error"] = None
+    except tf.errors.DeadlineExceededError as e:
+        result["error"] = e.message
+    result["elapsed"] = time.time() - start
+    # Later collectives fail at once with the same message.
+    start = time.time()
+    try:
+        comm.all_reduce(tf.constant([1.0]), "after")
+        result["after"] = None
+    except tf.errors.OpError as e:
+        result["after"] = e.message
+    result["after_elapsed"] = time.time() - start
+write_result(result)
+print(f"rank {RANK} done: {result}", flush=True)
