@@ -46,16 +46,13 @@ _OPS = ("sum", "mean", "max", "min")
 def _next_pow2_exponent(m):
     """ceil(log2(max(m, 1))) of an int64 scalar tensor, exactly."""
     m = tf.maximum(tf.cast(m, tf.int64), 1)
-    e = tf.cast(tf.math.ceil(tf.math.log(tf.cast(m, tf.float64)) / 0.6931471805599453), tf.int64)
-    e = tf.maximum(e, 0)
-    # Fix float rounding at exact powers of two.
-    e = tf.where(tf.bitwise.left_shift(tf.constant(1, tf.int64), e) < m, e + 1, e)
-    e = tf.where(
-        (e > 0) & (tf.bitwise.left_shift(tf.constant(1, tf.int64), e - 1) >= m),
-        e - 1,
-        e,
-    )
-    return e
+    log2 = tf.math.log(tf.cast(m, tf.float64)) / 0.6931471805599453
+    e = tf.maximum(tf.cast(tf.math.ceil(log2), tf.int64), 0)
+    # Fix float rounding near exact powers of two.
+    one = tf.constant(1, tf.int64)
+    e = tf.where(tf.bitwise.left_shift(one, e) < m, e + 1, e)
+    below = tf.bitwise.left_shift(one, tf.maximum(e - 1, 0))
+    return tf.where((e > 0) & (below >= m), e - 1, e)
 
 
 _NATIVE = (tf.float32, tf.float64, tf.float16, tf.int32, tf.int64)
@@ -542,7 +539,9 @@ class CollectiveCommunicator(Communicator):
         send_off = tf.cumsum(send, exclusive=True)
         pos = tf.range(rows, dtype=tf.int64) - tf.gather(send_off, dest)
         slots = dest * bucket + pos
-        full = tf.concat([[n * bucket], tf.constant(rest.as_list(), tf.int64)], 0)
+        full = tf.concat(
+            [[n * bucket], tf.constant(rest.as_list(), tf.int64)], 0
+        )
         padded = tf.scatter_nd(slots[:, tf.newaxis], x, full)
 
         def run(t):

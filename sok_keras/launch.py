@@ -28,6 +28,13 @@ rank exited 0.
 
 Each rank runs in its own process group, and its first process dies with
 sokrun even if sokrun is killed with SIGKILL (PR_SET_PDEATHSIG on Linux).
+
+Limits: the ports are free when sokrun picks them and are released before
+the ranks bind them, so another program could take one in between (the
+job then fails at startup; run it again). If sokrun is killed with SIGKILL,
+processes that a rank started itself (grandchildren) are not stopped by
+PR_SET_PDEATHSIG; with any other ending they are (process-group kill).
+TensorFlow's gRPC server listens on every interface, not only loopback.
 """
 
 import argparse

@@ -231,8 +231,9 @@ def _start_collectives(world):
             )
         ],
     )
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING
+    experimental = tf.distribute.experimental
+    options = experimental.CommunicationOptions(
+        implementation=experimental.CommunicationImplementation.RING
     )
     world.strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver, communication_options=options

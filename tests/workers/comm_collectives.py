@@ -118,7 +118,8 @@ for step, high in enumerate([1, 6, 0, 17, 3, 40, 6]):
     xv = tf.constant(x)
     with tf.GradientTape() as tape:
         tape.watch(xv)
-        loss = 0.5 * tf.reduce_sum(comm.exchange(xv, c, "ex/eager") ** 2) * (R + 1)
+        ye = comm.exchange(xv, c, "ex/eager")
+        loss = 0.5 * tf.reduce_sum(ye**2) * (R + 1)
     np.testing.assert_allclose(tape.gradient(loss, xv).numpy(), want_grad,
                                rtol=1e-6)
 result["exchange_traces"] = exchange_fn.experimental_get_tracing_count()

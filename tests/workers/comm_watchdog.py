@@ -1,10 +1,11 @@
 """Watchdog: rank 1 stalls (sleeps instead of joining an exchange); rank 0
 must get an error naming its rank and the key within the timeout."""
 
+import os
 import sys
 import time
 
-from _worker import RANK, write_result
+from _worker import OUT, RANK, write_result
 
 import sok_keras.world as world
 
@@ -27,7 +28,13 @@ def step(x, c):
 
 result = {"warm": warm}
 if RANK == 1:
-    time.sleep(STALL)  # a stalled peer: alive, never joins
+    # A stalled peer: alive, never joins; leaves once rank 0 has reported
+    # (or after STALL seconds).
+    deadline = time.time() + STALL
+    while time.time() < deadline and not os.path.exists(
+        os.path.join(OUT, "rank0.json")
+    ):
+        time.sleep(0.1)
 else:
     c = tf.ones([N, N], tf.int64)
     start = time.time()
