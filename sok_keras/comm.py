@@ -1,0 +1,563 @@
+"""Communicators: collectives between the ranks of a sok_keras job.
+
+`sok_keras.world.communicator()` returns the process's communicator:
+
+- `LocalCommunicator` in a world of one: every method is an identity.
+- `CollectiveCommunicator` with more than one rank: TensorFlow's collective
+  ops (`all_reduce_v2`, `all_gather_v2`, `all_to_all_v2`, broadcast) over the
+  gRPC runtime that `sok_keras.init()` starts, in their own collective group.
+
+Every method works eagerly and inside `tf.function`, and must be called by
+every rank, in the same order, with the same `key` and tensors of the same
+dtype (and, except for `exchange`, the same shape).
+
+Keys. `key` is a string naming the call site, chosen by the caller, for
+example `"emb/user/ids"`. It selects the collective's instance key (a crc32
+of the key, the operation and the dtype, combined with the tensor's shape or
+its power-of-two size bucket), so:
+
+- every rank must use the same key for the same call;
+- each call site within one step must have its own key (two collectives of
+  one step with the same key and shape would share an instance key);
+- the same key may (and should) be reused by the same call site in every
+  step: instance keys are stable, nothing grows per step.
+
+Watchdog. Every collective is recorded as "in flight" while it runs
+(`sok_keras.inflight`). A daemon thread checks the records; when one is
+older than the communication timeout (`SOK_COMM_TIMEOUT`, default 600 s, or
+`sok_keras.init(timeout=...)`), it aborts the process's collectives, so the
+waiting op fails with `tf.errors.DeadlineExceededError` naming the rank and
+the key instead of hanging. After that the collective runtime of the
+process is unusable (a TensorFlow limitation): the job must restart.
+"""
+
+import threading
+import time
+import zlib
+
+import tensorflow as tf
+
+GROUP_KEY = 0x50C000
+"""The collective group key of sok_keras's communicator (all ranks)."""
+
+_OPS = ("sum", "mean", "max", "min")
+
+
+def _next_pow2_exponent(m):
+    """ceil(log2(max(m, 1))) of an int64 scalar tensor, exactly."""
+    m = tf.maximum(tf.cast(m, tf.int64), 1)
+    log2 = tf.math.log(tf.cast(m, tf.float64)) / 0.6931471805599453
+    e = tf.maximum(tf.cast(tf.math.ceil(log2), tf.int64), 0)
+    # Fix float rounding near exact powers of two.
+    one = tf.constant(1, tf.int64)
+    e = tf.where(tf.bitwise.left_shift(one, e) < m, e + 1, e)
+    below = tf.bitwise.left_shift(one, tf.maximum(e - 1, 0))
+    return tf.where((e > 0) & (below >= m), e - 1, e)
+
+
+_NATIVE = (tf.float32, tf.float64, tf.float16, tf.int32, tf.int64)
+_WIDEN = {
+    tf.bool: tf.int32,
+    tf.int8: tf.int32,
+    tf.int16: tf.int32,
+    tf.uint8: tf.int32,
+    tf.uint16: tf.int32,
+    tf.uint32: tf.int64,
+}
+
+
+def _to_wire(x, what, op="sum"):
+    """Converts `x` to a dtype TF's CPU collectives carry.
+
+    Returns `(wire, back)`, `back` converting a result to `x`'s dtype.
+    Natively: float16/32/64, int32, int64 (and bfloat16 for all_reduce and
+    exchange). Narrow integers and bool travel as int32 (all_reduce results
+    are cast back and may wrap), uint32 as int64, bfloat16 as float32 where
+    needed, uint64 and complex values bit-cast to int64 / floats (sum and
+    mean only for all_reduce).
+    """
+    dt = x.dtype
+    if dt in _NATIVE:
+        return x, lambda y: y
+    if dt == tf.bfloat16:
+        if what in ("all_reduce", "exchange"):
+            return x, lambda y: y
+        return tf.cast(x, tf.float32), lambda y: tf.cast(y, dt)
+    if dt in _WIDEN:
+        return tf.cast(x, _WIDEN[dt]), lambda y: tf.cast(y, dt)
+    if dt == tf.uint64 or dt.is_complex:
+        if what == "all_reduce" and op not in ("sum", "mean"):
+            raise TypeError(
+                f"all_reduce op={op!r} is not supported for dtype {dt.name}"
+            )
+        if dt == tf.uint64:
+            if what == "all_reduce" and op == "mean":
+                raise TypeError("all_reduce op='mean' does not support uint64")
+            return tf.bitcast(x, tf.int64), lambda y: tf.bitcast(y, dt)
+        real = dt.real_dtype
+        # [...] complex -> [..., 2] real; reductions stay elementwise.
+        return tf.bitcast(x, real), lambda y: tf.bitcast(y, dt)
+    raise TypeError(
+        f"sok_keras collectives do not support dtype {dt.name} "
+        f"(in {what}); supported: floating, complex, integer and bool."
+    )
+
+
+class Communicator:
+    """Base class: collectives between the `num_ranks` ranks of the job.
+
+    Subclasses implement `all_reduce`, `all_gather`, `broadcast` and
+    `_exchange`; `exchange` and `exchange_back` (with their gradients) are
+    built on `_exchange`.
+    """
+
+    def __init__(self, rank, num_ranks):
+        self._rank = rank
+        self._num_ranks = num_ranks
+
+    @property
+    def rank(self):
+        """This process's rank."""
+        return self._rank
+
+    @property
+    def num_ranks(self):
+        """The number of ranks."""
+        return self._num_ranks
+
+    def all_reduce(self, x, key, op="sum"):
+        """Reduces `x` elementwise over all ranks.
+
+        Args:
+            x: a tensor, same shape and dtype on every rank.
+            key: the call site's key (see the module docstring).
+            op: `"sum"`, `"mean"` (integer dtypes divide with truncation),
+                `"max"` or `"min"`.
+
+        Returns:
+            The reduced tensor, identical on every rank.
+
+        Example:
+
+        >>> total = comm.all_reduce(loss, "train/loss", op="mean")
+        """
+        raise NotImplementedError
+
+    def all_gather(self, x, key):
+        """Concatenates `x` of every rank along dimension 0, in rank order.
+
+        Args:
+            x: a tensor of rank >= 1, same shape and dtype on every rank.
+            key: the call site's key.
+
+        Returns:
+            A tensor of shape `[num_ranks * x.shape[0], ...]`.
+
+        Example:
+
+        >>> counts = comm.all_gather(tf.reshape(my_counts, [1, -1]), "cnt")
+        """
+        raise NotImplementedError
+
+    def broadcast(self, x, key, root=0):
+        """Returns the `x` of rank `root` on every rank.
+
+        Args:
+            x: a tensor, same shape and dtype on every rank (its value only
+                matters on `root`).
+            key: the call site's key.
+            root: the rank whose value is sent.
+
+        Returns:
+            A tensor equal to `root`'s `x`.
+        """
+        raise NotImplementedError
+
+    def _exchange(self, x, counts_matrix, site):
+        raise NotImplementedError
+
+    def _check_counts(self, counts_matrix):
+        c = tf.cast(tf.convert_to_tensor(counts_matrix), tf.int64)
+        n = self._num_ranks
+        if c.shape.rank is not None and c.shape.rank != 2:
+            raise ValueError(
+                f"`counts_matrix` must be a [{n}, {n}] int tensor, got shape "
+                f"{c.shape}"
+            )
+        for d in c.shape:
+            if d is not None and d != n:
+                raise ValueError(
+                    f"`counts_matrix` must be a [{n}, {n}] int tensor "
+                    f"(num_ranks={n}), got shape {c.shape}"
+                )
+        return c
+
+    def _ragged(self, x, c, site, transpose):
+        """Exchange with C (or its transpose); gradient is the reverse."""
+        x = tf.convert_to_tensor(x)
+        ct = tf.transpose(c) if transpose else c
+        if not (x.dtype.is_floating or x.dtype.is_complex):
+            return self._exchange(x, ct, site)
+
+        @tf.custom_gradient
+        def _fn(x):
+            y = self._exchange(x, ct, site)
+
+            def grad(dy):
+                dy = tf.convert_to_tensor(dy)
+                return self._ragged(dy, c, site + "|grad", not transpose)
+
+            return y, grad
+
+        return _fn(x)
+
+    def exchange(self, x, counts_matrix, key):
+        """Ragged all-to-all: sends row groups of `x` to their ranks.
+
+        Rank i sends `C[i, j]` rows to rank j, where `C = counts_matrix` is
+        the same `[N, N]` matrix on every rank (typically agreed with one
+        `all_gather` of each rank's send counts). The rows of `x` are grouped
+        by destination rank, in rank order. The result holds the rows
+        received, grouped by source rank, in rank order. Differentiable: the
+        gradient w.r.t. `x` is the reverse exchange of the upstream gradient.
+
+        Rows are padded to a common bucket, the next power of two
+        `>= max(C)`, so a call site uses at most ~64 instance keys whatever
+        its shapes.
+
+        Args:
+            x: a tensor `[S, ...]` with `S == sum(C[rank, :])`; trailing
+                dimensions must be the same on every rank (and static inside
+                a `tf.function`).
+            counts_matrix: an int tensor `[N, N]`, identical on every rank.
+            key: the call site's key.
+
+        Returns:
+            A tensor `[sum(C[:, rank]), ...]`.
+
+        Example:
+
+        >>> send = tf.constant([2, 1], tf.int64)   # on rank 0 of 2
+        >>> C = comm.all_gather(send[tf.newaxis], "ids/counts")
+        >>> ids_in = comm.exchange(ids_by_owner, C, "ids")
+        """
+        c = self._check_counts(counts_matrix)
+        return self._ragged(x, c, f"exchange:{key}", transpose=False)
+
+    def exchange_back(self, y, counts_matrix, key):
+        """The reverse of `exchange(x, counts_matrix, key)`.
+
+        Sends rows back along the same routes: `y` has
+        `sum(C[:, rank])` rows grouped by the rank they came from, the result
+        has `sum(C[rank, :])` rows grouped by the rank they go back to.
+        Differentiable (gradient: the forward exchange).
+
+        Args:
+            y: a tensor `[sum(C[:, rank]), ...]`.
+            counts_matrix: the `[N, N]` matrix of the forward `exchange`
+                (not transposed).
+            key: the call site's key (may be the forward call's key).
+
+        Returns:
+            A tensor `[sum(C[rank, :]), ...]`.
+
+        Example:
+
+        >>> rows = lookup(comm.exchange(ids, C, "ids"))
+        >>> mine = comm.exchange_back(rows, C, "rows")
+        """
+        c = self._check_counts(counts_matrix)
+        return self._ragged(y, c, f"exchange_back:{key}", transpose=True)
+
+
+class LocalCommunicator(Communicator):
+    """The communicator of a world of one: every collective is an identity.
+
+    Example:
+
+    >>> comm = LocalCommunicator()
+    >>> comm.all_reduce(tf.constant([1.0]), "k")
+    <tf.Tensor: shape=(1,), dtype=float32, numpy=array([1.], dtype=float32)>
+    """
+
+    def __init__(self):
+        super().__init__(0, 1)
+
+    def all_reduce(self, x, key, op="sum"):
+        if op not in _OPS:
+            raise ValueError(f"`op` must be one of {_OPS}, got {op!r}")
+        return tf.identity(x)
+
+    def all_gather(self, x, key):
+        return tf.identity(x)
+
+    def broadcast(self, x, key, root=0):
+        if root != 0:
+            raise ValueError(f"`root` must be 0 in a world of one, got {root}")
+        return tf.identity(x)
+
+    def _exchange(self, x, counts_matrix, site):
+        return tf.identity(x)
+
+
+class CollectiveCommunicator(Communicator):
+    """Collectives over TensorFlow's collective ops (CPU, gRPC).
+
+    Created by `sok_keras.init()` once TensorFlow's collective runtime is
+    configured; use `sok_keras.world.communicator()`.
+
+    Args:
+        rank: this process's rank.
+        num_ranks: the number of ranks (> 1).
+        timeout: seconds a collective may wait before the watchdog aborts
+            the process's collectives. `None` disables the watchdog.
+        group_key: the collective group key (same on every rank).
+    """
+
+    def __init__(self, rank, num_ranks, timeout=600.0, group_key=GROUP_KEY):
+        super().__init__(rank, num_ranks)
+        self.timeout = timeout
+        self.group_key = group_key
+        self._sites = {}  # instance-key base -> site string
+        self._sites_lock = threading.Lock()
+        self.aborted = None  # the abort message once the watchdog fired
+        self._watchdog = None
+        if timeout is not None:
+            self._watchdog = threading.Thread(
+                target=self._watch, name="sok_keras-comm-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    # -- instance keys ---------------------------------------------------
+
+    def _base(self, site):
+        """A stable 24-bit key for `site`; refuses collisions."""
+        base = zlib.crc32(site.encode("utf-8")) % 0xFFFFFF + 1
+        with self._sites_lock:
+            other = self._sites.setdefault(base, site)
+        if other != site:
+            raise ValueError(
+                f"sok_keras: the collective keys {other!r} and {site!r} map "
+                "to the same instance key; rename one of the call sites."
+            )
+        return base
+
+    def _instance_key(self, site, exponent=None):
+        base = self._base(site)
+        if exponent is None:
+            return base * 64
+        return tf.cast(base * 64 + exponent, tf.int32)
+
+    # -- watchdog --------------------------------------------------------
+
+    def _guarded(self, what, x, fn):
+        """Runs fn(x) between in-flight markers named `what`."""
+        if self.aborted is not None:
+            raise tf.errors.DeadlineExceededError(None, None, self.aborted)
+        from sok_keras import inflight
+
+        if self._watchdog is None:
+            return fn(x)
+        x, token = inflight.begin(x, what)
+        if tf.executing_eagerly():
+            try:
+                y = fn(x)
+            finally:
+                inflight.end(tf.zeros([0]), token)
+            return y
+        return inflight.end(fn(x), token)
+
+    def _watch(self):
+        from tensorflow.python.eager import context
+
+        from sok_keras import inflight
+
+        while True:
+            timeout = self.timeout
+            if timeout is None:
+                time.sleep(1.0)
+                continue
+            time.sleep(min(1.0, max(0.05, timeout / 20.0)))
+            try:
+                entries = inflight.snapshot()
+            except Exception:  # interpreter shutting down
+                return
+            late = [(k, s) for k, s in entries if s > timeout]
+            if not late:
+                continue
+            what, seconds = late[0]
+            op, _, key = what.partition(":")
+            self.aborted = (
+                f"sok_keras: rank {self._rank}: {op} '{key}' got no answer "
+                f"from its peers within {timeout:g} s (SOK_COMM_TIMEOUT or "
+                "sok_keras.init(timeout=...)). A peer is stalled or dead, "
+                "runs a different number of steps, or called collectives "
+                "with different keys or in a different order. The "
+                "collectives of this process are aborted; restart the job."
+            )
+            context.context().abort_collective_ops(
+                tf.errors.DEADLINE_EXCEEDED, self.aborted
+            )
+            return
+
+    # -- collectives -----------------------------------------------------
+
+    def _flat_bucket(self, x, site):
+        """For shapes unknown at trace time: flattens and pads `x` to a
+        power-of-two size. Returns (padded, instance_key, size)."""
+        flat = tf.reshape(x, [-1])
+        size = tf.size(flat, out_type=tf.int64)
+        e = _next_pow2_exponent(size)
+        bucket = tf.bitwise.left_shift(tf.constant(1, tf.int64), e)
+        padded = tf.pad(flat, [[0, bucket - size]])
+        return padded, self._instance_key(site + "|dyn", e), size
+
+    def _site(self, op, key, x):
+        shape = x.shape.as_list() if x.shape.is_fully_defined() else None
+        return f"{op}:{key}|{x.dtype.name}|{shape}"
+
+    def all_reduce(self, x, key, op="sum"):
+        if op not in _OPS:
+            raise ValueError(f"`op` must be one of {_OPS}, got {op!r}")
+        x = tf.convert_to_tensor(x)
+        x, back = _to_wire(x, "all_reduce", op)
+        return back(self._all_reduce(x, key, op))
+
+    def _all_reduce(self, x, key, op):
+        merge = {"sum": "Add", "mean": "Add", "max": "Max", "min": "Min"}[op]
+        final = "Div" if op == "mean" else "Id"
+        site = self._site("all_reduce", key, x)
+        n = self._num_ranks
+
+        def run(t, ik):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=t, group_size=n, group_key=self.group_key,
+                instance_key=ik, ordering_token=[], merge_op=merge,
+                final_op=final, communication_hint="auto", timeout_seconds=0,
+            )
+
+        if x.shape.is_fully_defined():
+            ik = self._instance_key(site)
+            return self._guarded(f"all_reduce:{key}", x, lambda t: run(t, ik))
+        padded, ik, size = self._flat_bucket(x, site)
+        out = self._guarded(f"all_reduce:{key}", padded, lambda t: run(t, ik))
+        return tf.reshape(out[:size], tf.shape(x))
+
+    def all_gather(self, x, key):
+        x = tf.convert_to_tensor(x)
+        if x.shape.rank == 0:
+            raise ValueError(
+                f"all_gather needs a tensor of rank >= 1, got shape {x.shape}"
+            )
+        x, back = _to_wire(x, "all_gather")
+        return back(self._all_gather(x, key))
+
+    def _all_gather(self, x, key):
+        site = self._site("all_gather", key, x)
+        n = self._num_ranks
+
+        def run(t, ik):
+            return tf.raw_ops.CollectiveGatherV2(
+                input=t, group_size=n, group_key=self.group_key,
+                instance_key=ik, ordering_token=[],
+                communication_hint="auto", timeout_seconds=0,
+            )
+
+        if x.shape.is_fully_defined():
+            ik = self._instance_key(site)
+            return self._guarded(f"all_gather:{key}", x, lambda t: run(t, ik))
+        padded, ik, size = self._flat_bucket(x, site)
+        out = self._guarded(f"all_gather:{key}", padded, lambda t: run(t, ik))
+        out = tf.reshape(out, [n, -1])[:, :size]
+        shape = tf.shape(x, out_type=tf.int64)
+        return tf.reshape(out, tf.concat([[n * shape[0]], shape[1:]], 0))
+
+    def broadcast(self, x, key, root=0):
+        if not 0 <= root < self._num_ranks:
+            raise ValueError(
+                f"`root` must be a rank in [0, {self._num_ranks}), got {root}"
+            )
+        x = tf.convert_to_tensor(x)
+        x, back = _to_wire(x, "broadcast")
+        return back(self._broadcast(x, key, root))
+
+    def _broadcast(self, x, key, root):
+        site = self._site("broadcast", key, x) + f"|root={root}"
+        n = self._num_ranks
+
+        def run(t, ik):
+            if self._rank == root:
+                return tf.raw_ops.CollectiveBcastSendV2(
+                    input=t, group_size=n, group_key=self.group_key,
+                    instance_key=ik, communication_hint="auto",
+                    timeout_seconds=0,
+                )
+            return tf.raw_ops.CollectiveBcastRecvV2(
+                group_size=n, group_key=self.group_key, instance_key=ik,
+                shape=tf.shape(t), T=t.dtype, communication_hint="auto",
+                timeout_seconds=0,
+            )  # tf.shape(t) orders it after the in-flight marker
+
+        if x.shape.is_fully_defined():
+            ik = self._instance_key(site)
+            return self._guarded(f"broadcast:{key}", x, lambda t: run(t, ik))
+        padded, ik, size = self._flat_bucket(x, site)
+        out = self._guarded(f"broadcast:{key}", padded, lambda t: run(t, ik))
+        return tf.reshape(out[:size], tf.shape(x))
+
+    def _exchange(self, x, c, site):
+        x, back = _to_wire(x, "exchange")
+        return back(self._exchange_wire(x, c, site))
+
+    def _exchange_wire(self, x, c, site):
+        n = self._num_ranks
+        r = self._rank
+        rest = x.shape[1:]
+        if not rest.is_fully_defined():
+            raise ValueError(
+                f"exchange {site!r}: the dimensions after the first must be "
+                f"static, got shape {x.shape}"
+            )
+        send = c[r]
+        recv = c[:, r]
+        rows = tf.shape(x, out_type=tf.int64)[0]
+        check = tf.debugging.assert_equal(
+            rows,
+            tf.reduce_sum(send),
+            message=(
+                f"sok_keras: exchange {site!r} on rank {r}: the rows of x "
+                "must equal sum(counts_matrix[rank, :])"
+            ),
+        )
+        e = _next_pow2_exponent(tf.reduce_max(c))
+        bucket = tf.bitwise.left_shift(tf.constant(1, tf.int64), e)
+        ik = self._instance_key(f"{site}|{x.dtype.name}|{rest.as_list()}", e)
+        # Pad: row i of destination j goes to slot j * bucket + position.
+        ranks = tf.range(n, dtype=tf.int64)
+        with tf.control_dependencies([check]):
+            dest = tf.repeat(ranks, send)
+        send_off = tf.cumsum(send, exclusive=True)
+        pos = tf.range(rows, dtype=tf.int64) - tf.gather(send_off, dest)
+        slots = dest * bucket + pos
+        full = tf.concat(
+            [[n * bucket], tf.constant(rest.as_list(), tf.int64)], 0
+        )
+        padded = tf.scatter_nd(slots[:, tf.newaxis], x, full)
+
+        def run(t):
+            return tf.raw_ops.CollectiveAllToAllV2(
+                input=t, group_size=n, group_key=self.group_key,
+                instance_key=ik, ordering_token=[],
+                communication_hint="auto", timeout_seconds=0,
+            )
+
+        # TF's all-to-all wants dim 0 == group size: one row per peer.
+        padded = tf.reshape(padded, [n, -1])
+        what = site.partition("|")[0]
+        got = tf.reshape(self._guarded(what, padded, run), full)
+        # Unpad: rows from source j sit at j * bucket + [0, recv[j]).
+        src = tf.repeat(ranks, recv)
+        recv_off = tf.cumsum(recv, exclusive=True)
+        total = tf.reduce_sum(recv)
+        pos = tf.range(total, dtype=tf.int64) - tf.gather(recv_off, src)
+        return tf.gather(got, src * bucket + pos)

@@ -1,0 +1,115 @@
+"""Input helpers for multi-rank training."""
+
+import tensorflow as tf
+
+from sok_keras import world as _world
+
+
+def _batch_dim(spec, path):
+    if isinstance(spec, tf.SparseTensorSpec):
+        shape = spec.shape
+    elif isinstance(spec, (tf.TensorSpec, tf.RaggedTensorSpec)):
+        shape = spec.shape
+    else:
+        raise TypeError(
+            f"shard_batches: unsupported dataset component {path or 'element'}"
+            f": {spec!r} (tensors, ragged and sparse tensors are supported)."
+        )
+    if shape.rank is None or shape.rank == 0:
+        raise ValueError(
+            f"shard_batches: component {path or 'element'} has no batch "
+            f"dimension (shape {shape}); the dataset must yield batches."
+        )
+    return shape[0]
+
+
+def _slice(t, start, size):
+    if isinstance(t, tf.SparseTensor):
+        shape = tf.shape(t, out_type=tf.int64)
+        begin = tf.concat([[start], tf.zeros_like(shape[1:])], 0)
+        return tf.sparse.slice(
+            t, begin, tf.concat([[size], shape[1:]], 0)
+        )
+    return t[start : start + size]
+
+
+def shard_batches(dataset, global_batch_size=None):
+    """Keeps this rank's slice of every global batch of `dataset`.
+
+    Every rank reads the same dataset of global batches (same files, same
+    shuffle seed) and keeps the contiguous rows
+    `[rank * b, (rank + 1) * b)` of each batch, with
+    `b = global_batch_size // num_ranks`. All ranks therefore run the same
+    number of steps, which multi-rank training requires (a rank with one
+    step more would wait forever for its peers). In a world of one the
+    dataset is returned unchanged (after the same checks).
+
+    Args:
+        dataset: a `tf.data.Dataset` whose elements are batches (a tensor or
+            any nest of tensors, ragged or sparse tensors: dicts, tuples),
+            batched with `drop_remainder=True` so that the batch dimension
+            is static and the same for every component.
+        global_batch_size: optional; the expected global batch size, checked
+            against the dataset's batch dimension.
+
+    Returns:
+        A `tf.data.Dataset` of per-rank batches of `global_batch_size //
+        num_ranks` rows, with the same structure.
+
+    Raises:
+        ValueError: if the batch dimension is not static (batch with
+            `drop_remainder=True`), differs between components or from
+            `global_batch_size`, or is not divisible by the number of ranks.
+
+    Example:
+
+    >>> import sok_keras as sok
+    >>> ds = tf.data.Dataset.from_tensor_slices(({"ids": ids}, labels))
+    >>> ds = ds.shuffle(10_000, seed=42).batch(4096, drop_remainder=True)
+    >>> ds = sok.data.shard_batches(ds)  # 4096 / N rows per rank
+    >>> model.fit(ds, epochs=3)
+    """
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            f"shard_batches expects a tf.data.Dataset, got {type(dataset)!r}"
+        )
+    spec = dataset.element_spec
+    flat = tf.nest.flatten(spec)
+    paths = [f"#{i}" for i in range(len(flat))] if len(flat) > 1 else [""]
+    dims = {_batch_dim(s, p) for s, p in zip(flat, paths)}
+    if None in dims:
+        raise ValueError(
+            "shard_batches needs a static batch dimension, but the dataset's "
+            f"element_spec is {spec}. Batch the dataset with "
+            "`.batch(global_batch_size, drop_remainder=True)`."
+        )
+    if len(dims) != 1:
+        raise ValueError(
+            "shard_batches: the components of each batch have different "
+            f"batch sizes {sorted(dims)} (element_spec {spec})."
+        )
+    size = dims.pop()
+    if global_batch_size is not None and global_batch_size != size:
+        raise ValueError(
+            f"shard_batches: global_batch_size={global_batch_size} but the "
+            f"dataset's batches have {size} rows."
+        )
+    n = _world.num_ranks()
+    if size % n:
+        raise ValueError(
+            f"shard_batches: the global batch size {size} is not divisible "
+            f"by the number of ranks {n}."
+        )
+    if n == 1:
+        return dataset
+    b = size // n
+    start = _world.rank() * b
+    is_tuple = type(spec) is tuple  # tf.data unpacks plain tuples only
+
+    def keep(*args):
+        element = args if is_tuple else args[0]
+        out = tf.nest.map_structure(lambda t: _slice(t, start, b), element)
+        return tuple(out) if is_tuple else out
+
+    return dataset.map(keep, num_parallel_calls=tf.data.AUTOTUNE,
+                       deterministic=True)

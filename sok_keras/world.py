@@ -1,0 +1,379 @@
+"""The world: this process's rank, the number of ranks, and their runtime.
+
+One process per device (or per CPU worker) is sok_keras's model. Call
+`sok_keras.init()` once, at the very start of the program, before
+TensorFlow runs any operation:
+
+```python
+import sok_keras as sok
+
+sok.init()
+print(sok.rank(), sok.num_ranks())
+```
+
+`init` reads the world from the environment, in this order:
+
+1. `SOK_RANK`, `SOK_NUM_RANKS`, `SOK_WORKER_ADDRS` (set by `sokrun`);
+2. `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` (Open MPI's `mpirun`);
+3. `PMI_RANK`, `PMI_SIZE` (MPICH / Intel MPI);
+4. `SLURM_PROCID`, `SLURM_NTASKS` (`srun`);
+5. `RANK`, `WORLD_SIZE` with `MASTER_ADDR`, `MASTER_PORT` (torchrun style).
+
+Worker addresses come from `SOK_WORKER_ADDRS` (comma-separated `host:port`,
+rank order) when it is set; otherwise rank i listens on
+`MASTER_ADDR:(MASTER_PORT + 1 + i)` (`MASTER_ADDR` defaults to 127.0.0.1).
+That derivation only works when every rank runs on one host: for multi-host
+runs set `SOK_WORKER_ADDRS`. Without any of these variables the process is a
+world of one: no collective runtime is started and every communication is
+local.
+
+With more than one rank, `init` starts TensorFlow's collective runtime
+(gRPC, one CPU worker per rank) by constructing a
+`tf.distribute.MultiWorkerMirroredStrategy` from the equivalent of
+`TF_CONFIG = {"cluster": {"worker": addrs}, "task": {"type": "worker",
+"index": rank}}` (the strategy's scope is never entered, Keras' default
+strategy is untouched), and creates the process's communicator
+(`sok_keras.comm.CollectiveCommunicator`).
+
+Other environment variables:
+
+- `SOK_COMM_TIMEOUT`: seconds a collective may wait for its peers before the
+  watchdog turns it into an error (default 600; `init(timeout=...)` wins).
+- `SOK_HEARTBEAT_TIMEOUT`: seconds without a heartbeat after which the
+  coordination service declares a peer dead (default 10;
+  `init(heartbeat_timeout=...)` wins).
+"""
+
+import logging
+import os
+import threading
+
+_LOCK = threading.Lock()
+_WORLD = None  # the World once init() ran
+
+_DEFAULT_TIMEOUT = 600.0
+_DEFAULT_HEARTBEAT = 10.0
+
+_SOURCES = (
+    ("sokrun", "SOK_RANK", "SOK_NUM_RANKS"),
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE"),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+    ("torchrun-style RANK/WORLD_SIZE", "RANK", "WORLD_SIZE"),
+)
+
+
+class World:
+    """The process's place in the job.
+
+    Attributes:
+        rank: this process's rank, `0 <= rank < num_ranks`.
+        num_ranks: the number of processes in the job.
+        worker_addrs: the `host:port` of every rank (rank order); empty for a
+            world of one.
+        source: which launcher's variables described the world (`"none"` for
+            a world of one without any).
+        timeout: seconds a collective may wait before the watchdog aborts it.
+        heartbeat_timeout: the coordination service's heartbeat timeout.
+        initialized: whether `init` set up the runtime for this world.
+    """
+
+    def __init__(
+        self,
+        rank,
+        num_ranks,
+        worker_addrs=(),
+        source="none",
+        timeout=_DEFAULT_TIMEOUT,
+        heartbeat_timeout=_DEFAULT_HEARTBEAT,
+    ):
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.worker_addrs = list(worker_addrs)
+        self.source = source
+        self.timeout = timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.initialized = False
+        self.strategy = None
+        self.communicator = None
+
+    @property
+    def tf_config(self):
+        """The TF_CONFIG dict equivalent to this world (None for one rank)."""
+        if self.num_ranks == 1:
+            return None
+        return {
+            "cluster": {"worker": list(self.worker_addrs)},
+            "task": {"type": "worker", "index": self.rank},
+        }
+
+    def __repr__(self):
+        return (
+            f"World(rank={self.rank}, num_ranks={self.num_ranks}, "
+            f"source={self.source!r}, initialized={self.initialized})"
+        )
+
+
+def _int_env(name, env):
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(
+            f"sok_keras: environment variable {name} must be an integer, "
+            f"got {value!r}."
+        ) from None
+
+
+def _float_env(name, default, env):
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        out = float(value)
+    except ValueError:
+        out = -1.0
+    if not out > 0:
+        raise RuntimeError(
+            f"sok_keras: environment variable {name} must be a positive "
+            f"number of seconds, got {value!r}."
+        )
+    return out
+
+
+def world_from_env(env=None):
+    """Describes the world from environment variables, without starting
+    anything (TensorFlow is not imported).
+
+    Args:
+        env: a mapping to read instead of `os.environ`.
+
+    Returns:
+        A `World` (not initialized).
+
+    Raises:
+        RuntimeError: if the variables are inconsistent; the message names
+            the variables and the values received.
+    """
+    env = os.environ if env is None else env
+    for source, rank_var, size_var in _SOURCES:
+        if rank_var in env and size_var in env:
+            break
+    else:
+        return World(0, 1)
+    rank = _int_env(rank_var, env)
+    size = _int_env(size_var, env)
+    if size < 1 or not 0 <= rank < size:
+        raise RuntimeError(
+            f"sok_keras: inconsistent world from {source}: {rank_var}={rank}, "
+            f"{size_var}={size} (need 0 <= rank < size)."
+        )
+    addrs = []
+    if size > 1:
+        if env.get("SOK_WORKER_ADDRS"):
+            addrs = [a.strip() for a in env["SOK_WORKER_ADDRS"].split(",")]
+            if len(addrs) != size or not all(":" in a for a in addrs):
+                raise RuntimeError(
+                    "sok_keras: SOK_WORKER_ADDRS must hold one host:port per "
+                    f"rank ({size} from {size_var}), got "
+                    f"{env['SOK_WORKER_ADDRS']!r}."
+                )
+        elif "MASTER_PORT" in env:
+            host = env.get("MASTER_ADDR") or "127.0.0.1"
+            port = _int_env("MASTER_PORT", env)
+            addrs = [f"{host}:{port + 1 + i}" for i in range(size)]
+        else:
+            raise RuntimeError(
+                f"sok_keras: {source} describes {size} ranks ({rank_var}="
+                f"{rank}, {size_var}={size}) but not where they listen: set "
+                "SOK_WORKER_ADDRS to the comma-separated host:port of every "
+                "rank, or MASTER_ADDR and MASTER_PORT (single host only), or "
+                "launch with `sokrun -np N`."
+            )
+    return World(rank, size, addrs, source)
+
+
+def _check_tf_not_started():
+    from tensorflow.python.eager import context
+
+    if getattr(context.context(), "_initialized", False):
+        raise RuntimeError(
+            "sok_keras.init() must run before TensorFlow executes any "
+            "operation, but TensorFlow's runtime is already initialized "
+            "(some tensor was created or an op ran). TensorFlow's collective "
+            "runtime can only be configured at program startup: call "
+            "`sok_keras.init()` at the start of the program, right after the "
+            "imports."
+        )
+
+
+def _start_collectives(world):
+    import tensorflow as tf
+    from tensorflow.python.distribute.collective_all_reduce_strategy import (
+        coordination_config_pb2,
+    )
+    from tensorflow.python.eager import context
+
+    spec = tf.train.ClusterSpec(world.tf_config["cluster"])
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec, task_type="worker", task_id=world.rank, rpc_layer="grpc"
+    )
+    # Configure the coordination service ourselves (the strategy keeps a
+    # configuration it finds) to choose how fast a dead peer is detected.
+    ctx = context.context()
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader="/job:worker/replica:0/task:0",
+        heartbeat_timeout_in_ms=int(world.heartbeat_timeout * 1000),
+        coordinated_jobs=[
+            coordination_config_pb2.CoordinatedJob(
+                name="worker", num_tasks=world.num_ranks
+            )
+        ],
+    )
+    experimental = tf.distribute.experimental
+    options = experimental.CommunicationOptions(
+        implementation=experimental.CommunicationImplementation.RING
+    )
+    world.strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, communication_options=options
+    )
+
+
+def init(timeout=None, heartbeat_timeout=None, **kwargs):
+    """Initializes sok_keras for this process (idempotent).
+
+    Call it once at the start of the program, before TensorFlow runs any
+    operation. Later calls return the same world (a new `timeout` is applied).
+
+    Args:
+        timeout: seconds a collective may wait for its peers before it fails
+            with an error naming the rank and the call site, instead of
+            hanging. Defaults to `SOK_COMM_TIMEOUT` or 600.
+        heartbeat_timeout: seconds after which the coordination service
+            declares a silent peer dead (every rank then fails). Defaults to
+            `SOK_HEARTBEAT_TIMEOUT` or 10. Only used by the first call.
+        **kwargs: accepted for compatibility with SparseOperationKit's
+            `sok.init`: `comm_tool` (only `None`/`"tf"`; there is no
+            Horovod) and `use_legacy_optimizer` (ignored).
+
+    Returns:
+        The `World`.
+
+    Raises:
+        RuntimeError: if TensorFlow already executed operations in a
+            multi-rank job, or the launcher's variables are inconsistent.
+
+    Example:
+
+    >>> import sok_keras as sok
+    >>> world = sok.init()
+    >>> sok.rank(), sok.num_ranks()
+    (0, 1)
+    """
+    global _WORLD
+    for name, value in kwargs.items():
+        if name == "comm_tool":
+            if value not in (None, "tf", "tensorflow"):
+                raise ValueError(
+                    "sok_keras communicates through TensorFlow collectives "
+                    "(CPU) and NCCL (GPU); there is no Horovod or other "
+                    f"comm_tool. Received comm_tool={value!r}."
+                )
+        elif name != "use_legacy_optimizer":
+            raise TypeError(
+                f"sok_keras.init() got an unexpected keyword argument {name!r}"
+            )
+    if timeout is not None and not timeout > 0:
+        raise ValueError(
+            f"`timeout` must be a positive number of seconds, got {timeout!r}"
+        )
+    if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+        raise ValueError(
+            "`heartbeat_timeout` must be a positive number of seconds, got "
+            f"{heartbeat_timeout!r}"
+        )
+    with _LOCK:
+        if _WORLD is not None:
+            if timeout is not None:
+                _WORLD.timeout = float(timeout)
+                _WORLD.communicator.timeout = float(timeout)
+            return _WORLD
+        world = world_from_env()
+        world.timeout = (
+            float(timeout)
+            if timeout is not None
+            else _float_env("SOK_COMM_TIMEOUT", _DEFAULT_TIMEOUT, os.environ)
+        )
+        world.heartbeat_timeout = (
+            float(heartbeat_timeout)
+            if heartbeat_timeout is not None
+            else _float_env(
+                "SOK_HEARTBEAT_TIMEOUT", _DEFAULT_HEARTBEAT, os.environ
+            )
+        )
+        from sok_keras import comm
+
+        if world.num_ranks == 1:
+            world.communicator = comm.LocalCommunicator()
+        else:
+            _check_tf_not_started()
+            _start_collectives(world)
+            world.communicator = comm.CollectiveCommunicator(
+                world.rank, world.num_ranks, timeout=world.timeout
+            )
+        world.initialized = True
+        _WORLD = world
+        logging.getLogger("sok_keras").info("sok_keras initialized: %r", world)
+        return world
+
+
+def is_initialized():
+    """Returns whether `init()` has run in this process."""
+    return _WORLD is not None
+
+
+def _current():
+    return _WORLD if _WORLD is not None else world_from_env()
+
+
+def rank():
+    """Returns this process's rank (from the environment if `init()` has not
+    run yet; this never starts TensorFlow)."""
+    return _current().rank
+
+
+def num_ranks():
+    """Returns the number of ranks (from the environment if `init()` has not
+    run yet; this never starts TensorFlow)."""
+    return _current().num_ranks
+
+
+def world():
+    """Returns the `World` (a description from the environment, not
+    initialized, if `init()` has not run)."""
+    return _current()
+
+
+def communicator():
+    """Returns the process's communicator.
+
+    Returns:
+        A `sok_keras.comm.Communicator`: `LocalCommunicator` in a world of
+        one, `CollectiveCommunicator` otherwise.
+
+    Raises:
+        RuntimeError: in a multi-rank job before `init()`.
+    """
+    if _WORLD is not None:
+        return _WORLD.communicator
+    w = world_from_env()
+    if w.num_ranks == 1:
+        from sok_keras import comm
+
+        return comm.LocalCommunicator()
+    raise RuntimeError(
+        f"sok_keras: this process is rank {w.rank} of {w.num_ranks} "
+        f"(from {w.source}) but sok_keras.init() has not been called. Call "
+        "`sok_keras.init()` at the start of the program."
+    )

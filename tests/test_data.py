@@ -1,0 +1,75 @@
+"""shard_batches: each rank keeps its contiguous slice of global batches."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sok_keras import data
+from sok_keras import world
+
+
+@pytest.fixture
+def as_rank(monkeypatch):
+    def set_rank(rank, n):
+        monkeypatch.setattr(world, "_WORLD", None)
+        monkeypatch.setenv("SOK_RANK", str(rank))
+        monkeypatch.setenv("SOK_NUM_RANKS", str(n))
+        monkeypatch.setenv(
+            "SOK_WORKER_ADDRS", ",".join(f"127.0.0.1:{i}" for i in range(n))
+        )
+
+    return set_rank
+
+
+def _global(batch=8, steps=3):
+    ids = np.arange(batch * steps * 2).reshape(-1, 2)
+    labels = np.arange(batch * steps, dtype=np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(({"ids": ids}, labels))
+    return ds.batch(batch, drop_remainder=True), ids, labels
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_each_rank_keeps_its_slice(as_rank, n):
+    batch = 8
+    b = batch // n
+    for rank in range(n):
+        as_rank(rank, n)
+        ds, ids, labels = _global(batch)
+        out = list(data.shard_batches(ds, global_batch_size=batch))
+        assert len(out) == 3  # same number of steps on every rank
+        for step, (x, y) in enumerate(out):
+            lo = step * batch + rank * b
+            np.testing.assert_array_equal(x["ids"].numpy(), ids[lo : lo + b])
+            np.testing.assert_array_equal(y.numpy(), labels[lo : lo + b])
+
+
+def test_structures_ragged_and_single_tensor(as_rank):
+    as_rank(1, 2)
+    ds = tf.data.Dataset.range(8).batch(4, drop_remainder=True)
+    got = [t.numpy().tolist() for t in data.shard_batches(ds)]
+    assert got == [[2, 3], [6, 7]]
+    rt = tf.ragged.constant([[1], [2, 2], [], [4, 4, 4]])
+    ds = tf.data.Dataset.from_tensor_slices((rt, tf.range(4))).batch(
+        4, drop_remainder=True)
+    (r, i), = list(data.shard_batches(ds))
+    assert r.to_list() == [[], [4, 4, 4]] and i.numpy().tolist() == [2, 3]
+    ds = tf.data.Dataset.from_tensors(
+        (tf.sparse.from_dense(tf.eye(4)),)).map(lambda s: (s,))
+    (s,), = list(data.shard_batches(ds))
+    np.testing.assert_array_equal(tf.sparse.to_dense(s).numpy(), np.eye(4)[2:])
+
+
+def test_errors(as_rank):
+    as_rank(0, 2)
+    ds = tf.data.Dataset.range(10).batch(4)
+    with pytest.raises(ValueError, match="drop_remainder=True"):
+        data.shard_batches(ds)
+    ds = tf.data.Dataset.range(9).batch(3, drop_remainder=True)
+    with pytest.raises(ValueError, match="global batch size 3 is not divisible"
+                       " by the number of ranks 2"):
+        data.shard_batches(ds)
+    ds = tf.data.Dataset.range(8).batch(4, drop_remainder=True)
+    with pytest.raises(ValueError, match="global_batch_size=6 but"):
+        data.shard_batches(ds, global_batch_size=6)
+    with pytest.raises(TypeError, match="tf.data.Dataset"):
+        data.shard_batches([1, 2])

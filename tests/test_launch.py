@@ -1,0 +1,154 @@
+"""sokrun: output prefixes, exit codes, failure and timeout handling, no
+processes left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from multiprocess import REPO  # noqa: E402
+from multiprocess import MARKER_VAR  # noqa: E402
+from multiprocess import _marked_pids  # noqa: E402
+from multiprocess import launch  # noqa: E402
+from multiprocess import worker_path  # noqa: E402
+
+SCRIPT = worker_path("launch_behaviour")
+
+
+def _details(job):
+    return f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+
+
+def test_prefixes_lines_and_exits_zero():
+    job = launch(SCRIPT, 3, args=["echo"], timeout=30)
+    assert job.returncode == 0, _details(job)
+    lines = job.output.splitlines()
+    for r in range(3):
+        assert f"[{r}] hello from rank {r}" in lines, _details(job)
+        assert f"[{r}] warning from rank {r}" in lines, _details(job)
+        assert f"[{r}] no newline {r}" in lines, _details(job)
+    assert not job.leftovers
+
+
+def test_propagates_exit_code():
+    job = launch(SCRIPT, 2, args=["codes"], timeout=30)
+    assert job.returncode == 7, _details(job)
+    assert "rank 1 failed: it exited with code 7" in job.output, _details(job)
+    assert not job.leftovers
+
+
+def test_failing_rank_stops_the_others():
+    job = launch(SCRIPT, 3, args=["fail"], timeout=60, grace=2)
+    assert job.returncode == 3, _details(job)
+    # The others sleep 60 s: they must have been stopped within seconds.
+    assert job.elapsed < 15, _details(job)
+    assert "[1] rank 1: something went wrong, exiting 3" in job.output
+    assert "sokrun: rank 1 failed: it exited with code 3" in job.output
+    assert "stopping ranks [0, 2]" in job.output, _details(job)
+    assert sorted(job.results) == [0, 1, 2], _details(job)
+    # Grandchildren (same process group) are gone too.
+    assert not job.leftovers, _details(job)
+    for res in job.results.values():
+        assert not os.path.exists(f"/proc/{res['child']}") or _is_zombie(
+            res["child"]
+        )
+
+
+def _is_zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+def test_timeout_kills_hanging_job():
+    # Rank 0 ignores SIGTERM: it must get SIGKILL after the grace period.
+    job = launch(SCRIPT, 2, args=["hang"], timeout=2, grace=1)
+    assert job.returncode == 124, _details(job)
+    assert "timeout" in job.output, _details(job)
+    assert job.elapsed < 12, _details(job)
+    assert not job.leftovers, _details(job)
+
+
+def _start_sokrun(args, marker):
+    env = dict(os.environ, PYTHONPATH=REPO, **{MARKER_VAR: marker})
+    env["SOK_TEST_OUT"] = "/tmp"
+    return subprocess.Popen(
+        [sys.executable, "-m", "sok_keras.launch", "-np", "2", "--grace", "1",
+         sys.executable, "-c",
+         "import time; print('up', flush=True); time.sleep(60)"] + args,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _wait_ranks(marker, n, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        # sokrun itself carries the marker too.
+        if len(_marked_pids(marker)) >= n + 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError("ranks did not start")
+
+
+def _wait_gone(marker, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = _marked_pids(marker)
+        if not left:
+            return
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"processes left running: {left}")
+
+
+def test_sigint_stops_all_ranks():
+    marker = f"sigint-{os.getpid()}-{time.time()}"
+    proc = _start_sokrun([], marker)
+    try:
+        _wait_ranks(marker, 2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+        assert proc.returncode == 130, out.decode()
+        assert b"received SIGINT" in out
+        _wait_gone(marker)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_ranks_die_when_sokrun_is_killed():
+    marker = f"sigkill-{os.getpid()}-{time.time()}"
+    proc = _start_sokrun([], marker)
+    try:
+        _wait_ranks(marker, 2)
+        proc.kill()  # SIGKILL: no chance to clean up; PDEATHSIG must act
+        proc.wait()
+        _wait_gone(marker, timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_usage_errors():
+    out = subprocess.run(
+        [sys.executable, "-m", "sok_keras.launch", "-np", "0", "true"],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+    )
+    assert out.returncode == 2
+    assert b"-np must be at least 1, got 0" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "sok_keras.launch", "-np", "1",
+         "/nonexistent/program"],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+    )
+    assert out.returncode == 127
+    assert b"cannot start rank 0" in out.stderr

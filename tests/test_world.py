@@ -1,0 +1,141 @@
+"""The world: reading launchers' environment variables, init in a world of
+one, and the error when TensorFlow already ran."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from sok_keras import comm
+from sok_keras import world
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, (0, 1, [], "none")),
+        (
+            {"SOK_RANK": "1", "SOK_NUM_RANKS": "2",
+             "SOK_WORKER_ADDRS": "h:1,h:2"},
+            (1, 2, ["h:1", "h:2"], "sokrun"),
+        ),
+        (
+            {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3",
+             "SOK_WORKER_ADDRS": "a:1,b:1,c:1", "RANK": "0",
+             "WORLD_SIZE": "9"},
+            (2, 3, ["a:1", "b:1", "c:1"], "mpirun (Open MPI)"),
+        ),
+        (
+            {"PMI_RANK": "0", "PMI_SIZE": "1"},
+            (0, 1, [], "PMI (MPICH / Intel MPI)"),
+        ),
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+             "MASTER_ADDR": "node0", "MASTER_PORT": "29500"},
+            (1, 2, ["node0:29501", "node0:29502"], "Slurm"),
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "100"},
+            (0, 2, ["127.0.0.1:101", "127.0.0.1:102"],
+             "torchrun-style RANK/WORLD_SIZE"),
+        ),
+    ],
+)
+def test_world_from_env(env, want):
+    w = world.world_from_env(env)
+    assert (w.rank, w.num_ranks, w.worker_addrs, w.source) == want
+    assert not w.initialized
+    if w.num_ranks > 1:
+        assert w.tf_config == {
+            "cluster": {"worker": want[2]},
+            "task": {"type": "worker", "index": want[0]},
+        }
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"SOK_RANK": "x", "SOK_NUM_RANKS": "2"},
+         "SOK_RANK must be an integer, got 'x'"),
+        ({"SOK_RANK": "2", "SOK_NUM_RANKS": "2",
+          "SOK_WORKER_ADDRS": "a:1,b:1"},
+         "SOK_RANK=2, SOK_NUM_RANKS=2"),
+        ({"SOK_RANK": "0", "SOK_NUM_RANKS": "2", "SOK_WORKER_ADDRS": "a:1"},
+         "one host:port per rank .* got 'a:1'"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "set SOK_WORKER_ADDRS"),
+    ],
+)
+def test_world_from_env_errors(env, match):
+    with pytest.raises(RuntimeError, match=match):
+        world.world_from_env(env)
+
+
+def test_rank_without_init_reads_env(monkeypatch):
+    monkeypatch.setattr(world, "_WORLD", None)
+    monkeypatch.setenv("SOK_RANK", "1")
+    monkeypatch.setenv("SOK_NUM_RANKS", "3")
+    monkeypatch.setenv("SOK_WORKER_ADDRS", "a:1,a:2,a:3")
+    assert (world.rank(), world.num_ranks()) == (1, 3)
+    assert not world.is_initialized()
+    with pytest.raises(
+        RuntimeError, match=r"rank 1 of 3 \(from sokrun\) but sok_keras.init"
+    ):
+        world.communicator()
+
+
+def test_init_world_of_one(monkeypatch):
+    for var in ("SOK_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                "SLURM_PROCID", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(world, "_WORLD", None)
+    w = world.init(timeout=5)
+    assert world.init() is w  # idempotent
+    assert world.is_initialized()
+    assert (world.rank(), world.num_ranks(), w.timeout) == (0, 1, 5.0)
+    c = world.communicator()
+    assert isinstance(c, comm.LocalCommunicator)
+    x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    mean = c.all_reduce(x, "k", op="mean")
+    assert mean.numpy().tolist() == x.numpy().tolist()
+    assert c.all_gather(x, "k").shape == (2, 2)
+    assert c.broadcast(x, "k").shape == (2, 2)
+    counts = tf.constant([[2]], tf.int64)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = c.exchange(x, counts, "k")
+        loss = tf.reduce_sum(y * 3.0)
+    assert tape.gradient(loss, x).numpy().tolist() == [[3.0, 3.0]] * 2
+    with pytest.raises(ValueError, match=r"\[1, 1\] int .* shape \(2, 2\)"):
+        c.exchange(x, tf.zeros([2, 2], tf.int64), "k")
+    with pytest.raises(ValueError, match="got 'prod'"):
+        c.all_reduce(x, "k", op="prod")
+
+
+def test_init_arguments(monkeypatch):
+    monkeypatch.setattr(world, "_WORLD", None)
+    with pytest.raises(ValueError, match="comm_tool='horovod'"):
+        world.init(comm_tool="horovod")
+    with pytest.raises(TypeError, match="'bogus'"):
+        world.init(bogus=1)
+    with pytest.raises(ValueError, match="got -1"):
+        world.init(timeout=-1)
+
+
+def test_init_after_tf_ran_is_an_error():
+    code = (
+        "import tensorflow as tf\n"
+        "tf.constant(1.0) + 1\n"
+        "import sok_keras.world as w\n"
+        "w.init()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO, SOK_RANK="0", SOK_NUM_RANKS="2",
+               SOK_WORKER_ADDRS="127.0.0.1:1,127.0.0.1:2",
+               TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env,
+                         capture_output=True, timeout=60)
+    assert out.returncode != 0
+    assert b"sok_keras.init() must run before TensorFlow" in out.stderr
