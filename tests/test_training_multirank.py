@@ -1,0 +1,71 @@
+"""model.fit on 2 and 3 ranks equals one process (issue P2 / P3 parity)."""
+
+import keras
+import numpy as np
+import pytest
+
+from sok_keras.optimizers import OptimizerWrapper
+from tests.multiprocess import run_workers
+from tests.multiprocess import worker_path
+from tests.training_setup import VOCAB
+from tests.training_setup import make_model_and_data
+
+STEPS, GLOBAL_BATCH = 24, 48
+
+
+def _single_process(embedding, opt_name, wrap):
+    keras.utils.clear_session()
+    model, optimizer, (x, y) = make_model_and_data(
+        embedding, opt_name, STEPS, GLOBAL_BATCH)
+    model.compile(optimizer=OptimizerWrapper(optimizer) if wrap else optimizer,
+                  loss="binary_crossentropy")
+    losses = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
+              verbose=0, callbacks=[record])
+    emb = model.get_layer("embedding").embeddings
+    table = emb.read_global() if embedding == "sok" else emb.numpy()
+    return losses, table
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {
+        # P2: plain Keras on one device.
+        "sgd": _single_process("keras", "sgd", wrap=False),
+        # P3: the lazy rules on one process (Keras' dense Adam differs by
+        # design: it decays every row's moments each step).
+        "adam": _single_process("sok", "adam", wrap=True),
+    }
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_fit_on_ranks_matches_one_process(num_ranks, references):
+    results = run_workers(
+        worker_path("dlrm_fit"), num_ranks,
+        args=[STEPS, GLOBAL_BATCH, "sgd", "adam"], timeout=240)
+    rows = sum(VOCAB)
+    for opt_name, (ref_losses, ref_table) in references.items():
+        local_rows = [r[opt_name]["local_rows"] for r in results]
+        assert sum(local_rows) == rows and len(set(local_rows)) <= 2
+        for r in results:
+            got = r[opt_name]
+            assert len(got["losses"]) == STEPS
+            np.testing.assert_allclose(got["losses"], ref_losses, rtol=1e-5,
+                                       err_msg=opt_name)
+            np.testing.assert_allclose(np.array(got["table"]), ref_table,
+                                       rtol=1e-5, atol=1e-6, err_msg=opt_name)
+            # Dense weights identical on every rank.
+            assert got["dense"] == results[0][opt_name]["dense"]
+
+
+def test_rank_crash_mid_training_stops_the_job():
+    from tests.multiprocess import launch
+
+    job = launch(worker_path("crash_mid_fit"), 2, timeout=120, grace=3)
+    assert job.returncode != 0, job.output
+    assert "rank 1 fails on purpose at batch 4" in job.output
+    assert "[1]" in job.output
+    assert job.elapsed < 90, job.output  # nobody waited for the timeout
+    assert job.leftovers == []
