@@ -23,7 +23,7 @@ $(BUILT): $(DEPS) setup.py setup.cfg pyproject.toml $(CSRC)
 build: $(BUILT)
 
 demo: $(BUILT)
-	$(VENV)/bin/sokrun -np $(NP) --timeout 900 $(PY) -m sok_keras.examples.train_dlrm
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/sokrun -np $(NP) --timeout 900 $(PY) -m sok_keras.examples.train_dlrm
 
 test: $(BUILT)
 	$(PY) -m pytest -q tests

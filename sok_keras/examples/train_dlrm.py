@@ -78,7 +78,7 @@ def main(argv=None):
     timer = Throughput()
     model.fit(
         batches(x, y), epochs=args.epochs, verbose=1 if rank == 0 else 0,
-        callbacks=[sok.callbacks.GlobalMetrics(), timer],
+        callbacks=[sok.callbacks.GlobalMetrics(), timer], shuffle=False,
     )
     steps = args.train_examples // args.global_batch
     examples_per_s = steps * args.global_batch / timer.seconds

@@ -1,0 +1,38 @@
+"""Every notebook in notebooks/ runs top to bottom in a fresh interpreter."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
+
+
+def _script(path):
+    with open(path) as f:
+        nb = json.load(f)
+    cells = ["".join(c["source"]) for c in nb["cells"]
+             if c["cell_type"] == "code"]
+    return "\n\n".join(cells)
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_notebook_runs(path, tmp_path):
+    script = tmp_path / "nb.py"
+    script.write_text(_script(path))
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               MPLBACKEND="Agg")
+    for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=str(tmp_path), env=env,
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
