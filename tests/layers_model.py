@@ -1,0 +1,68 @@
+"""A model using DistributedEmbedding, LocalizedEmbedding and
+All2AllDenseEmbedding together, for the multi-rank layer tests."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import sok_keras as sok
+
+VOCABS = {"dist": 211, "loc": 57, "a2a": 96}
+
+
+def _data(n, seed=7):
+    rng = np.random.default_rng(seed)
+    dist = rng.integers(-1, VOCABS["dist"], size=(n, 4))  # -1 = padding
+    loc = rng.integers(0, VOCABS["loc"], size=(n, 3))
+    a2a = rng.integers(0, VOCABS["a2a"], size=(n, 2, 2))
+    y = rng.normal(size=(n, 1)).astype("float32")
+    return {"dist": dist, "loc": loc, "a2a": a2a}, y
+
+
+def build_model():
+    dist_in = keras.Input(shape=(4,), dtype="int64", name="dist")
+    loc_in = keras.Input(shape=(3,), dtype="int64", name="loc")
+    a2a_in = keras.Input(shape=(2, 2), dtype="int64", name="a2a")
+    d = sok.layers.DistributedEmbedding(VOCABS["dist"], 4, combiner="mean",
+                                        name="dist_emb")(dist_in)
+    lo = sok.layers.LocalizedEmbedding(
+        VOCABS["loc"], 3, combiner="sqrtn", rank=sok.num_ranks() - 1,
+        name="loc_emb")(loc_in)
+    a = sok.layers.All2AllDenseEmbedding(
+        48, 2, slot_num=2, nnz_per_slot=2, vocabulary_size=VOCABS["a2a"],
+        name="a2a_emb")(a2a_in)
+    x = keras.layers.Concatenate()([d, lo, keras.layers.Flatten()(a)])
+    x = keras.layers.Dense(8, activation="tanh", name="hidden")(x)
+    out = keras.layers.Dense(1, name="out")(x)
+    return keras.Model({"dist": dist_in, "loc": loc_in, "a2a": a2a_in}, out)
+
+
+def build_and_fit(steps, global_batch, num_ranks=None):
+    """Builds, initializes tables from a fixed seed, trains; returns
+    per-step losses, the whole tables and the dense weights."""
+    model = build_model()
+    rng = np.random.default_rng(3)
+    for name in ("dist_emb", "loc_emb", "a2a_emb"):
+        table = model.get_layer(name).embeddings
+        table.assign_global(rng.normal(
+            0, 0.3, size=table.global_shape).astype("float32"))
+    model.compile(
+        optimizer=sok.optimizers.OptimizerWrapper(
+            keras.optimizers.SGD(0.1, momentum=0.5)),
+        loss="mse")
+    x, y = _data(steps * global_batch)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        global_batch, drop_remainder=True)
+    losses = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
+    model.fit(sok.shard_batches(ds), epochs=1, verbose=0, shuffle=False,
+              callbacks=[sok.callbacks.GlobalMetrics(), record])
+    return {
+        "losses": losses,
+        "tables": {n: model.get_layer(n).embeddings.read_global().tolist()
+                   for n in ("dist_emb", "loc_emb", "a2a_emb")},
+        "local_rows": {n: int(model.get_layer(n).embeddings.shape[0])
+                       for n in ("dist_emb", "loc_emb", "a2a_emb")},
+        "dense": [w.tolist() for w in model.get_layer("hidden").get_weights()],
+    }
