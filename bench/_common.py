@@ -1,0 +1,90 @@
+"""Helpers shared by the benchmark scripts (no TensorFlow import here)."""
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "bench", "results")
+
+
+def loadavg():
+    """The 1/5/15-minute load averages, rounded."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def summarize(samples_s):
+    """Median, quartiles, min and max of a list of seconds, in ms."""
+    ms = sorted(1000.0 * s for s in samples_s)
+    if len(ms) >= 4:
+        q = statistics.quantiles(ms, n=4)
+        p25, p75 = q[0], q[2]
+    else:
+        p25, p75 = ms[0], ms[-1]
+    return {
+        "n": len(ms),
+        "median_ms": round(statistics.median(ms), 3),
+        "p25_ms": round(p25, 3),
+        "p75_ms": round(p75, 3),
+        "min_ms": round(ms[0], 3),
+        "max_ms": round(ms[-1], 3),
+    }
+
+
+def machine_info():
+    """What the results were measured on."""
+    info = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "loadavg_1_5_15": loadavg(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(("MemTotal", "MemAvailable")):
+                    k, v = line.split(":", 1)
+                    info[k] = v.strip()
+    except OSError:
+        pass
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+            text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def mem_available_bytes():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def max_rss_mb():
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                 1)
+
+
+def write_json(path, obj):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
