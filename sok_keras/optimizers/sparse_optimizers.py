@@ -9,6 +9,8 @@ behaves the same.
 
 import keras
 
+from sok_keras.optimizers import sparse_rules
+from sok_keras.optimizers.wrapper import _check_supported
 from sok_keras.optimizers.wrapper import apply_with_tables
 from sok_keras.optimizers.wrapper import broadcast_variables
 from sok_keras.optimizers.wrapper import create_table_slots
@@ -17,6 +19,14 @@ from sok_keras.variable import is_sok_variable
 
 class _TablesMixin:
     """Routes `sok_keras.Variable`s to the sparse rule of the Keras base."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Fail early, as OptimizerWrapper does: EMA, gradient accumulation
+        # and loss scaling would apply to the dense weights only, and
+        # weight decay has a sparse rule for Adam / AdamW only.
+        sparse_rules.rule_for(self)
+        _check_supported(self)
 
     def build(self, var_list):
         dense = [v for v in var_list if not is_sok_variable(v)]

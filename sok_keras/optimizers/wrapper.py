@@ -1,6 +1,7 @@
 """`OptimizerWrapper`: any Keras optimizer, for models with sharded tables."""
 
 import contextlib
+import copy
 
 import keras
 import tensorflow as tf
@@ -102,43 +103,74 @@ def _as_slices(g, v):
 
 def _sparse_sq_norms(slices):
     """Squared norms of the tables' gradients, summed over all ranks."""
-    sq = tf.stack([tf.reduce_sum(tf.square(s.values)) for s in slices])
+    sq = [tf.reduce_sum(tf.square(s.values)) for s in slices]
+    if len({t.dtype for t in sq}) > 1:
+        sq = [tf.cast(t, tf.float32) for t in sq]
+    sq = tf.stack(sq)
     if world.num_ranks() > 1:
         sq = world.communicator().all_reduce(
             sq, key=f"sok_optimizer/sq_norms/{len(slices)}", op="sum")
     return sq
 
 
+def _combine_duplicates(s):
+    """The per-row gradient: each id once, duplicates summed (the gradient
+    the sparse rules apply; a lookup's gradient already is one)."""
+    unique, position = tf.unique(s.indices)
+    values = tf.math.unsorted_segment_sum(
+        s.values, position, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, s.dense_shape)
+
+
+def _scale_slices(s, scale):
+    return tf.IndexedSlices(s.values * tf.cast(scale, s.values.dtype),
+                            s.indices, s.dense_shape)
+
+
 def clip_gradients(opt, dense, slices):
     """Keras' clipping (`clipnorm`, else `global_clipnorm`, else
     `clipvalue`), extended to sharded tables.
 
-    A table's gradient is its per-row gradient (each id once), so:
+    A table's gradient is its per-row gradient (each id once: duplicate ids
+    in a `tf.IndexedSlices` are summed first), so:
     `clipnorm` clips each table by the norm of its whole gradient (summed
     over every rank's shard); `global_clipnorm` uses the norm over every
     dense gradient and every table; `clipvalue` clips elementwise.
+    Dense gradients are clipped exactly as Keras clips them (with no tables,
+    the result is Keras' own, bit for bit).
     """
-    if opt.clipnorm and opt.clipnorm > 0:
-        dense = [tf.clip_by_norm(g, opt.clipnorm) for g in dense]
+    clipnorm = opt.clipnorm and opt.clipnorm > 0
+    global_clipnorm = opt.global_clipnorm and opt.global_clipnorm > 0
+    clipvalue = opt.clipvalue and opt.clipvalue > 0
+    if slices and (clipnorm or global_clipnorm or clipvalue):
+        slices = [_combine_duplicates(s) for s in slices]
+    if clipnorm:
+        c = opt.clipnorm
+        dense = [tf.clip_by_norm(g, c) for g in dense]
         if slices:
             norms = tf.sqrt(_sparse_sq_norms(slices))
-            scale = opt.clipnorm / tf.maximum(norms, opt.clipnorm)
-            slices = [tf.IndexedSlices(s.values * tf.cast(scale[i],
-                                                          s.values.dtype),
-                                       s.indices, s.dense_shape)
-                      for i, s in enumerate(slices)]
-    elif opt.global_clipnorm and opt.global_clipnorm > 0:
-        sq = tf.constant(0.0, tf.float32)
-        for g in dense:
-            sq += tf.cast(tf.reduce_sum(tf.square(g)), tf.float32)
+            # As tf.clip_by_norm: (g * c) / max(norm, c).
+            slices = [tf.IndexedSlices(
+                s.values * tf.cast(c, s.values.dtype)
+                / tf.cast(tf.maximum(norms[i], c), s.values.dtype),
+                s.indices, s.dense_shape) for i, s in enumerate(slices)]
+    elif global_clipnorm:
+        c = opt.global_clipnorm
+        # Keras' clip_by_global_norm, with each table's squared norm (over
+        # every rank's shard) among the squared norms.
+        sq = [tf.reduce_sum(tf.square(g)) for g in dense]
         if slices:
-            sq += tf.cast(tf.reduce_sum(_sparse_sq_norms(slices)), tf.float32)
-        norm = tf.sqrt(sq)
-        scale = opt.global_clipnorm / tf.maximum(norm, opt.global_clipnorm)
+            table_sq = _sparse_sq_norms(slices)
+            sq += [table_sq[i] for i in range(len(slices))]
+        dtypes = {t.dtype for t in sq}
+        if len(dtypes) > 1:
+            sq = [tf.cast(t, tf.float32) for t in sq]
+        norm = tf.sqrt(tf.reduce_sum(tf.stack(sq)))
+        scale = c * tf.minimum(1.0 / norm, 1.0 / c)
+        scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
         dense = [g * tf.cast(scale, g.dtype) for g in dense]
-        slices = [tf.IndexedSlices(s.values * tf.cast(scale, s.values.dtype),
-                                   s.indices, s.dense_shape) for s in slices]
-    elif opt.clipvalue and opt.clipvalue > 0:
+        slices = [_scale_slices(s, scale) for s in slices]
+    elif clipvalue:
         c = opt.clipvalue
         dense = [tf.clip_by_value(g, -c, c) for g in dense]
         slices = [tf.IndexedSlices(tf.clip_by_value(s.values, -c, c),
@@ -335,7 +367,9 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = config.copy()
+        # A deep copy: deserializing the inner optimizer rewrites its config
+        # in place (e.g. a learning rate schedule's dict becomes the object).
+        config = copy.deepcopy(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)

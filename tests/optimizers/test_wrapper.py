@@ -1,0 +1,433 @@
+"""`OptimizerWrapper` (`sok_keras/optimizers/wrapper.py`): hyperparameters
+and learning-rate schedules of the inner optimizer, delegation of dense
+weights, clipping, errors, serialization and `model.save`."""
+
+import io
+import os
+import zipfile
+
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+from tests.optimizers.test_sparse_kernels import RULES
+from tests.optimizers.test_sparse_rules import initial_values
+from tests.optimizers.test_sparse_rules import keras_dense
+from tests.optimizers.test_sparse_rules import lazy_reference
+from tests.optimizers.test_sparse_rules import make_steps
+from tests.optimizers.test_sparse_rules import run_sok
+from tests.optimizers.test_sparse_rules import slices
+from tests.testing import assert_model_saving
+
+Wrapper = sok.OptimizerWrapper
+
+
+def _np(v):
+    return keras.ops.convert_to_numpy(v)
+
+
+# ---------------------------------------------------------------------------
+# Dense weights: exactly the inner optimizer's update.
+
+
+def _dense_fit(make_opt, wrap, x, y):
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                              keras.layers.Dense(1)])
+    inner = make_opt()
+    model.compile(optimizer=Wrapper(inner) if wrap else inner, loss="mse",
+                  run_eagerly=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return [_np(w) for w in model.weights], int(model.optimizer.iterations)
+
+
+@pytest.mark.parametrize("clip", [{}, {"clipnorm": 0.5},
+                                  {"global_clipnorm": 0.1},
+                                  {"clipvalue": 0.05}],
+                         ids=["none", "clipnorm", "global_clipnorm",
+                              "clipvalue"])
+@pytest.mark.parametrize("opt", ["sgd", "adam", "rmsprop"])
+def test_dense_model_trains_exactly_like_keras(opt, clip):
+    make = {
+        "sgd": lambda: keras.optimizers.SGD(0.01, **clip),
+        "adam": lambda: keras.optimizers.Adam(0.05, **clip),
+        "rmsprop": lambda: keras.optimizers.RMSprop(0.05, centered=True,
+                                                    **clip),
+    }[opt]
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 5)) * 10).astype(np.float32)
+    y = rng.standard_normal((64, 1)).astype(np.float32)
+    ours, it = _dense_fit(make, True, x, y)
+    ref, ref_it = _dense_fit(make, False, x, y)
+    assert it == ref_it == 4
+    for a, b in zip(ours, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_dense_layer_beside_a_table_gets_exactly_keras_update():
+    """A Dense layer's kernel and bias, trained in the same step as a table,
+    get the inner optimizer's own update, bit for bit."""
+    w0, _ = initial_values(0)
+    rng = np.random.default_rng(1)
+    layers = []
+    for _ in range(2):
+        keras.utils.set_random_seed(0)
+        layer = keras.layers.Dense(3)
+        layer.build((None, 4))
+        layers.append(layer)
+    table = sok.Variable(w0, name="table")
+    opt = Wrapper(keras.optimizers.RMSprop(0.01, momentum=0.5))
+    ref = keras.optimizers.RMSprop(0.01, momentum=0.5)
+    for _ in range(5):
+        gk = tf.constant(rng.standard_normal((4, 3)).astype(np.float32))
+        gb = tf.constant(rng.standard_normal((3,)).astype(np.float32))
+        idx = rng.permutation(10)[:4].astype(np.int64)
+        gt = slices(idx, rng.standard_normal((4, 4)).astype(np.float32))
+        opt.apply_gradients([(gt, table), (gk, layers[0].kernel),
+                             (gb, layers[0].bias)])
+        ref.apply_gradients([(gk, layers[1].kernel), (gb, layers[1].bias)])
+    np.testing.assert_array_equal(_np(layers[0].kernel),
+                                  _np(layers[1].kernel))
+    np.testing.assert_array_equal(_np(layers[0].bias), _np(layers[1].bias))
+    assert np.abs(_np(layers[0].kernel) - _np(layers[1].kernel)).max() == 0
+    assert not np.array_equal(_np(table), w0)
+
+
+# ---------------------------------------------------------------------------
+# Hyperparameters, learning rate schedule, iterations.
+
+
+@pytest.mark.parametrize("name", ["momentum", "adam"])
+def test_learning_rate_schedule(name):
+    rule = RULES[name]
+    schedule = keras.optimizers.schedules.ExponentialDecay(
+        0.1, decay_steps=2, decay_rate=0.5)
+
+    def make():
+        opt = rule.keras_opt()
+        cfg = opt.get_config()
+        cfg["learning_rate"] = schedule
+        return type(opt).from_config(cfg)
+
+    steps = make_steps(seed=21)
+    w0, d0 = initial_values(5)
+    opt = Wrapper(make())
+    assert isinstance(opt.inner_optimizer._learning_rate,
+                      keras.optimizers.schedules.ExponentialDecay)
+    table, dense = run_sok(opt, steps, w0, d0)
+    lrs = [np.float32(0.1 * 0.5 ** ((t - 1) / 2))
+           for t in range(1, len(steps) + 1)]
+    w_ref, _ = lazy_reference(rule, steps, w0, lrs=lrs)
+    np.testing.assert_allclose(_np(table), w_ref, rtol=1e-5, atol=1e-6)
+    # With the constant HP learning rate the table would be elsewhere.
+    w_const, _ = lazy_reference(rule, steps, w0)
+    assert np.abs(w_const - w_ref).max() > 1e-3
+    _, kdense, kopt = keras_dense(make(), steps, w0, d0)
+    np.testing.assert_array_equal(_np(dense), _np(kdense))
+    np.testing.assert_allclose(float(opt.learning_rate),
+                               float(kopt.learning_rate), rtol=1e-7)
+    np.testing.assert_allclose(float(opt.learning_rate),
+                               0.1 * 0.5 ** (len(steps) / 2), rtol=1e-6)
+
+
+def test_learning_rate_and_iterations_are_the_inner_optimizers():
+    inner = keras.optimizers.SGD(0.25)
+    opt = Wrapper(inner)
+    table = sok.Variable(np.zeros((6, 2), np.float32), name="table")
+    g = np.array([[1.0, 2.0]], np.float32)
+    opt.apply_gradients([(slices(np.array([3]), g, rows=6), table)])
+    np.testing.assert_array_equal(_np(table)[3], -0.25 * g[0])
+    # Table-only steps count as steps.
+    assert int(opt.iterations) == int(inner.iterations) == 1
+    opt.learning_rate = 0.5  # e.g. a LearningRateScheduler callback
+    assert float(inner.learning_rate) == 0.5
+    opt.apply_gradients([(slices(np.array([3]), g, rows=6), table)])
+    np.testing.assert_array_equal(_np(table)[3], -0.75 * g[0])
+    inner.learning_rate = 0.1
+    assert float(opt.learning_rate) == pytest.approx(0.1)
+    assert int(opt.iterations) == 2
+    # Hyperparameters are read from the inner optimizer when applied.
+    mom_inner = keras.optimizers.SGD(1.0, momentum=0.5)
+    mom = Wrapper(mom_inner)
+    t2 = sok.Variable(np.zeros((6, 2), np.float32), name="t2")
+    mom.apply_gradients([(slices(np.array([0]), g, rows=6), t2)])
+    mom_inner.momentum = 0.25
+    mom.apply_gradients([(slices(np.array([0]), g, rows=6), t2)])
+    # m1 = -g, m2 = 0.25 * m1 - g; w = m1 + m2
+    np.testing.assert_allclose(_np(t2)[0], -g[0] + (-0.25 * g[0] - g[0]))
+
+
+# ---------------------------------------------------------------------------
+# Clipping, against a hand computation.
+
+
+def _clip_case(clip, lr=1.0):
+    """Two tables (one with a duplicate id) and a dense weight, one SGD
+    step; returns (table_1, table_2, dense) deltas and the gradients."""
+    g1 = np.array([[3.0, 0.0], [0.0, 4.0], [1.0, -2.0]], np.float32)
+    i1 = np.array([1, 4, 1], np.int64)  # row 1 twice: [4, -2]
+    g2 = np.array([[0.1, 0.2]], np.float32)
+    i2 = np.array([2], np.int64)
+    gd = np.array([[6.0, 8.0]], np.float32)
+    t1 = sok.Variable(np.zeros((6, 2), np.float32), name="t1")
+    t2 = sok.Variable(np.zeros((6, 2), np.float32), name="t2")
+    d = keras.Variable(np.zeros((1, 2), np.float32), name="d")
+    opt = Wrapper(keras.optimizers.SGD(lr, **clip))
+    opt.apply_gradients([(slices(i1, g1, rows=6), t1),
+                         (slices(i2, g2, rows=6), t2), (tf.constant(gd), d)])
+    # Per-row gradients.
+    r1 = np.zeros((6, 2), np.float32)
+    np.add.at(r1, i1, g1)
+    r2 = np.zeros((6, 2), np.float32)
+    np.add.at(r2, i2, g2)
+    return (-_np(t1), -_np(t2), -_np(d)), (r1, r2, gd)
+
+
+def test_clipnorm_clips_each_table_by_its_norm():
+    (u1, u2, ud), (r1, r2, gd) = _clip_case({"clipnorm": 1.0})
+    n1 = np.sqrt((r1 ** 2).sum())
+    assert n1 == 6.0  # of the per-row gradient; g1's entries: sqrt(30)
+    np.testing.assert_allclose(u1, r1 / n1, rtol=1e-6)
+    np.testing.assert_allclose(u2, r2, rtol=1e-6)  # norm < 1: unchanged
+    np.testing.assert_allclose(ud, gd / 10.0, rtol=1e-6)
+
+
+def test_global_clipnorm_uses_every_gradient():
+    (u1, u2, ud), (r1, r2, gd) = _clip_case({"global_clipnorm": 2.0})
+    norm = np.sqrt((r1 ** 2).sum() + (r2 ** 2).sum() + (gd ** 2).sum())
+    for u, r in ((u1, r1), (u2, r2), (ud, gd)):
+        np.testing.assert_allclose(u, r * 2.0 / norm, rtol=1e-6)
+
+
+def test_clipvalue_clips_per_row_gradients_elementwise():
+    (u1, u2, ud), (r1, r2, gd) = _clip_case({"clipvalue": 3.5})
+    np.testing.assert_allclose(u1, np.clip(r1, -3.5, 3.5), rtol=1e-6)
+    assert u1[1, 0] == pytest.approx(3.5)  # the summed duplicate, clipped
+    np.testing.assert_allclose(u2, r2, rtol=1e-6)
+    np.testing.assert_allclose(ud, [[3.5, 3.5]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [{"clipnorm": 0.5}, {"global_clipnorm": 0.5},
+                                  {"clipvalue": 0.2}])
+def test_clipping_a_lone_table_equals_keras_sparse(clip):
+    w0, _ = initial_values(6)
+    rng = np.random.default_rng(7)
+    table, kvar = sok.Variable(w0, name="t"), keras.Variable(w0)
+    opt = Wrapper(keras.optimizers.Adagrad(0.1, **clip))
+    ref = keras.optimizers.Adagrad(0.1, **clip)
+    for _ in range(4):
+        idx = rng.permutation(12)[:5].astype(np.int64)
+        g = rng.standard_normal((5, 4)).astype(np.float32)
+        opt.apply_gradients([(slices(idx, g), table)])
+        ref.apply_gradients([(slices(idx, g), kvar)])
+    np.testing.assert_allclose(_np(table), _np(kvar), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Through sok.lookup_sparse in a tf.function.
+
+
+def test_lookup_sparse_training_loop_equals_keras_adagrad():
+    rows, dim, batch = 30, 4, 8
+    w0 = np.random.default_rng(8).standard_normal((rows, dim)).astype(
+        np.float32)
+    table, kvar = sok.Variable(w0, name="t"), keras.Variable(w0)
+    opt = Wrapper(keras.optimizers.Adagrad(0.2))
+    ref = keras.optimizers.Adagrad(0.2)
+    target = tf.constant(np.random.default_rng(9).standard_normal(
+        (batch, dim)).astype(np.float32))
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse([table], [ids], combiners=["mean"])[0]
+            loss = tf.reduce_sum(tf.square(out - target))
+        grads = tape.gradient(loss, [table])
+        opt.apply_gradients(zip(grads, [table]))
+        with tf.GradientTape() as tape:
+            out = tf.nn.embedding_lookup_sparse(kvar.value, ids, None,
+                                                combiner="mean")
+            loss = tf.reduce_sum(tf.square(out - target))
+        (g,) = tape.gradient(loss, [kvar.value])
+        # Keras squares each IndexedSlices entry: give it the row sums.
+        ref.apply_gradients([(tf.convert_to_tensor(g), kvar)])
+
+    rng = np.random.default_rng(10)
+    for _ in range(10):
+        ids = rng.integers(0, 20, size=(batch, 3)).astype(np.int64)
+        sp = tf.sparse.from_dense(ids + 1)  # every entry kept
+        step(sp.with_values(sp.values - 1))
+    np.testing.assert_allclose(_np(table), _np(kvar), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_np(table.slots["accumulator"]),
+                               _np(ref._accumulators[0]), rtol=1e-6)
+    np.testing.assert_array_equal(_np(table)[20:], w0[20:])
+    assert int(opt.iterations) == 10
+
+
+# ---------------------------------------------------------------------------
+# Errors.
+
+
+def test_constructor_errors():
+    with pytest.raises(TypeError, match="wraps a keras.optimizers.Optimizer"):
+        Wrapper("adam")
+    with pytest.raises(ValueError, match="cannot wrap another"):
+        Wrapper(Wrapper(keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match="set `clipnorm` on the inner"):
+        Wrapper(keras.optimizers.SGD(), clipnorm=1.0)
+    with pytest.raises(ValueError, match="does not take arguments"):
+        Wrapper(keras.optimizers.SGD(), foo=1)
+    Wrapper(keras.optimizers.SGD(), clipnorm=None, use_ema=False)  # defaults
+    for arg in ({"use_ema": True}, {"gradient_accumulation_steps": 2},
+                {"loss_scale_factor": 128.0}):
+        with pytest.raises(ValueError, match=next(iter(arg))):
+            Wrapper(keras.optimizers.Adam(**arg))
+
+
+@pytest.mark.parametrize("inner", [keras.optimizers.Nadam(),
+                                   keras.optimizers.Lion()],
+                         ids=["Nadam", "Lion"])
+def test_unsupported_inner_optimizer_lists_supported(inner):
+    with pytest.raises(ValueError) as e:
+        Wrapper(inner)
+    msg = str(e.value)
+    assert type(inner).__name__ in msg and "Supported optimizers" in msg
+    for name in ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop"):
+        assert name in msg
+
+
+def test_stateless_apply_is_refused():
+    with pytest.raises(NotImplementedError, match="stateless_apply"):
+        Wrapper(keras.optimizers.SGD()).stateless_apply([], [], [])
+
+
+# ---------------------------------------------------------------------------
+# Serialization and model.save.
+
+
+def test_get_config_from_config_round_trip():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 3, 0.7)
+    opt = Wrapper(keras.optimizers.RMSprop(schedule, rho=0.8, momentum=0.3,
+                                           centered=True, clipnorm=2.0),
+                  name="wrapped")
+    config = opt.get_config()
+    clone = Wrapper.from_config(config)
+    assert clone.get_config() == config
+    assert clone.name == "wrapped"
+    inner = clone.inner_optimizer
+    assert type(inner) is keras.optimizers.RMSprop
+    assert (inner.rho, inner.momentum, inner.centered, inner.clipnorm) == (
+        0.8, 0.3, True, 2.0)
+    assert inner._learning_rate.get_config() == schedule.get_config()
+    # Through Keras' registry too.
+    again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert type(again) is Wrapper and again.get_config() == config
+
+
+def build_model(vocab=30, dim=4):
+    keras.utils.set_random_seed(0)
+    ids = keras.Input(shape=(3,), dtype="int64")
+    x = sok.layers.DistributedEmbedding(vocab, dim, name="emb")(ids)
+    out = keras.layers.Dense(1, name="dense")(x)
+    return keras.Model(ids, out)
+
+
+def fit_data(vocab=30, n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab - 8, size=(n, 3)).astype(np.int64)
+    y = rng.standard_normal((n, 1)).astype(np.float32)
+    return x, y
+
+
+def saved_table_entries(path):
+    """The entries of the (one) embedding layer in a .keras file."""
+    with zipfile.ZipFile(path) as z:
+        data = z.read("model.weights.h5")
+    with h5py.File(io.BytesIO(data), "r") as h5:
+        groups = [h5[f"layers/{k}/vars"] for k in h5["layers"]
+                  if "embeddings" in h5[f"layers/{k}/vars"]]
+        assert len(groups) == 1, list(h5["layers"])
+        return {k: np.asarray(groups[0][k]) for k in groups[0]}
+
+
+def check_save_load_continue(model, optimizer, tmp_path, expected_slots):
+    """Fits, saves to .keras, loads, and checks that continuing training on
+    the loaded model is identical to continuing the original."""
+    x, y = fit_data()
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    table = model.get_layer("emb").embeddings
+    assert sorted(table.slots) == sorted(expected_slots)
+    path = os.path.join(str(tmp_path), "model.keras")
+    model.save(path)
+    entries = saved_table_entries(path)
+    assert sorted(entries) == sorted(
+        ["embeddings"] + [f"slot.{n}" for n in expected_slots])
+    np.testing.assert_array_equal(entries["embeddings"], table.read_global())
+    for n in expected_slots:
+        np.testing.assert_array_equal(entries[f"slot.{n}"],
+                                      table.slots[n].read_global())
+        assert np.abs(entries[f"slot.{n}"]).max() > 0  # trained state
+
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is type(optimizer)
+    assert loaded.optimizer.get_config() == optimizer.get_config()
+    assert int(loaded.optimizer.iterations) == int(optimizer.iterations) == 4
+    ltable = loaded.get_layer("emb").embeddings
+    for n in expected_slots:
+        np.testing.assert_array_equal(_np(ltable.slots[n]),
+                                      _np(table.slots[n]))
+    x2, y2 = fit_data(seed=1)
+    for m in (model, loaded):
+        m.fit(x2, y2, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations) == 8
+    np.testing.assert_array_equal(_np(ltable), _np(table))
+    for n in expected_slots:
+        np.testing.assert_array_equal(_np(ltable.slots[n]),
+                                      _np(table.slots[n]))
+    for a, b in zip(loaded.weights, model.weights):
+        np.testing.assert_array_equal(_np(a), _np(b))
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  model.predict(x, verbose=0))
+    return loaded
+
+
+def test_model_save_round_trip_continues_identically(tmp_path):
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 3, 0.5)
+    model = build_model()
+    check_save_load_continue(
+        model, Wrapper(keras.optimizers.Adam(schedule, amsgrad=True)),
+        tmp_path, ["m", "v", "vhat"])
+
+
+def test_saved_ftrl_model_predicts_the_same_and_keeps_slots(tmp_path):
+    model = build_model()
+    x, y = fit_data()
+    model.compile(optimizer=Wrapper(keras.optimizers.Ftrl(0.1)), loss="mse")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    loaded = assert_model_saving(model, x, tmp_path)
+    assert isinstance(loaded.optimizer, Wrapper)
+    assert sorted(loaded.get_layer("emb").embeddings.slots) == [
+        "accumulator", "linear"]
+
+
+@pytest.mark.parametrize("clip", [{"clipnorm": 1.0}, {"global_clipnorm": 1.0}])
+def test_clipping_mixed_dtypes(clip):
+    t64 = sok.Variable(np.zeros((4, 2), np.float64), name="t64")
+    t32 = sok.Variable(np.zeros((4, 2), np.float32), name="t32")
+    d = keras.Variable(np.zeros((2,), np.float32), name="d")
+    g = np.array([[3.0, 4.0]])
+    opt = Wrapper(keras.optimizers.SGD(1.0, **clip))
+    opt.apply_gradients([(slices(np.array([1]), g), t64),
+                         (slices(np.array([2]), g.astype(np.float32)), t32),
+                         (tf.constant([3.0, 4.0]), d)])
+    scale = 1 / 5.0 if "clipnorm" in clip else 1 / np.sqrt(75.0)
+    for v, row in ((t64, 1), (t32, 2)):
+        np.testing.assert_allclose(_np(v)[row], -g[0] * scale, rtol=1e-6)
+    np.testing.assert_allclose(_np(d), [-3.0 * scale, -4.0 * scale],
+                               rtol=1e-6)
+    assert _np(t64).dtype == np.float64
