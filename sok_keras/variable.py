@@ -233,6 +233,20 @@ class Variable(keras.Variable):
         else:
             self._sok_pending_slots[name] = np.asarray(table[:])
 
+    def slot_values_for_saving(self):
+        """`(name, whole table)` of every slot, in name order.
+
+        Includes slots restored from a file whose optimizer has not created
+        them yet, so saving such a model keeps them. A collective with
+        several ranks: every rank must call it.
+        """
+        names = sorted(set(self._sok_slots) | set(self._sok_pending_slots))
+        for name in names:
+            if name in self._sok_slots:
+                yield name, self._sok_slots[name].read_global()
+            else:
+                yield name, self._sok_pending_slots[name]
+
     def add_slot(self, name, slot):
         """Registers `slot` (a `Variable` shaped like this table) as `name`."""
         if tuple(slot.global_shape) != self._sok_global_shape:

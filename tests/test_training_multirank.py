@@ -37,14 +37,35 @@ def references():
         # P3: the lazy rules on one process (Keras' dense Adam differs by
         # design: it decays every row's moments each step).
         "adam": _single_process("sok", "adam", wrap=True),
+        "momentum_clipnorm": _single_process(
+            "sok", "momentum_clipnorm", wrap=True),
+        "adam_global_clipnorm": _single_process(
+            "sok", "adam_global_clipnorm", wrap=True),
     }
+
+
+def test_clipping_engages_in_the_clipped_references(references):
+    # Otherwise the clipped runs would not test clipping across ranks.
+    assert not np.allclose(references["adam_global_clipnorm"][0],
+                           references["adam"][0], rtol=1e-4)
+    from tests import training_setup
+
+    training_setup.OPTIMIZERS["momentum"] = lambda: (
+        keras.optimizers.SGD(0.05, momentum=0.9))
+    try:
+        unclipped = _single_process("sok", "momentum", wrap=True)
+    finally:
+        del training_setup.OPTIMIZERS["momentum"]
+    assert not np.allclose(references["momentum_clipnorm"][0], unclipped[0],
+                           rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_fit_on_ranks_matches_one_process(num_ranks, references):
     results = run_workers(
         worker_path("dlrm_fit"), num_ranks,
-        args=[STEPS, GLOBAL_BATCH, "sgd", "adam"], timeout=240)
+        args=[STEPS, GLOBAL_BATCH, "sgd", "adam", "momentum_clipnorm",
+              "adam_global_clipnorm"], timeout=300)
     rows = sum(VOCAB)
     for opt_name, (ref_losses, ref_table) in references.items():
         local_rows = [r[opt_name]["local_rows"] for r in results]

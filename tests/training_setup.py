@@ -18,6 +18,11 @@ OPTIMIZERS = {
     # after 12 steps, with 1e-3 they agree to 1e-6.
     "adam": lambda: keras.optimizers.Adam(0.01, epsilon=1e-3),
     "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    # Clipping across ranks: a table's norm sums every rank's shard.
+    "momentum_clipnorm": lambda: keras.optimizers.SGD(
+        0.05, momentum=0.9, clipnorm=0.05),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, epsilon=1e-3, global_clipnorm=0.1),
 }
 
 

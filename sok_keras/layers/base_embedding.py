@@ -89,8 +89,8 @@ class BaseEmbedding(keras.layers.Layer):
     # global row order, so that they load at any number of ranks.
     def save_own_variables(self, store):
         store["embeddings"] = self.embeddings.read_global()
-        for name in sorted(self.embeddings.slots):
-            store[f"slot.{name}"] = self.embeddings.slots[name].read_global()
+        for name, value in self.embeddings.slot_values_for_saving():
+            store[f"slot.{name}"] = value
 
     def load_own_variables(self, store):
         if "embeddings" not in store:

@@ -171,3 +171,28 @@ def test_model_save_and_load(tmp_path):
     model.fit(x, rng.normal(size=(32, 1)), verbose=0)
     loaded = assert_model_saving(model, x, tmp_path)
     assert isinstance(loaded.layers[1], sok.layers.DistributedEmbedding)
+
+
+def test_slots_restored_before_the_optimizer_exists_survive_a_save(tmp_path):
+    rng = np.random.default_rng(9)
+    model = _functional()
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adagrad(0.1)), loss="mse")
+    x = rng.integers(0, 50, size=(16, 4))
+    model.fit(x, rng.normal(size=(16, 1)), verbose=0)
+    acc = model.layers[1].embeddings.slots["accumulator"].numpy()
+    first = str(tmp_path / "a.keras")
+    model.save(first)
+    keras.utils.clear_session()
+    # No compile: the optimizer (and so the slot) does not exist yet.
+    loaded = keras.models.load_model(first, compile=False)
+    assert loaded.layers[1].embeddings.slots == {}
+    second = str(tmp_path / "b.keras")
+    loaded.save(second)
+    keras.utils.clear_session()
+    again = keras.models.load_model(second)
+    again.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adagrad(0.1)), loss="mse")
+    again.optimizer.build(again.trainable_variables)
+    np.testing.assert_array_equal(
+        again.layers[1].embeddings.slots["accumulator"].numpy(), acc)
