@@ -3,7 +3,8 @@
 import json
 import os
 
-RANK = int(os.environ.get("SOK_RANK", "0"))
+# SOK_TEST_RANK: set by tests that start ranks without sokrun.
+RANK = int(os.environ.get("SOK_RANK", os.environ.get("SOK_TEST_RANK", "0")))
 NUM_RANKS = int(os.environ.get("SOK_NUM_RANKS", "1"))
 OUT = os.environ.get("SOK_TEST_OUT", ".")
 

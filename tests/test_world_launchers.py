@@ -1,0 +1,81 @@
+"""`sok.init()` in processes started without sokrun (torchrun-style and
+Open MPI-style environments), each under a timeout."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers", "seed_example.py")
+
+
+def _free_port_block(count):
+    """A base port p such that p+1..p+count were free just now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        try:
+            socks = []
+            for i in range(1, count + 1):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free port block")
+
+
+@pytest.mark.parametrize("style", ["torchrun", "openmpi"])
+def test_two_ranks_without_sokrun(style, tmp_path):
+    base = _free_port_block(2)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [REPO, os.path.join(REPO, "tests", "workers")]),
+            TF_CPP_MIN_LOG_LEVEL="2", SOK_TEST_OUT=str(tmp_path),
+            PYTHONUNBUFFERED="1")
+        for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS"):
+            env.pop(var, None)
+        if style == "torchrun":
+            env.update(RANK=str(rank), WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(base))
+        else:
+            env.update(OMPI_COMM_WORLD_RANK=str(rank),
+                       OMPI_COMM_WORLD_SIZE="2",
+                       SOK_WORKER_ADDRS=",".join(
+                           f"127.0.0.1:{base + 1 + i}" for i in range(2)))
+        # The worker's result file is named after its rank; without sokrun
+        # there is no SOK_RANK, so the harness passes it separately.
+        env["SOK_TEST_RANK"] = str(rank)
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, "distributed"], env=env, cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text())
+               for r in range(2)]
+    assert results[0]["shapes"] == [[9, 3], [4, 5]]
+    assert results[1]["shapes"] == [[8, 3], [3, 5]]
+    assert results[0]["grad_rows"] == [1, 1]
+    assert results[1]["grad_rows"] == [3, 2]
