@@ -168,6 +168,7 @@ class Variable(keras.Variable):
         self._sok_global_shape = tuple(int(s) for s in global_shape)
         self._sok_slots = {}
         self._sok_pending_slots = {}
+        self._sok_optimizer = None
         super().__init__(
             value, dtype=dtype, trainable=trainable, name=name, autocast=False
         )
@@ -221,6 +222,15 @@ class Variable(keras.Variable):
         owns the table saves and restores them with it.
         """
         return self._sok_slots
+
+    @property
+    def optimizer(self):
+        """This table's own Keras optimizer, or None (the model's rules)."""
+        return self._sok_optimizer
+
+    @optimizer.setter
+    def optimizer(self, value):
+        self._sok_optimizer = value
 
     def restore_slot(self, name, table):
         """Restores slot `name` from its whole table (global row order).

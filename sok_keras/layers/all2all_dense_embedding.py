@@ -25,6 +25,14 @@ class All2AllDenseEmbedding(BaseEmbedding):
         vocabulary_size: optional int, the whole table's rows; overrides
             `max_vocabulary_size_per_gpu * num_ranks` (set it to make the
             saved table independent of the number of ranks).
+        optimizer: optional Keras optimizer (instance, name or config) for
+            this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
+            over the model's optimizer for this table: its rule,
+            hyperparameters, learning-rate schedule and own step count are
+            used (applied lazily, like `OptimizerWrapper`); clipping and the
+            cross-rank averaging still come from the model's optimizer,
+            which must be an `OptimizerWrapper` or a `sok.optimizers` class.
+            Defaults to `None` (the model's optimizer rules the table).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:

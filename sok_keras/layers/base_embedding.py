@@ -21,6 +21,26 @@ def check_positive_int(value, arg, layer):
     return int(value)
 
 
+def get_table_optimizer(optimizer, layer):
+    """Validates a layer's own table optimizer (None, name, config or
+    instance) and returns a Keras optimizer instance or None."""
+    if optimizer is None:
+        return None
+    from sok_keras.optimizers import sparse_rules
+
+    opt = keras.optimizers.get(optimizer)
+    sparse_rules.rule_for(opt)  # raises, listing the supported ones
+    for arg in ("clipnorm", "global_clipnorm", "clipvalue", "use_ema",
+                "gradient_accumulation_steps", "loss_scale_factor"):
+        if getattr(opt, arg, None):
+            raise ValueError(
+                f"{layer}: the table's optimizer may not set `{arg}`; "
+                "clipping and the other step-wide options come from the "
+                f"model's optimizer. Received: {arg}={getattr(opt, arg)!r}."
+            )
+    return opt
+
+
 def check_combiner(combiner, layer):
     if combiner is not None and combiner not in SUPPORTED_COMBINERS:
         raise ValueError(
@@ -42,10 +62,14 @@ class BaseEmbedding(keras.layers.Layer):
         embedding_dim,
         combiner="sum",
         embeddings_initializer="uniform",
+        optimizer=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         cls = type(self).__name__
+        # Keras saves this optimizer's own variables (its step count) with
+        # the layer, since it is an attribute of the layer.
+        self.table_optimizer = get_table_optimizer(optimizer, cls)
         self.vocabulary_size = check_positive_int(
             vocabulary_size, "vocabulary_size", cls)
         self.embedding_dim = check_positive_int(
@@ -68,6 +92,7 @@ class BaseEmbedding(keras.layers.Layer):
             dtype=self.variable_dtype,
             name="embeddings",
         )
+        self.embeddings.optimizer = self.table_optimizer
         self.built = True
 
     def call(self, inputs, weights=None):
@@ -112,6 +137,8 @@ class BaseEmbedding(keras.layers.Layer):
                 "combiner": self.combiner,
                 "embeddings_initializer": keras.initializers.serialize(
                     self.embeddings_initializer),
+                "optimizer": None if self.table_optimizer is None else (
+                    keras.optimizers.serialize(self.table_optimizer)),
             }
         )
         return config

@@ -23,6 +23,14 @@ class DistributedEmbedding(BaseEmbedding):
             input).
         embeddings_initializer: initializer of the table. Defaults to
             `"uniform"`. Each rank initializes only its own rows.
+        optimizer: optional Keras optimizer (instance, name or config) for
+            this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
+            over the model's optimizer for this table: its rule,
+            hyperparameters, learning-rate schedule and own step count are
+            used (applied lazily, like `OptimizerWrapper`); clipping and the
+            cross-rank averaging still come from the model's optimizer,
+            which must be an `OptimizerWrapper` or a `sok.optimizers` class.
+            Defaults to `None` (the model's optimizer rules the table).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:

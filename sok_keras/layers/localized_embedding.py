@@ -34,6 +34,14 @@ class LocalizedEmbedding(BaseEmbedding):
             places localized tables round-robin over the ranks in the order
             they are built (the same order on every rank). An explicit rank
             must be smaller than the number of ranks.
+        optimizer: optional Keras optimizer (instance, name or config) for
+            this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
+            over the model's optimizer for this table: its rule,
+            hyperparameters, learning-rate schedule and own step count are
+            used (applied lazily, like `OptimizerWrapper`); clipping and the
+            cross-rank averaging still come from the model's optimizer,
+            which must be an `OptimizerWrapper` or a `sok.optimizers` class.
+            Defaults to `None` (the model's optimizer rules the table).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:

@@ -199,14 +199,19 @@ def _check_supported(opt):
             )
 
 
+def table_optimizer(opt, table):
+    """The optimizer that rules `table`: its own (a layer's `optimizer=`
+    argument) if it has one, else the model's `opt`."""
+    return table.optimizer if table.optimizer is not None else opt
+
+
 def create_table_slots(opt, variables):
     """Creates the slot tables of every sharded table in `variables`."""
-    tables = [v for v in variables if is_sok_variable(v)]
-    if not tables:
-        return
-    rule = sparse_rules.rule_for(opt)
-    for table in tables:
-        sparse_rules.ensure_slots(rule, opt, table)
+    for table in variables:
+        if is_sok_variable(table):
+            topt = table_optimizer(opt, table)
+            sparse_rules.ensure_slots(
+                sparse_rules.rule_for(topt), topt, table)
 
 
 def apply_with_tables(opt, grads, variables, apply_dense):
@@ -233,13 +238,18 @@ def apply_with_tables(opt, grads, variables, apply_dense):
             dense_v.append(v)
     dense_g, slices = clip_gradients(
         opt, [tf.convert_to_tensor(g) for g in dense_g], slices)
-    if tables:
-        rule = sparse_rules.rule_for(opt)
-        lr = opt.learning_rate
-        step = tf.cast(opt.iterations + 1, tables[0].dtype)
-        for s, table in zip(slices, tables):
-            slots = sparse_rules.ensure_slots(rule, opt, table)
-            rule.apply(opt, table, slots, s.indices, s.values, lr, step)
+    own_steps = []  # tables' own optimizers: each counts its steps
+    for s, table in zip(slices, tables):
+        topt = table_optimizer(opt, table)
+        rule = sparse_rules.rule_for(topt)
+        step = tf.cast(topt.iterations + 1, table.dtype)
+        slots = sparse_rules.ensure_slots(rule, topt, table)
+        rule.apply(topt, table, slots, s.indices, s.values,
+                   topt.learning_rate, step)
+        if topt is not opt and all(topt is not o for o in own_steps):
+            own_steps.append(topt)
+    for topt in own_steps:
+        topt.iterations.assign_add(1)
     with _clipping_off(opt):
         apply_dense(dense_g, dense_v)
 

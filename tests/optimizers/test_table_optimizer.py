@@ -1,0 +1,91 @@
+"""A layer's own table optimizer (`optimizer=` on the embedding layers)."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+
+
+def _model(table_optimizer, trainable_head=True):
+    ids = keras.Input(shape=(3,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(
+        40, 4, combiner="sum", name="emb", optimizer=table_optimizer,
+        embeddings_initializer=keras.initializers.RandomNormal(seed=1))
+    head = keras.layers.Dense(
+        1, name="head", trainable=trainable_head,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=2))
+    return keras.Model(ids, head(emb(ids)))
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 40, size=(64, 3)), rng.normal(size=(64, 1))
+
+
+def test_table_optimizer_rules_the_table_model_optimizer_the_rest():
+    x, y = _data()
+    # With a frozen head, only the table trains: its trajectory under the
+    # table's Adagrad equals a model whose optimizer is that Adagrad.
+    a = _model(keras.optimizers.Adagrad(0.2), trainable_head=False)
+    a.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.SGD(0.05)), loss="mse")
+    a.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    b = _model(None, trainable_head=False)
+    b.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adagrad(0.2)), loss="mse")
+    b.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ta = a.get_layer("emb").embeddings
+    np.testing.assert_allclose(ta.numpy(), b.get_layer("emb").embeddings
+                               .numpy(), rtol=1e-6)
+    assert sorted(ta.slots) == ["accumulator"]
+    # The table optimizer counts its own steps (8 batches).
+    assert int(a.get_layer("emb").table_optimizer.iterations.numpy()) == 8
+    # And the dense head follows the model's SGD: one step from the same
+    # start equals plain SGD on the dense gradient.
+    c = _model(keras.optimizers.Adagrad(0.2))
+    c.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.SGD(0.05)), loss="mse")
+    w0 = c.get_layer("head").kernel.numpy().copy()
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y[:16], c(x[:16]))
+    g = tape.gradient(loss, c.get_layer("head").kernel)
+    c.train_on_batch(x[:16], y[:16])
+    np.testing.assert_allclose(c.get_layer("head").kernel.numpy(),
+                               w0 - 0.05 * g.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_config_and_save_round_trip(tmp_path):
+    x, y = _data(1)
+    model = _model(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.SGD(0.05)), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    layer = model.get_layer("emb")
+    config = layer.get_config()
+    assert config["optimizer"]["class_name"] == "Adam"
+    clone = sok.layers.DistributedEmbedding.from_config(config)
+    assert isinstance(clone.table_optimizer, keras.optimizers.Adam)
+    path = os.path.join(str(tmp_path), "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    lt = loaded.get_layer("emb")
+    # The table optimizer's step count and the slots come back.
+    assert int(lt.table_optimizer.iterations.numpy()) == 4
+    np.testing.assert_array_equal(lt.embeddings.slots["m"].numpy(),
+                                  layer.embeddings.slots["m"].numpy())
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    np.testing.assert_allclose(lt.embeddings.numpy(),
+                               layer.embeddings.numpy(), rtol=1e-6)
+
+
+def test_bad_table_optimizers():
+    with pytest.raises(ValueError, match="Supported optimizers"):
+        sok.layers.DistributedEmbedding(10, 2, optimizer="nadam")
+    with pytest.raises(ValueError, match="clipnorm"):
+        sok.layers.LocalizedEmbedding(
+            10, 2, optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0))
