@@ -37,6 +37,8 @@ import zlib
 
 import tensorflow as tf
 
+from sok_keras import bucket_ops
+
 GROUP_KEY = 0x50C000
 """The collective group key of sok_keras's communicator (all ranks)."""
 
@@ -518,31 +520,12 @@ class CollectiveCommunicator(Communicator):
                 f"exchange {site!r}: the dimensions after the first must be "
                 f"static, got shape {x.shape}"
             )
-        send = c[r]
-        recv = c[:, r]
-        rows = tf.shape(x, out_type=tf.int64)[0]
-        check = tf.debugging.assert_equal(
-            rows,
-            tf.reduce_sum(send),
-            message=(
-                f"sok_keras: exchange {site!r} on rank {r}: the rows of x "
-                "must equal sum(counts_matrix[rank, :])"
-            ),
-        )
-        e = _next_pow2_exponent(tf.reduce_max(c))
-        bucket = tf.bitwise.left_shift(tf.constant(1, tf.int64), e)
-        ik = self._instance_key(f"{site}|{x.dtype.name}|{rest.as_list()}", e)
-        # Pad: row i of destination j goes to slot j * bucket + position.
-        ranks = tf.range(n, dtype=tf.int64)
-        with tf.control_dependencies([check]):
-            dest = tf.repeat(ranks, send)
-        send_off = tf.cumsum(send, exclusive=True)
-        pos = tf.range(rows, dtype=tf.int64) - tf.gather(send_off, dest)
-        slots = dest * bucket + pos
-        full = tf.concat(
-            [[n * bucket], tf.constant(rest.as_list(), tf.int64)], 0
-        )
-        padded = tf.scatter_nd(slots[:, tf.newaxis], x, full)
+        rest = rest.as_list()
+        # Pad (one compiled op): checks that x has sum(C[rank, :]) rows,
+        # computes the bucket exponent e (bucket = 2^e, the next power of
+        # two >= max(C)) and puts the rows for rank j in block j.
+        padded, e = bucket_ops.bucket_pad(x, c, r, site=site)
+        ik = self._instance_key(f"{site}|{x.dtype.name}|{rest}", e)
 
         def run(t):
             return tf.raw_ops.CollectiveAllToAllV2(
@@ -554,10 +537,6 @@ class CollectiveCommunicator(Communicator):
         # TF's all-to-all wants dim 0 == group size: one row per peer.
         padded = tf.reshape(padded, [n, -1])
         what = site.partition("|")[0]
-        got = tf.reshape(self._guarded(what, padded, run), full)
-        # Unpad: rows from source j sit at j * bucket + [0, recv[j]).
-        src = tf.repeat(ranks, recv)
-        recv_off = tf.cumsum(recv, exclusive=True)
-        total = tf.reduce_sum(recv)
-        pos = tf.range(total, dtype=tf.int64) - tf.gather(recv_off, src)
-        return tf.gather(got, src * bucket + pos)
+        got = tf.reshape(self._guarded(what, padded, run), [-1] + rest)
+        # Unpad: rows from source j sit at j * bucket + [0, C[j, rank]).
+        return bucket_ops.bucket_unpad(got, c, e, r, site=site)

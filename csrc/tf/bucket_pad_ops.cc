@@ -1,0 +1,295 @@
+// TensorFlow ops and CPU kernels of the ragged exchange's padding:
+//
+//   padded, exponent = SokBucketPad(x, counts_matrix, rank=r, site=...)
+//   y = SokBucketUnpad(received, counts_matrix, exponent, rank=r, site=...)
+//
+// Pad moves rank r's rows (grouped by destination) into N blocks of
+// bucket = 2^exponent rows (the next power of two >= max(counts_matrix)),
+// Unpad takes the rows received from every rank out of such blocks. The
+// kernels validate their inputs, then call core/bucket_pad.h. Both ops are
+// pure (not stateful): they may be pruned, deduplicated or constant-folded
+// and are not chained by automatic control dependencies.
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/bucket_pad.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/lib/core/errors.h"
+
+namespace sok {
+namespace {
+
+using ::tensorflow::DataTypeSize;
+using ::tensorflow::DataTypeString;
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::TensorShapeUtils;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+namespace errors = ::tensorflow::errors;
+
+#define SOK_BUCKET_TYPES                                                    \
+  "{bool, int8, uint8, int16, uint16, int32, uint32, int64, uint64, half, " \
+  "bfloat16, float, double, complex64, complex128}"
+
+bucket::ParallelFor CpuParallelFor(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64_t n, int64_t cost_per_unit,
+                   const std::function<void(int64_t, int64_t)>& fn) {
+    if (n <= 0) return;
+    workers->ParallelFor(n, cost_per_unit, fn);
+  };
+}
+
+// [unknown] + shape[1:] of a tensor of rank >= 1.
+absl::Status RowsShape(InferenceContext* c, ShapeHandle in,
+                       ShapeHandle* out) {
+  ShapeHandle rest;
+  TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+  return c->Concatenate(c->Vector(c->UnknownDim()), rest, out);
+}
+
+absl::Status BucketShape(InferenceContext* c) {
+  ShapeHandle rows;
+  ShapeHandle counts;
+  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &rows));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &counts));
+  DimensionHandle n;
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(counts, 0), c->Dim(counts, 1), &n));
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(RowsShape(c, rows, &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
+REGISTER_OP("SokBucketPad")
+    .Input("x: T")
+    .Input("counts_matrix: int64")
+    .Output("padded: T")
+    .Output("exponent: int64")
+    .Attr("T: " SOK_BUCKET_TYPES)
+    .Attr("rank: int >= 0")
+    .Attr("site: string = ''")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(BucketShape(c));
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Pads the rows a rank sends in a ragged all-to-all to equal power-of-two blocks.
+
+x: [S, ...], the rows this rank sends, grouped by destination rank in rank
+  order; S must equal sum(counts_matrix[rank, :]).
+counts_matrix: [N, N], counts_matrix[i, j] rows go from rank i to rank j;
+  identical on every rank, entries >= 0.
+padded: [N * bucket, ...]: block j (rows j * bucket + [0, bucket)) starts
+  with the counts_matrix[rank, j] rows for rank j; the rest is zero.
+exponent: bucket = 2^exponent, the next power of two >= max(counts_matrix)
+  (>= 1); the same on every rank.
+rank: this rank.
+site: the exchange's name, for error messages.
+)doc");
+
+REGISTER_OP("SokBucketUnpad")
+    .Input("received: T")
+    .Input("counts_matrix: int64")
+    .Input("exponent: int64")
+    .Output("y: T")
+    .Attr("T: " SOK_BUCKET_TYPES)
+    .Attr("rank: int >= 0")
+    .Attr("site: string = ''")
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(BucketShape(c));
+      ShapeHandle e;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &e));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Takes the rows a rank received in a ragged all-to-all out of padded blocks.
+
+received: [N * 2^exponent, ...]: block j holds counts_matrix[j, rank] rows
+  from rank j, then padding.
+counts_matrix: [N, N], as for SokBucketPad.
+exponent: the exponent SokBucketPad returned for counts_matrix.
+y: [sum(counts_matrix[:, rank]), ...], the received rows grouped by source
+  rank in rank order.
+rank: this rank.
+site: the exchange's name, for error messages.
+)doc");
+
+// Shared validation of counts_matrix and the rows tensor.
+class BucketOpBase : public OpKernel {
+ public:
+  explicit BucketOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &rank_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("site", &site_));
+    const int size = DataTypeSize(ctx->input_type(0));
+    OP_REQUIRES(ctx, size > 0,
+                errors::InvalidArgument(Where(), "unsupported dtype ",
+                                        DataTypeString(ctx->input_type(0))));
+    elem_bytes_ = size;
+  }
+
+ protected:
+  std::string Where() const {
+    return "sok_keras: exchange '" + site_ + "' on rank " +
+           std::to_string(rank_) + ": ";
+  }
+
+  // Validates rows (rank >= 1) and counts ([N, N], rank < N); sets
+  // num_ranks_ / row_bytes_. Returns false (status set) on failure.
+  bool Validate(OpKernelContext* ctx, const Tensor& rows,
+                const Tensor& counts) {
+    if (!TensorShapeUtils::IsMatrix(counts.shape()) ||
+        counts.dim_size(0) != counts.dim_size(1)) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "counts_matrix must be a square [N, N] matrix, got shape ",
+          counts.shape().DebugString()));
+      return false;
+    }
+    num_ranks = counts.dim_size(0);
+    if (rank_ >= num_ranks) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "rank ", rank_, " is out of range for a [", num_ranks, ", ",
+          num_ranks, "] counts_matrix"));
+      return false;
+    }
+    if (rows.dims() < 1) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "the rows tensor must have rank >= 1, got shape ",
+          rows.shape().DebugString()));
+      return false;
+    }
+    int64_t row_elems = 1;
+    for (int d = 1; d < rows.dims(); ++d) row_elems *= rows.dim_size(d);
+    row_bytes = row_elems * elem_bytes_;
+    return true;
+  }
+
+  bool Check(OpKernelContext* ctx, const bucket::Status& status) {
+    if (status.ok()) return true;
+    ctx->CtxFailure(errors::InvalidArgument(Where(), status.message()));
+    return false;
+  }
+
+  // [rows] + rows_like.shape[1:].
+  static TensorShape RowsShape(const Tensor& rows_like, int64_t rows) {
+    TensorShape shape = rows_like.shape();
+    shape.set_dim(0, rows);
+    return shape;
+  }
+
+  int64_t rank_ = 0;
+  std::string site_;
+  int64_t elem_bytes_ = 0;
+  int64_t num_ranks = 0;
+  int64_t row_bytes = 0;
+};
+
+class SokBucketPadOp : public BucketOpBase {
+ public:
+  using BucketOpBase::BucketOpBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& counts = ctx->input(1);
+    if (!Validate(ctx, x, counts)) return;
+    const int64_t* c = counts.flat<int64_t>().data();
+    int64_t exponent = 0;
+    if (!Check(ctx, bucket::BucketExponent(c, num_ranks, &exponent))) return;
+    int64_t send = 0;
+    if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, true, &send))) return;
+    const int64_t rows = x.dim_size(0);
+    OP_REQUIRES(ctx, rows == send,
+                errors::InvalidArgument(
+                    Where(), "the rows of x must equal sum(counts_matrix[rank, "
+                    ":]), but x has ", rows, " rows and sum(counts_matrix[",
+                    rank_, ", :]) = ", send, " (x shape ",
+                    x.shape().DebugString(), ")"));
+    if (!Check(ctx, bucket::CheckPaddedSize(num_ranks, exponent, row_bytes)))
+      return;
+    const int64_t bucket = int64_t{1} << exponent;
+    Tensor* padded = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, RowsShape(x, num_ranks * bucket), &padded));
+    Tensor* e = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &e));
+    e->scalar<int64_t>()() = exponent;
+    bucket::BucketPad(static_cast<const char*>(x.data()), row_bytes, c,
+                      num_ranks, rank_, bucket, CpuParallelFor(ctx),
+                      static_cast<char*>(padded->data()));
+  }
+};
+
+class SokBucketUnpadOp : public BucketOpBase {
+ public:
+  using BucketOpBase::BucketOpBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& received = ctx->input(0);
+    const Tensor& counts = ctx->input(1);
+    const Tensor& exponent_t = ctx->input(2);
+    if (!Validate(ctx, received, counts)) return;
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(exponent_t.shape()),
+                errors::InvalidArgument(Where(),
+                                        "exponent must be a scalar, got shape ",
+                                        exponent_t.shape().DebugString()));
+    const int64_t exponent = exponent_t.scalar<int64_t>()();
+    OP_REQUIRES(ctx, exponent >= 0 && exponent <= bucket::kMaxExponent,
+                errors::InvalidArgument(Where(), "exponent ", exponent,
+                                        " is out of range [0, ",
+                                        bucket::kMaxExponent, "]"));
+    if (!Check(ctx, bucket::CheckPaddedSize(num_ranks, exponent, row_bytes)))
+      return;
+    const int64_t bucket = int64_t{1} << exponent;
+    OP_REQUIRES(ctx, received.dim_size(0) == num_ranks * bucket,
+                errors::InvalidArgument(
+                    Where(), "received has ", received.dim_size(0),
+                    " rows, expected num_ranks * 2^exponent = ", num_ranks,
+                    " * ", bucket));
+    const int64_t* c = counts.flat<int64_t>().data();
+    for (int64_t j = 0; j < num_ranks; ++j) {
+      const int64_t n = c[j * num_ranks + rank_];
+      OP_REQUIRES(ctx, n >= 0 && n <= bucket,
+                  errors::InvalidArgument(
+                      Where(), "counts_matrix[", j, ", ", rank_, "] = ", n,
+                      " is out of range [0, 2^exponent = ", bucket, "]"));
+    }
+    int64_t total = 0;
+    if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, false, &total)))
+      return;
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_output(0, RowsShape(received, total), &y));
+    bucket::BucketUnpad(static_cast<const char*>(received.data()), row_bytes,
+                        c, num_ranks, rank_, bucket, CpuParallelFor(ctx),
+                        static_cast<char*>(y->data()));
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SokBucketPad")
+                            .Device(DEVICE_CPU)
+                            .HostMemory("counts_matrix")
+                            .HostMemory("exponent"),
+                        SokBucketPadOp);
+REGISTER_KERNEL_BUILDER(Name("SokBucketUnpad")
+                            .Device(DEVICE_CPU)
+                            .HostMemory("counts_matrix")
+                            .HostMemory("exponent"),
+                        SokBucketUnpadOp);
+
+}  // namespace
+}  // namespace sok
