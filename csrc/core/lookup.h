@@ -15,14 +15,13 @@
 #include <utility>
 #include <vector>
 
+#include "core/parallel.h"
+
 namespace sok {
 namespace lookup {
 
-// Runs fn(begin, end) over disjoint ranges that cover [0, n). `cost_per_unit`
-// is a rough cost estimate of one unit of work (in cycles).
-using ParallelFor = std::function<void(
-    int64_t n, int64_t cost_per_unit,
-    const std::function<void(int64_t, int64_t)>& fn)>;
+// See core/parallel.h.
+using ParallelFor = ::sok::ParallelFor;
 
 // Returns a ParallelFor that runs everything on the calling thread.
 ParallelFor SerialParallelFor();

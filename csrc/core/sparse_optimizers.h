@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "core/parallel.h"
+
 namespace sok {
 namespace sparse_opt {
 
@@ -49,9 +51,8 @@ class Status {
 // parallel_for(n, cost_per_unit, fn) must call fn(begin, end) over disjoint
 // ranges that together cover [0, n) (possibly concurrently). `cost_per_unit`
 // is a rough number of cycles per unit, for the scheduler.
-using WorkFn = std::function<void(int64_t, int64_t)>;
-using ParallelFor =
-    std::function<void(int64_t n, int64_t cost_per_unit, const WorkFn& fn)>;
+using WorkFn = ::sok::WorkFn;            // see core/parallel.h
+using ParallelFor = ::sok::ParallelFor;
 
 // Runs fn(0, n) on the calling thread.
 void SerialFor(int64_t n, int64_t cost_per_unit, const WorkFn& fn);

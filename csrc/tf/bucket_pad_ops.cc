@@ -15,6 +15,7 @@
 #include <string>
 
 #include "core/bucket_pad.h"
+#include "tf/cpu_parallel.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -44,15 +45,6 @@ namespace errors = ::tensorflow::errors;
 #define SOK_BUCKET_TYPES                                                    \
   "{bool, int8, uint8, int16, uint16, int32, uint32, int64, uint64, half, " \
   "bfloat16, float, double, complex64, complex128}"
-
-bucket::ParallelFor CpuParallelFor(OpKernelContext* ctx) {
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [workers](int64_t n, int64_t cost_per_unit,
-                   const std::function<void(int64_t, int64_t)>& fn) {
-    if (n <= 0) return;
-    workers->ParallelFor(n, cost_per_unit, fn);
-  };
-}
 
 // [unknown] + shape[1:] of a tensor of rank >= 1.
 absl::Status RowsShape(InferenceContext* c, ShapeHandle in,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/lookup.h"
+#include "tf/cpu_parallel.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -36,16 +37,6 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
 namespace errors = ::tensorflow::errors;
-
-// Adapts TensorFlow's CPU worker pool to core's ParallelFor.
-lookup::ParallelFor CpuParallelFor(OpKernelContext* ctx) {
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [workers](int64_t n, int64_t cost_per_unit,
-                   const std::function<void(int64_t, int64_t)>& fn) {
-    if (n <= 0) return;
-    workers->ParallelFor(n, cost_per_unit, fn);
-  };
-}
 
 // Reads the "combiner" attr into *combiner; reports a failure on ctx.
 void ParseCombinerAttr(OpKernelConstruction* ctx, lookup::Combiner* combiner) {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/sparse_optimizers.h"
+#include "tf/cpu_parallel.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -352,15 +353,12 @@ class SokSparseApplyBase : public OpKernel {
     OP_REQUIRES(ctx, st.ok(), errors::InvalidArgument(op, ": ", st.message()));
     if (k == 0) return;
 
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     ApplyArgs args;
     args.rows = rows;
     args.dim = dim;
     args.uniq_rows = uniq.rows.data();
     args.n = static_cast<int64_t>(uniq.rows.size());
-    args.pf = [workers](int64_t n, int64_t cost, const so::WorkFn& fn) {
-      workers->ParallelFor(n, cost, fn);
-    };
+    args.pf = ::sok::CpuParallelFor(ctx);
 
     // Sum duplicates.
     const T* g = grad.flat<T>().data();
