@@ -48,6 +48,7 @@ def Init(global_batch_size=None, **kwargs):
 _ops.ops()
 
 __all__ = [
+    "__version__",
     "All2AllDenseEmbedding", "DistributedEmbedding", "Init",
     "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper", "Variable",
     "all2all_dense_embedding", "callbacks", "data", "filter_variables",

@@ -1,7 +1,6 @@
 """The seed example on 2 ranks: shard shapes, embeddings, gradient rows."""
 
 import numpy as np
-import pytest
 
 from tests.multiprocess import run_workers
 from tests.multiprocess import worker_path

@@ -7,7 +7,6 @@
 - hang: every rank reports and sleeps 60 s; rank 0 ignores SIGTERM.
 """
 
-import os
 import signal
 import subprocess
 import sys

@@ -10,7 +10,6 @@ import sok_keras as sok
 sok.init()
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from _worker import RANK, write_result  # noqa: E402
 
