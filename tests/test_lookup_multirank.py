@@ -1,0 +1,23 @@
+"""Lookup edge cases on 2 ranks: a rank with only padding, empty batches,
+mixed precision."""
+
+from tests.multiprocess import run_workers
+from tests.multiprocess import worker_path
+
+
+def test_padding_only_rank_empty_batch_and_mixed_precision():
+    r0, r1 = run_workers(worker_path("edge_cases"), 2, timeout=90)
+    # Rank 0: v rows 1+2 and 3; w (localized on rank 1) means of rows.
+    assert r0["a"] == [[6.0, 8.0], [6.0, 7.0]]
+    assert r0["b"] == [[4.5, 5.5, 6.5], [9.0, 10.0, 11.0]]
+    assert r1["a"] == [[0.0, 0.0], [0.0, 0.0]]
+    assert r1["b"] == [[0.0] * 3, [0.0] * 3]
+    # Gradient rows live with the owners: v's ids {1, 2, 3} -> id 2 on
+    # rank 0, ids 1 and 3 on rank 1; w is whole on rank 1.
+    assert r0["grad_rows"] == [1, 0] and r1["grad_rows"] == [2, 3]
+    # d(sum a)/dv: 2 per id (dim 2); d(sum b)/dw: 3 * (1/2 + 1/2 + 1).
+    assert r0["grad_sums"][0] + r1["grad_sums"][0] == 6.0
+    assert r1["grad_sums"][1] == 6.0
+    for r in (r0, r1):
+        assert r["empty_shape"] == [0, 2]
+        assert r["mixed"] == ["float16", "float32"]
