@@ -16,6 +16,7 @@ from sok_keras._version import __version__
 from sok_keras.data import shard_batches
 from sok_keras.layers import All2AllDenseEmbedding
 from sok_keras.layers import DistributedEmbedding
+from sok_keras.layers import EmbeddingCollection
 from sok_keras.layers import LocalizedEmbedding
 from sok_keras.lookup import all2all_dense_embedding
 from sok_keras.lookup import lookup_sparse
@@ -49,7 +50,8 @@ _ops.ops()
 
 __all__ = [
     "__version__",
-    "All2AllDenseEmbedding", "DistributedEmbedding", "Init",
+    "All2AllDenseEmbedding", "DistributedEmbedding", "EmbeddingCollection",
+    "Init",
     "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper", "Variable",
     "all2all_dense_embedding", "callbacks", "data", "filter_variables",
     "init", "layers", "lookup_sparse", "num_ranks", "optimizers", "rank",

@@ -335,7 +335,18 @@ def gather_rows_fused(params, ids_list, names):
     return results
 
 
-def _pool(rows, inverse, feat, combiner):
+def pool(rows, inverse, feat, combiner):
+    """Pools the looked-up rows of one feature per sample (`SokSegmentCombine`).
+
+    Args:
+        rows: `[U, dim]` distinct rows, from `gather_rows`.
+        inverse: `[nnz]` row of each id in `rows`.
+        feat: the feature's `_Ids` (from `normalize_ids`).
+        combiner: `"sum"`, `"mean"` or `"sqrtn"`.
+
+    Returns:
+        `[batch, dim]`.
+    """
     weights = feat.weights
     if weights is None:
         weights = tf.zeros([0], rows.dtype)
@@ -345,7 +356,8 @@ def _pool(rows, inverse, feat, combiner):
         rows, inverse, feat.segment_ids, weights, feat.batch_size, combiner)
 
 
-def _unpooled(rows, inverse, feat):
+def unpooled(rows, inverse, feat):
+    """One row per id, shaped like the feature's ids (see `lookup_one`)."""
     per_id = tf.gather(rows, inverse)  # [nnz, dim]
     if feat.weights is not None:
         per_id = per_id * tf.cast(feat.weights, per_id.dtype)[:, None]
@@ -384,8 +396,8 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None):
     feat = normalize_ids(ids, weights, name)
     rows, inverse = gather_rows(param, feat.values, table_name=name)
     if combiner is None:
-        return _unpooled(rows, inverse, feat)
-    return _pool(rows, inverse, feat, combiner)
+        return unpooled(rows, inverse, feat)
+    return pool(rows, inverse, feat, combiner)
 
 
 def _to_list(x):
@@ -462,7 +474,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     feats = [normalize_ids(ids, w, name)
              for ids, w, name in zip(sp_ids, sp_weights, names)]
     gathered = gather_rows_fused(params, [f.values for f in feats], names)
-    outputs = [_pool(rows, inverse, f, c)
+    outputs = [pool(rows, inverse, f, c)
                for (rows, inverse), f, c in zip(gathered, feats, combiners)]
     return outputs if is_list else outputs[0]
 

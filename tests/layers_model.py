@@ -1,5 +1,6 @@
-"""A model using DistributedEmbedding, LocalizedEmbedding and
-All2AllDenseEmbedding together, for the multi-rank layer tests."""
+"""A model using DistributedEmbedding, LocalizedEmbedding,
+All2AllDenseEmbedding and EmbeddingCollection together, for the multi-rank
+layer tests."""
 
 import keras
 import numpy as np
@@ -7,7 +8,7 @@ import tensorflow as tf
 
 import sok_keras as sok
 
-VOCABS = {"dist": 211, "loc": 57, "a2a": 96}
+VOCABS = {"dist": 211, "loc": 57, "a2a": 96, "t1": 64, "t2": 32}
 
 
 def _data(n, seed=7):
@@ -15,8 +16,12 @@ def _data(n, seed=7):
     dist = rng.integers(-1, VOCABS["dist"], size=(n, 4))  # -1 = padding
     loc = rng.integers(0, VOCABS["loc"], size=(n, 3))
     a2a = rng.integers(0, VOCABS["a2a"], size=(n, 2, 2))
+    ca = rng.integers(-1, VOCABS["t1"], size=(n, 2))
+    cb = rng.integers(0, VOCABS["t2"], size=(n, 3))
+    cc = rng.integers(0, VOCABS["t1"], size=(n, 2))
     y = rng.normal(size=(n, 1)).astype("float32")
-    return {"dist": dist, "loc": loc, "a2a": a2a}, y
+    return {"dist": dist, "loc": loc, "a2a": a2a, "ca": ca, "cb": cb,
+            "cc": cc}, y
 
 
 def build_model():
@@ -31,10 +36,36 @@ def build_model():
     a = sok.layers.All2AllDenseEmbedding(
         48, 2, slot_num=2, nnz_per_slot=2, vocabulary_size=VOCABS["a2a"],
         name="a2a_emb")(a2a_in)
-    x = keras.layers.Concatenate()([d, lo, keras.layers.Flatten()(a)])
+    coll_in = {
+        "ca": keras.Input(shape=(2,), dtype="int64", name="ca"),
+        "cb": keras.Input(shape=(3,), dtype="int64", name="cb"),
+        "cc": keras.Input(shape=(2,), dtype="int64", name="cc"),
+    }
+    coll = sok.layers.EmbeddingCollection(
+        tables={
+            "t1": {"vocabulary_size": VOCABS["t1"], "embedding_dim": 3},
+            "t2": {"vocabulary_size": VOCABS["t2"], "embedding_dim": 2,
+                   "mode": "localized:0"},
+        },
+        features={"ca": {"table": "t1"},
+                  "cb": {"table": "t2", "combiner": "mean"},
+                  "cc": {"table": "t1", "combiner": None}},
+        name="coll")(coll_in)
+    x = keras.layers.Concatenate()([
+        d, lo, keras.layers.Flatten()(a), coll["ca"], coll["cb"],
+        keras.layers.Flatten()(coll["cc"])])
     x = keras.layers.Dense(8, activation="tanh", name="hidden")(x)
     out = keras.layers.Dense(1, name="out")(x)
-    return keras.Model({"dist": dist_in, "loc": loc_in, "a2a": a2a_in}, out)
+    return keras.Model(
+        {"dist": dist_in, "loc": loc_in, "a2a": a2a_in, **coll_in}, out)
+
+
+def _tables(model):
+    tables = {n: model.get_layer(n).embeddings
+              for n in ("dist_emb", "loc_emb", "a2a_emb")}
+    for t, var in model.get_layer("coll").embeddings.items():
+        tables[f"coll.{t}"] = var
+    return tables
 
 
 def build_and_fit(steps, global_batch, num_ranks=None):
@@ -42,8 +73,7 @@ def build_and_fit(steps, global_batch, num_ranks=None):
     per-step losses, the whole tables and the dense weights."""
     model = build_model()
     rng = np.random.default_rng(3)
-    for name in ("dist_emb", "loc_emb", "a2a_emb"):
-        table = model.get_layer(name).embeddings
+    for _, table in sorted(_tables(model).items()):
         table.assign_global(rng.normal(
             0, 0.3, size=table.global_shape).astype("float32"))
     model.compile(
@@ -58,11 +88,11 @@ def build_and_fit(steps, global_batch, num_ranks=None):
         on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
     model.fit(sok.shard_batches(ds), epochs=1, verbose=0, shuffle=False,
               callbacks=[sok.callbacks.GlobalMetrics(), record])
+    tables = _tables(model)
     return {
         "losses": losses,
-        "tables": {n: model.get_layer(n).embeddings.read_global().tolist()
-                   for n in ("dist_emb", "loc_emb", "a2a_emb")},
-        "local_rows": {n: int(model.get_layer(n).embeddings.shape[0])
-                       for n in ("dist_emb", "loc_emb", "a2a_emb")},
+        "tables": {n: t.read_global().tolist()
+                   for n, t in sorted(tables.items())},
+        "local_rows": {n: int(t.shape[0]) for n, t in tables.items()},
         "dense": [w.tolist() for w in model.get_layer("hidden").get_weights()],
     }

@@ -1,5 +1,7 @@
 """Shared machinery of the sok_keras embedding layers."""
 
+import copy
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -28,6 +30,10 @@ def get_table_optimizer(optimizer, layer):
         return None
     from sok_keras.optimizers import sparse_rules
 
+    if isinstance(optimizer, dict):
+        # Keras' deserialization edits the config it is given: never let it
+        # touch the caller's (e.g. a layer config being round-tripped).
+        optimizer = copy.deepcopy(optimizer)
     opt = keras.optimizers.get(optimizer)
     sparse_rules.rule_for(opt)  # raises, listing the supported ones
     for arg in ("clipnorm", "global_clipnorm", "clipvalue", "use_ema",
@@ -138,7 +144,8 @@ class BaseEmbedding(keras.layers.Layer):
                 "embeddings_initializer": keras.initializers.serialize(
                     self.embeddings_initializer),
                 "optimizer": None if self.table_optimizer is None else (
-                    keras.optimizers.serialize(self.table_optimizer)),
+                    keras.saving.serialize_keras_object(
+                        self.table_optimizer)),
             }
         )
         return config

@@ -1,4 +1,4 @@
-"""All three sok layers trained with model.fit on 2 and 3 ranks equal one
+"""All sok layers (EmbeddingCollection included) trained with model.fit on 2 and 3 ranks equal one
 process; dense weights are broadcast from rank 0."""
 
 import keras
@@ -31,6 +31,8 @@ def test_all_layers_fit_on_ranks_matches_one_process(num_ranks, reference):
             VOCABS["loc"] if rank == owner else 0)
         assert r["local_rows"]["dist_emb"] == len(
             range(rank, VOCABS["dist"], num_ranks))
+        assert r["local_rows"]["coll.t2"] == (VOCABS["t2"] if rank == 0
+                                              else 0)
         np.testing.assert_allclose(r["losses"], reference["losses"],
                                    rtol=1e-5)
         for name, table in reference["tables"].items():

@@ -1,0 +1,121 @@
+"""`EmbeddingCollection`: several tables and features in one lookup."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+from tests.testing import assert_config_round_trip
+from tests.testing import assert_model_saving
+
+TABLES = {
+    "user": {"vocabulary_size": 30, "embedding_dim": 4},
+    "item": {"vocabulary_size": 50, "embedding_dim": 6,
+             "mode": "localized:0",
+             "initializer": {"class_name": "RandomNormal",
+                             "config": {"stddev": 0.2, "seed": 3}}},
+}
+FEATURES = {
+    "user_id": {"table": "user"},
+    "clicked": {"table": "item", "combiner": "mean"},
+    "history": {"table": "item", "combiner": None},
+}
+
+
+def _inputs(rng, batch=8):
+    return {
+        "user_id": rng.integers(0, 30, size=(batch,)),
+        "clicked": tf.ragged.constant(
+            [list(rng.integers(0, 50, size=rng.integers(0, 4)))
+             for _ in range(batch)], tf.int64),
+        "history": rng.integers(-1, 50, size=(batch, 3)),
+    }
+
+
+def test_outputs_equal_the_tables():
+    rng = np.random.default_rng(0)
+    layer = sok.layers.EmbeddingCollection(TABLES, FEATURES)
+    x = _inputs(rng)
+    out = layer(x)
+    user = layer.embeddings["user"].numpy()
+    item = layer.embeddings["item"].numpy()
+    np.testing.assert_allclose(out["user_id"].numpy(), user[x["user_id"]],
+                               rtol=1e-6)
+    for b, ids in enumerate(x["clicked"].to_list()):
+        want = item[ids].mean(0) if ids else np.zeros(6)
+        np.testing.assert_allclose(out["clicked"][b].numpy(), want,
+                                   rtol=1e-6, atol=1e-7)
+    hist = x["history"]
+    want = np.where(hist[..., None] >= 0, item[np.maximum(hist, 0)], 0.0)
+    np.testing.assert_allclose(out["history"].numpy(), want, rtol=1e-6)
+    assert layer.embeddings["item"].mode == "localized:0"
+    assert layer.embeddings["item"].numpy().std() > 0.1  # its initializer
+
+
+def test_gradients_reach_each_table_once_per_distinct_id():
+    layer = sok.layers.EmbeddingCollection(TABLES, FEATURES)
+    x = {"user_id": np.array([1, 1, 2]),
+         "clicked": tf.ragged.constant([[4], [4, 5], []], tf.int64),
+         "history": np.array([[5, -1, -1], [6, 6, 7], [-1, -1, -1]])}
+    with tf.GradientTape() as tape:
+        out = layer(x)
+        loss = tf.add_n([tf.reduce_sum(v) for v in out.values()])
+    g_user, g_item = tape.gradient(
+        loss, [layer.embeddings["user"], layer.embeddings["item"]])
+    assert sorted(g_user.indices.numpy()) == [1, 2]
+    dense = tf.convert_to_tensor(g_item).numpy()
+    # clicked: mean over [4] and [4, 5]; history: 5 once, 6 twice, 7 once.
+    np.testing.assert_allclose(dense[[4, 5, 6, 7], 0], [1.5, 1.5, 2.0, 1.0])
+
+
+def test_config_round_trip_and_errors():
+    layer = sok.layers.EmbeddingCollection(
+        {**TABLES, "ads": {"vocabulary_size": 9, "embedding_dim": 2,
+                           "optimizer": keras.optimizers.Adagrad(0.3)}},
+        {**FEATURES, "ad": {"table": "ads", "combiner": "sqrtn"}},
+        name="coll")
+    clone = assert_config_round_trip(layer)
+    assert isinstance(clone._table_optimizers["ads"],
+                      keras.optimizers.Adagrad)
+    with pytest.raises(ValueError, match="refers to table 'nope'"):
+        sok.layers.EmbeddingCollection(TABLES, {"f": {"table": "nope"}})
+    with pytest.raises(ValueError, match=r"unknown keys \['dim'\]"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "dim": 2}}, {"f": {"table": "t"}})
+    with pytest.raises(ValueError, match="vocabulary_size.*-1"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": -1, "embedding_dim": 2}},
+            {"f": {"table": "t"}})
+    with pytest.raises(ValueError, match=r"no ids for features \['history'"):
+        sok.layers.EmbeddingCollection(TABLES, FEATURES)(
+            {"user_id": np.array([1]), "clicked": np.array([[1]])})
+
+
+def test_functional_model_fit_and_save(tmp_path):
+    rng = np.random.default_rng(1)
+    inputs = {
+        "user_id": keras.Input(shape=(), dtype="int64", name="user_id"),
+        "clicked": keras.Input(shape=(4,), dtype="int64", name="clicked"),
+        "history": keras.Input(shape=(3,), dtype="int64", name="history"),
+    }
+    emb = sok.layers.EmbeddingCollection(TABLES, FEATURES, name="coll")(
+        inputs)
+    x = keras.layers.Concatenate()([
+        emb["user_id"], emb["clicked"], keras.layers.Flatten()(
+            emb["history"])])
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adam(0.05)), loss="mse")
+    data = {"user_id": rng.integers(0, 30, size=(64,)),
+            "clicked": rng.integers(-1, 50, size=(64, 4)),
+            "history": rng.integers(-1, 50, size=(64, 3))}
+    y = rng.normal(size=(64, 1))
+    history = model.fit(data, y, batch_size=16, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    tables = model.get_layer("coll").embeddings
+    assert sorted(tables["item"].slots) == ["m", "v"]
+    loaded = assert_model_saving(model, data, tmp_path)
+    np.testing.assert_array_equal(
+        loaded.get_layer("coll").embeddings["item"].slots["v"].numpy(),
+        tables["item"].slots["v"].numpy())
