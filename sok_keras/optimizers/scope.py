@@ -41,22 +41,22 @@ class OptimizerScope:
                     f"{getattr(v, 'name', '')!r}."
                 )
         self.variables = variables
-        self._saved = None
+        self._saved = []  # a stack: the same scope may be entered nested
 
     def __enter__(self):
         from sok_keras.optimizers import sparse_optimizers
 
         _LOCK.acquire()
-        self._saved = {n: getattr(keras.optimizers, n) for n in _NAMES}
+        self._saved.append(
+            {n: getattr(keras.optimizers, n) for n in _NAMES})
         for n in _NAMES:
             setattr(keras.optimizers, n, getattr(sparse_optimizers, n))
         return self
 
     def __exit__(self, *exc):
         try:
-            for n, cls in self._saved.items():
+            for n, cls in self._saved.pop().items():
                 setattr(keras.optimizers, n, cls)
         finally:
-            self._saved = None
             _LOCK.release()
         return False

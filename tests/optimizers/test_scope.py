@@ -119,3 +119,17 @@ def test_optimizer_from_the_scope_deserializes_outside():
     again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert type(again) is sparse_optimizers.Ftrl
     assert again.get_config() == opt.get_config()
+
+
+def test_same_scope_entered_twice_nested_restores_keras():
+    import keras
+
+    import sok_keras as sok
+
+    original = keras.optimizers.Adam
+    scope = sok.OptimizerScope([])
+    with scope:
+        with scope:
+            assert keras.optimizers.Adam is sok.optimizers.Adam
+        assert keras.optimizers.Adam is sok.optimizers.Adam
+    assert keras.optimizers.Adam is original
