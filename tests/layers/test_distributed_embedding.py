@@ -196,3 +196,15 @@ def test_slots_restored_before_the_optimizer_exists_survive_a_save(tmp_path):
     again.optimizer.build(again.trainable_variables)
     np.testing.assert_array_equal(
         again.layers[1].embeddings.slots["accumulator"].numpy(), acc)
+
+
+def test_models_with_sok_layers_never_use_xla():
+    # The same check Keras' jit_compile="auto" makes on an accelerator.
+    model = _functional()
+    with pytest.warns(UserWarning, match="doesn't support `jit_compile=True`"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+    coll = sok.layers.EmbeddingCollection(
+        {"t": {"vocabulary_size": 5, "embedding_dim": 2}},
+        {"f": {"table": "t"}})
+    assert coll.supports_jit is False
