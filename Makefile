@@ -26,7 +26,7 @@ demo: $(BUILT)
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/sokrun -np $(NP) --timeout 900 $(PY) -m sok_keras.examples.train_dlrm
 
 test: $(BUILT)
-	$(VENV)/bin/ruff check --select F sok_keras tests bench setup.py
+	$(VENV)/bin/ruff check --select F sok_keras tests bench setup.py sokrun.py
 	$(PY) -m pytest -q tests
 
 bench: $(BUILT)

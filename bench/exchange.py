@@ -42,7 +42,7 @@ Usage (driver: N = 1 as a plain process, N > 1 through sokrun):
         [--batch 1024] [--hot 26] [--steps 30] [--warmup 5] [--rounds 3]
         [--out bench/results/exchange.json]
 Worker (what the driver runs):
-    python -m sok_keras.launch -np N --timeout 300 \\
+    python -m sokrun -np N --timeout 300 \\
         python bench/exchange.py --worker --json OUT ...
 """
 
@@ -289,7 +289,7 @@ def _run(n, args):
     if n == 1:
         cmd = worker
     else:
-        cmd = [sys.executable, "-m", "sok_keras.launch", "-np", str(n),
+        cmd = [sys.executable, "-m", "sokrun", "-np", str(n),
                "--timeout", str(args.timeout)] + worker
     env = dict(os.environ)
     for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS"):

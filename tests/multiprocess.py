@@ -9,7 +9,7 @@ from _worker import RANK, write_result
 write_result({"sum": float(total)})
 ```
 
-`run_workers(path, 2)` launches `python -m sok_keras.launch -np 2
+`run_workers(path, 2)` launches `python -m sokrun -np 2
 --timeout T python path ...` with `PYTHONPATH` set to the repository root,
 asserts that every rank exited 0 and returns the per-rank results (rank
 order). Failure messages include the whole output of the job. Whatever
@@ -108,7 +108,7 @@ def launch(
         full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         full_env.update(env or {})
         cmd = [
-            sys.executable, "-m", "sok_keras.launch", "-np", str(num_ranks),
+            sys.executable, "-m", "sokrun", "-np", str(num_ranks),
             "--timeout", str(timeout), "--grace", str(grace),
         ]
         cmd += [sys.executable, program] if python else [program]

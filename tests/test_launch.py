@@ -78,7 +78,7 @@ def _start_sokrun(args, marker):
     env = dict(os.environ, PYTHONPATH=REPO, **{MARKER_VAR: marker})
     env["SOK_TEST_OUT"] = "/tmp"
     return subprocess.Popen(
-        [sys.executable, "-m", "sok_keras.launch", "-np", "2", "--grace", "1",
+        [sys.executable, "-m", "sokrun", "-np", "2", "--grace", "1",
          sys.executable, "-c",
          "import time; print('up', flush=True); time.sleep(60)"] + args,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -140,13 +140,13 @@ def test_ranks_die_when_sokrun_is_killed():
 
 def test_usage_errors():
     out = subprocess.run(
-        [sys.executable, "-m", "sok_keras.launch", "-np", "0", "true"],
+        [sys.executable, "-m", "sokrun", "-np", "0", "true"],
         env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
     )
     assert out.returncode == 2
     assert b"-np must be at least 1, got 0" in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "sok_keras.launch", "-np", "1",
+        [sys.executable, "-m", "sokrun", "-np", "1",
          "/nonexistent/program"],
         env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
     )

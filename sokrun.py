@@ -1,0 +1,319 @@
+"""`sokrun`: starts N worker processes of one program on this host.
+
+Usage:
+
+```
+sokrun -np N [--timeout S] [--grace S] program [args...]
+python -m sokrun -np 2 python train.py --epochs 3   # or -m sok_keras.launch
+```
+
+Each rank gets the environment variables
+
+- `SOK_RANK`: its rank, 0..N-1;
+- `SOK_NUM_RANKS`: N;
+- `SOK_WORKER_ADDRS`: the comma-separated `127.0.0.1:port` addresses of all
+  ranks, in rank order (free loopback ports picked by sokrun);
+- `PYTHONUNBUFFERED=1`, so that Python output arrives line by line.
+
+`sok_keras.init()` reads them. Every output line of rank r (stdout and
+stderr) is printed with the prefix `[r] `.
+
+If a rank exits with a non-zero code, or the job runs longer than
+`--timeout` seconds, sokrun stops every other rank (SIGTERM to its process
+group, SIGKILL after `--grace` seconds), says which rank failed and why, and
+exits non-zero: with the failing rank's exit code (128 + signal number when
+it was killed by a signal), or 124 on timeout. Ctrl-C or SIGTERM to sokrun
+stops all ranks the same way (exit 130 / 143). sokrun exits 0 only if every
+rank exited 0.
+
+Each rank runs in its own process group, and its first process dies with
+sokrun even if sokrun is killed with SIGKILL (PR_SET_PDEATHSIG on Linux).
+
+Limits: the ports are free when sokrun picks them and are released before
+the ranks bind them, so another program could take one in between (the
+job then fails at startup; run it again). If sokrun is killed with SIGKILL,
+processes that a rank started itself (grandchildren) are not stopped by
+PR_SET_PDEATHSIG; with any other ending they are (process-group kill).
+TensorFlow's gRPC server listens on every interface, not only loopback.
+"""
+
+import argparse
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_PR_SET_PDEATHSIG = 1
+_TAIL_LINES = 20
+
+
+def _free_ports(n):
+    """Returns `n` distinct free TCP ports (checked on every interface: TF's
+    gRPC server listens on all of them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _child_setup(parent_pid):
+    """Runs in the child between fork and exec."""
+
+    def setup():
+        os.setpgid(0, 0)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: groups still work
+            pass
+        if os.getppid() != parent_pid:  # sokrun died before prctl
+            os._exit(1)
+
+    return setup
+
+
+def _describe(code):
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with code {code}"
+
+
+class _Rank:
+    def __init__(self, rank, proc):
+        self.rank = rank
+        self.proc = proc
+        self.tail = collections.deque(maxlen=_TAIL_LINES)
+        self.readers = []
+
+    def signal_group(self, sig):
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self):
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+
+class _Printer:
+    """Prefixes and forwards lines; one lock so lines never interleave."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def pump(self, pipe, out, prefix, tail):
+        try:
+            for line in iter(pipe.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+                with self.lock:
+                    try:
+                        out.write(prefix + line)
+                        out.flush()
+                    except (BrokenPipeError, ValueError):
+                        pass
+        finally:
+            pipe.close()
+
+    def say(self, message):
+        with self.lock:
+            sys.stderr.write(f"sokrun: {message}\n")
+            sys.stderr.flush()
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(
+        prog="sokrun",
+        description="Runs N ranks of a program on this host for sok_keras.",
+    )
+    parser.add_argument(
+        "-np", "--np", dest="np", type=int, required=True,
+        help="number of ranks (processes) to start",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None,
+        help="seconds after which the whole job is stopped (exit 124)",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks "
+        "(default 5)",
+    )
+    parser.add_argument("program", help="the program to run, e.g. python")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    if ns.np < 1:
+        parser.error(f"-np must be at least 1, got {ns.np}")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {ns.timeout}")
+    if ns.grace < 0:
+        parser.error(f"--grace must be >= 0, got {ns.grace}")
+    return ns
+
+
+def main(argv=None):
+    """Entry point of `sokrun`; returns (and exits with) the job's code.
+
+    Args:
+        argv: the arguments without the program name; defaults to
+            `sys.argv[1:]`.
+
+    Returns:
+        The exit code: 0 if every rank exited 0, else the code of the first
+        rank that failed, 124 on timeout, 130/143 when interrupted.
+
+    Example:
+
+    >>> import sokrun
+    >>> sokrun.main(["-np", "2", "python", "-c", "print('hi')"])
+    """
+    ns = _parse(sys.argv[1:] if argv is None else list(argv))
+    n = ns.np
+    ports = _free_ports(n)
+    addrs = ",".join(f"127.0.0.1:{p}" for p in ports)
+    printer = _Printer()
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+
+    old_handlers = {
+        s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    ranks = []
+    code = 0
+    try:
+        for r in range(n):
+            env = dict(os.environ)
+            env.update(
+                SOK_RANK=str(r),
+                SOK_NUM_RANKS=str(n),
+                SOK_WORKER_ADDRS=addrs,
+                PYTHONUNBUFFERED="1",
+            )
+            try:
+                proc = subprocess.Popen(
+                    [ns.program] + ns.args,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    preexec_fn=_child_setup(os.getpid()),
+                )
+            except OSError as e:
+                printer.say(f"cannot start rank {r}: {ns.program!r}: {e}")
+                code = 127
+                break
+            rank = _Rank(r, proc)
+            prefix = f"[{r}] ".encode()
+            for pipe, out in (
+                (proc.stdout, sys.stdout.buffer),
+                (proc.stderr, sys.stderr.buffer),
+            ):
+                t = threading.Thread(
+                    target=printer.pump,
+                    args=(pipe, out, prefix, rank.tail),
+                    daemon=True,
+                )
+                t.start()
+                rank.readers.append(t)
+            ranks.append(rank)
+        if code == 0:
+            code = _supervise(ranks, ns.timeout, stop, printer)
+    finally:
+        _stop_all(ranks, ns.grace)
+        for rank in ranks:
+            for t in rank.readers:
+                t.join(timeout=2.0)
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    return code
+
+
+def _supervise(ranks, timeout, stop, printer):
+    """Waits for the ranks; returns the job's exit code."""
+    start = time.monotonic()
+    while True:
+        if stop["signal"] is not None:
+            sig = stop["signal"]
+            printer.say(
+                f"received {signal.Signals(sig).name}; stopping all ranks"
+            )
+            return 128 + sig
+        running = 0
+        for rank in ranks:
+            rc = rank.proc.poll()
+            if rc is None:
+                running += 1
+            elif rc != 0:
+                for t in rank.readers:  # let its last lines arrive first
+                    t.join(timeout=1.0)
+                others = [x.rank for x in ranks if x.proc.poll() is None]
+                msg = f"rank {rank.rank} failed: it {_describe(rc)}"
+                if others:
+                    msg += f"; stopping ranks {others}"
+                if rank.tail:
+                    msg += f". Last output of rank {rank.rank}:\n" + "\n".join(
+                        f"  | {line}" for line in rank.tail
+                    )
+                printer.say(msg)
+                return rc if rc > 0 else 128 - rc
+        if running == 0:
+            return 0
+        if timeout is not None and time.monotonic() - start > timeout:
+            waiting = [x.rank for x in ranks if x.proc.poll() is None]
+            printer.say(
+                f"timeout: the job ran longer than --timeout {timeout:g} s; "
+                f"ranks {waiting} were still running; stopping them"
+            )
+            return 124
+        time.sleep(0.05)
+
+
+def _stop_all(ranks, grace):
+    """SIGTERM every rank's process group, SIGKILL what is left after
+    `grace` seconds; waits for the direct children."""
+    live = [r for r in ranks if r.proc.poll() is None or r.group_alive()]
+    if not live:
+        return
+    for r in live:
+        r.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not any(r.proc.poll() is None or r.group_alive() for r in live):
+            break
+        time.sleep(0.05)
+    for r in live:
+        if r.proc.poll() is None or r.group_alive():
+            r.signal_group(signal.SIGKILL)
+    for r in live:
+        try:
+            r.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
