@@ -389,11 +389,150 @@ def _check_combiner(combiner, where):
         )
 
 
-def lookup_one(param, ids, weights=None, combiner="sum", name=None):
-    """Looks up (and pools) one feature in one table. See `lookup_sparse`."""
+POOLING_MODES = ("auto", "home", "owner")
+
+
+def _home_pooled(param, feat, combiner, name, key, unique, inverse,
+                 counts_matrix):
+    """Rows come home (one per distinct id), pooled at home."""
+    comm = world.communicator()
+    n = param.num_ranks
+    received = comm.exchange(unique, counts_matrix, key=key + "/ids")
+    _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
+        received, num_ranks=n, vocab_size=param.vocabulary_size,
+        owner=param.target_rank, table_name=name, raise_on_error=True)
+    owned = tf.gather(param.value, local_rows)
+    rows = comm.exchange(tf.gather(owned, recv_inverse),
+                         tf.transpose(counts_matrix), key=key + "/rows")
+    return pool(rows, inverse, feat, combiner)
+
+
+def _owner_pooled(param, feat, combiner, name, key, order, occ_matrix,
+                  batches):
+    """Every occurrence (id, sample, weight) goes to the owner, which pools
+    per requesting sample; one partial sum per sample comes home."""
+    comm = world.communicator()
+    n, me = param.num_ranks, world.rank()
+    dtype = param.value.dtype
+    dim = param.global_shape[1]
+    ids_segs = tf.stack([tf.gather(feat.values, order),
+                         tf.gather(feat.segment_ids, order)], 1)
+    received = comm.exchange(ids_segs, occ_matrix, key=key + "/occ")
+    if feat.weights is None:
+        w_in = tf.zeros([0], dtype)
+    else:
+        w_in = comm.exchange(
+            tf.gather(tf.cast(feat.weights, dtype), order)[:, None],
+            occ_matrix, key=key + "/weights")[:, 0]
+    # Sample b of requester i is partial-sum row offset[i] + b.
+    requester = tf.repeat(tf.range(n, dtype=tf.int64), occ_matrix[:, me])
+    offsets = tf.cumsum(batches, exclusive=True)
+    segments = received[:, 1] + tf.gather(offsets, requester)
+    _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
+        received[:, 0], num_ranks=n, vocab_size=param.vocabulary_size,
+        owner=param.target_rank, table_name=name, raise_on_error=True)
+    owned = tf.gather(param.value, local_rows)
+    partial = lookup_ops.segment_combine(
+        owned, recv_inverse, segments, w_in, tf.reduce_sum(batches), "sum")
+    # An owner sends requester b its B_b partial sums if b asked it anything.
+    sends = _partials_matrix(occ_matrix, batches)
+    partial = tf.gather(partial, _block_index(offsets, sends[me]))
+    back = comm.exchange(partial, sends, key=key + "/partials")
+    summed = tf.reduce_sum(tf.reshape(back, [-1, feat.batch_size, dim]), 0)
+    if combiner == "sum":
+        return summed
+    w = (tf.ones_like(feat.values, dtype) if feat.weights is None
+         else tf.cast(feat.weights, dtype))
+    if combiner == "sqrtn":
+        w = w * w
+    denom = tf.math.unsorted_segment_sum(w, feat.segment_ids,
+                                         feat.batch_size)
+    if combiner == "sqrtn":
+        denom = tf.sqrt(denom)
+    return tf.math.divide_no_nan(summed, denom[:, None])
+
+
+def _partials_matrix(occ_matrix, batches):
+    """M[a, b]: partial sums owner a sends rank b (B_b if b asked a)."""
+    n = tf.shape(occ_matrix, out_type=tf.int64)[0]
+    return tf.where(tf.transpose(occ_matrix) > 0,
+                    tf.tile(batches[None, :], tf.stack([n, 1])),
+                    tf.zeros_like(occ_matrix))
+
+
+def _pooled_exchange(param, feat, combiner, name, pooling):
+    """A pooled lookup on several ranks, choosing where to pool.
+
+    Rows home (`"home"`) sends each distinct id and its row once; pooling on
+    the owner (`"owner"`) sends every occurrence and brings back one partial
+    sum per sample and owner. `"auto"` compares the bytes both would move,
+    from the counts every rank has after the first all-gather, so all ranks
+    take the same branch in every step.
+    """
+    comm = world.communicator()
+    n = param.num_ranks
+    key = _call_site_key(_table_key(param))
+    dedup = lookup_ops.dedup_bucketize(
+        feat.values, num_ranks=n, vocab_size=param.vocabulary_size,
+        owner=param.target_rank, table_name=name, raise_on_error=False)
+    # Occurrences per owner, in owner order (stable, so samples keep their
+    # order within an owner).
+    occ_owner = tf.repeat(tf.range(n, dtype=tf.int64), dedup.counts)
+    occ_owner = tf.gather(occ_owner, dedup.inverse)
+    order = tf.argsort(occ_owner, stable=True)
+    occ_counts = tf.math.bincount(tf.cast(occ_owner, tf.int32), minlength=n,
+                                  maxlength=n, dtype=tf.int64)
+    batch = tf.reshape(tf.cast(feat.batch_size, tf.int64), [1])
+    header = tf.concat([dedup.counts, dedup.error, occ_counts, batch], 0)
+    gathered = comm.all_gather(header[None, :], key=key + "/counts")
+    counts_matrix = lookup_ops.check_exchange(
+        gathered[:, :n + 2], param.vocabulary_size, name)
+    occ_matrix = gathered[:, n + 2:2 * n + 2]
+    batches = gathered[:, 2 * n + 2]
+
+    def home():
+        return _home_pooled(param, feat, combiner, name, key, dedup.unique_ids,
+                            dedup.inverse, counts_matrix)
+
+    def owner():
+        return _owner_pooled(param, feat, combiner, name, key, order,
+                             occ_matrix, batches)
+
+    if pooling == "home":
+        return home()
+    if pooling == "owner":
+        return owner()
+    dim = param.global_shape[1]
+    row_bytes = 4 * dim  # the rows' dtype is at least 4 bytes
+    home_bytes = tf.reduce_sum(counts_matrix) * (8 + row_bytes)
+    weights_bytes = 0 if feat.weights is None else 4
+    owner_bytes = (tf.reduce_sum(occ_matrix) * (16 + weights_bytes)
+                   + tf.reduce_sum(_partials_matrix(occ_matrix, batches))
+                   * row_bytes)
+    return tf.cond(owner_bytes < home_bytes, owner, home)
+
+
+def lookup_one(param, ids, weights=None, combiner="sum", name=None,
+               pooling="auto"):
+    """Looks up (and pools) one feature in one table. See `lookup_sparse`.
+
+    `pooling` (`"auto"`, `"home"` or `"owner"`) chooses, with several ranks,
+    where pooled rows are summed: see `_pooled_exchange`.
+    """
     name = name or _table_key(param)
     _check_combiner(combiner, name)
+    if pooling not in POOLING_MODES:
+        raise ValueError(
+            f"{name}: `pooling` must be one of {POOLING_MODES}. Received: "
+            f"pooling={pooling!r}.")
     feat = normalize_ids(ids, weights, name)
+    if combiner is not None and param.num_ranks > 1:
+        _check_table(param)
+        if param.num_ranks != world.num_ranks():
+            raise RuntimeError(
+                f"Table '{name}' was created for {param.num_ranks} ranks, "
+                f"but the world now has {world.num_ranks()}.")
+        return _pooled_exchange(param, feat, combiner, name, pooling)
     rows, inverse = gather_rows(param, feat.values, table_name=name)
     if combiner is None:
         return unpooled(rows, inverse, feat)
@@ -471,6 +610,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
                 "'sqrtn'. Use all2all_dense_embedding for unpooled rows."
             )
         _check_combiner(c, names[-1])
+    if len(params) == 1:  # one table: may pool on the owner (see lookup_one)
+        out = lookup_one(params[0], sp_ids[0], sp_weights[0], combiners[0],
+                         name=names[0])
+        return [out] if is_list else out
     feats = [normalize_ids(ids, w, name)
              for ids, w, name in zip(sp_ids, sp_weights, names)]
     gathered = gather_rows_fused(params, [f.values for f in feats], names)

@@ -21,3 +21,11 @@ def test_padding_only_rank_empty_batch_and_mixed_precision():
     for r in (r0, r1):
         assert r["empty_shape"] == [0, 2]
         assert r["mixed"] == ["float16", "float32"]
+
+
+def test_pooling_on_the_owner_equals_pooling_at_home():
+    for n in (2, 3):
+        for r in run_workers(worker_path("pooling_modes"), n, timeout=180):
+            assert r["cases"] == 72
+            assert r["max_err"] < 1e-4, r
+            assert r["max_grad_diff"] < 1e-4, r

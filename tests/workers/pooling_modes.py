@@ -1,0 +1,85 @@
+"""Pooling at home vs on the owner vs auto: same values and gradients."""
+
+import sok_keras as sok
+
+sok.init()
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from _worker import RANK, write_result  # noqa: E402
+
+from sok_keras.lookup import lookup_one  # noqa: E402
+
+rng = np.random.default_rng(0)
+tables = {
+    "dist": sok.Variable(rng.normal(size=(3000, 5)).astype("float32"),
+                         name="dist"),
+    "loc": sok.Variable(rng.normal(size=(300, 3)).astype("float32"),
+                        name="loc", mode="localized:1"),
+}
+full = {k: v.read_global() for k, v in tables.items()}
+
+
+def batch(seed, vocab, many):
+    r = np.random.default_rng(seed + 10 * RANK)
+    if many:  # few samples, many distinct ids each: owner pooling is cheap
+        rows = [list(r.integers(0, vocab, size=r.integers(50, 120)))
+                for _ in range(3)]
+    else:  # many samples, few ids from a small range: rows home is cheap
+        rows = [list(r.integers(0, 20, size=r.integers(0, 3)))
+                for _ in range(64)]
+    ids = tf.ragged.constant(rows, tf.int64, ragged_rank=1)
+    w = tf.ragged.constant([list(r.uniform(0.2, 2.0, size=len(x)))
+                            for x in rows], tf.float32, ragged_rank=1)
+    return rows, ids, w
+
+
+def reference(rows, w_rows, table, combiner):
+    out = np.zeros((len(rows), table.shape[1]))
+    for b, (ids, w) in enumerate(zip(rows, w_rows)):
+        if not ids:
+            continue
+        w = np.asarray(w if w is not None else np.ones(len(ids)))
+        s = (w[:, None] * table[ids]).sum(0)
+        d = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}
+        out[b] = s / d[combiner]
+    return out
+
+
+def make_run(var):
+    # The table is captured, not passed: a tf.function argument would turn
+    # it into a tensor.
+    @tf.function
+    def run(ids, w, combiner, pooling):
+        with tf.GradientTape() as tape:
+            out = lookup_one(var, ids, w, combiner, pooling=pooling)
+            loss = tf.reduce_sum(out * out)
+        return out, tf.convert_to_tensor(tape.gradient(loss, var))
+
+    return run
+
+
+runs = {name: make_run(var) for name, var in tables.items()}
+
+
+max_err, max_grad_diff, cases = 0.0, 0.0, 0
+for seed, many in ((1, True), (2, False)):
+    for name, var in tables.items():
+        rows, ids, w = batch(seed, var.global_shape[0], many)
+        for weighted in (False, True):
+            for combiner in ("sum", "mean", "sqrtn"):
+                wt = w if weighted else None
+                ref = reference(rows, w.to_list() if weighted else
+                                [None] * len(rows), full[name], combiner)
+                grads = []
+                for pooling in ("home", "owner", "auto"):
+                    out, g = runs[name](ids, wt, combiner, pooling)
+                    max_err = max(max_err,
+                                  float(np.abs(out.numpy() - ref).max()))
+                    grads.append(g.numpy())
+                    cases += 1
+                for g in grads[1:]:
+                    max_grad_diff = max(
+                        max_grad_diff, float(np.abs(g - grads[0]).max(initial=0.0)))
+write_result({"max_err": max_err, "max_grad_diff": max_grad_diff,
+              "cases": cases})
