@@ -475,13 +475,11 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
     dedup = lookup_ops.dedup_bucketize(
         feat.values, num_ranks=n, vocab_size=param.vocabulary_size,
         owner=param.target_rank, table_name=name, raise_on_error=False)
-    # Occurrences per owner, in owner order (stable, so samples keep their
-    # order within an owner).
-    occ_owner = tf.repeat(tf.range(n, dtype=tf.int64), dedup.counts)
-    occ_owner = tf.gather(occ_owner, dedup.inverse)
-    order = tf.argsort(occ_owner, stable=True)
-    occ_counts = tf.math.bincount(tf.cast(occ_owner, tf.int32), minlength=n,
-                                  maxlength=n, dtype=tf.int64)
+    # Occurrences per owner (the owner branch sorts them by owner).
+    occ_owner = tf.gather(
+        tf.repeat(tf.range(n, dtype=tf.int32), dedup.counts), dedup.inverse)
+    occ_counts = tf.math.bincount(occ_owner, minlength=n, maxlength=n,
+                                  dtype=tf.int64)
     batch = tf.reshape(tf.cast(feat.batch_size, tf.int64), [1])
     header = tf.concat([dedup.counts, dedup.error, occ_counts, batch], 0)
     gathered = comm.all_gather(header[None, :], key=key + "/counts")
@@ -495,6 +493,7 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
                             dedup.inverse, counts_matrix)
 
     def owner():
+        order = tf.argsort(occ_owner, stable=True)
         return _owner_pooled(param, feat, combiner, name, key, order,
                              occ_matrix, batches)
 
