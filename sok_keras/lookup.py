@@ -543,7 +543,7 @@ def _to_list(x):
 
 
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
-                  hotness=None):
+                  hotness=None, pooling="auto"):
     """Looks up and pools sparse ids in several sharded tables at once.
 
     The result for each table equals `tf.nn.embedding_lookup_sparse` on the
@@ -560,6 +560,9 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
             tables, or one per table). Defaults to `"sum"`.
         hotness: optional maximum number of ids per sample for each table.
             Only checked for consistency; the lookup does not need it.
+        pooling: with one table and several ranks, where rows are pooled
+            (`"auto"`, `"home"` or `"owner"`; see `DistributedEmbedding`).
+            Several tables are fused into one exchange and pooled at home.
 
     Returns:
         A `[batch, dim]` tensor per table: a list if `sp_ids` is a list.
@@ -611,7 +614,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         _check_combiner(c, names[-1])
     if len(params) == 1:  # one table: may pool on the owner (see lookup_one)
         out = lookup_one(params[0], sp_ids[0], sp_weights[0], combiners[0],
-                         name=names[0])
+                         name=names[0], pooling=pooling)
         return [out] if is_list else out
     feats = [normalize_ids(ids, w, name)
              for ids, w, name in zip(sp_ids, sp_weights, names)]

@@ -32,6 +32,7 @@ def build_model():
                                         name="dist_emb")(dist_in)
     lo = sok.layers.LocalizedEmbedding(
         VOCABS["loc"], 3, combiner="sqrtn", rank=sok.num_ranks() - 1,
+        pooling="owner",
         name="loc_emb")(loc_in)
     a = sok.layers.All2AllDenseEmbedding(
         48, 2, slot_num=2, nnz_per_slot=2, vocabulary_size=VOCABS["a2a"],

@@ -69,10 +69,18 @@ class BaseEmbedding(keras.layers.Layer):
         combiner="sum",
         embeddings_initializer="uniform",
         optimizer=None,
+        pooling="auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
         cls = type(self).__name__
+        from sok_keras.lookup import POOLING_MODES
+
+        if pooling not in POOLING_MODES:
+            raise ValueError(
+                f"{cls}: `pooling` must be one of {POOLING_MODES}. "
+                f"Received: pooling={pooling!r}.")
+        self.pooling = pooling
         # Keras saves this optimizer's own variables (its step count) with
         # the layer, since it is an attribute of the layer.
         self.table_optimizer = get_table_optimizer(optimizer, cls)
@@ -105,7 +113,8 @@ class BaseEmbedding(keras.layers.Layer):
         from sok_keras.lookup import lookup_one
 
         out = lookup_one(
-            self.embeddings, inputs, weights, self.combiner, name=self.name)
+            self.embeddings, inputs, weights, self.combiner, name=self.name,
+            pooling=self.pooling)
         return tf.cast(out, self.compute_dtype)
 
     def compute_output_shape(self, inputs_shape, weights_shape=None):
@@ -141,6 +150,7 @@ class BaseEmbedding(keras.layers.Layer):
                 "vocabulary_size": self.vocabulary_size,
                 "embedding_dim": self.embedding_dim,
                 "combiner": self.combiner,
+                "pooling": self.pooling,
                 "embeddings_initializer": keras.initializers.serialize(
                     self.embeddings_initializer),
                 "optimizer": None if self.table_optimizer is None else (

@@ -104,15 +104,18 @@ def test_argument_validation():
         sok.layers.DistributedEmbedding(3, 2.5)
     with pytest.raises(ValueError, match="combiner.*'max'"):
         sok.layers.DistributedEmbedding(3, 4, combiner="max")
+    with pytest.raises(ValueError, match="pooling.*'nowhere'"):
+        sok.layers.DistributedEmbedding(3, 4, pooling="nowhere")
 
 
 def test_config_round_trip_with_non_defaults():
     layer = sok.layers.DistributedEmbedding(
         123, 7, combiner="sqrtn",
         embeddings_initializer=keras.initializers.RandomNormal(stddev=0.3),
-        name="tbl", dtype="float64")
+        name="tbl", dtype="float64", pooling="owner")
     clone = assert_config_round_trip(layer)
     assert clone.combiner == "sqrtn" and clone.vocabulary_size == 123
+    assert clone.pooling == "owner"
     assert clone.dtype_policy.name == "float64"
 
 
