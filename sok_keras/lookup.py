@@ -165,8 +165,37 @@ def normalize_ids(ids, weights=None, name="lookup"):
     )
 
 
-def _as_int64(x):
-    return tf.cast(x, tf.int64)
+def _check_world(param, name):
+    """Raises unless `param` is a table sharded over the current world."""
+    _check_table(param)
+    if param.num_ranks != world.num_ranks():
+        raise RuntimeError(
+            f"Table '{name}' was created for {param.num_ranks} ranks, but "
+            f"the world now has {world.num_ranks()}.")
+
+
+def _owned_rows(param, received_ids, name):
+    """On the owner: each distinct received id's row, gathered once.
+
+    Returns `(owned, inverse)` with `owned[inverse[i]]` the row of
+    `received_ids[i]`; the gather makes `param`'s gradient a
+    `tf.IndexedSlices` over distinct local rows.
+    """
+    _, local_rows, inverse, _, _ = lookup_ops.dedup_bucketize(
+        received_ids, num_ranks=param.num_ranks,
+        vocab_size=param.vocabulary_size, owner=param.target_rank,
+        table_name=name, raise_on_error=True)
+    return tf.gather(param.value, local_rows), inverse
+
+
+def _rows_from_owners(param, unique, counts_matrix, name, key):
+    """Sends distinct ids to their owners, brings their rows back (in the
+    order of `unique`)."""
+    comm = world.communicator()
+    received = comm.exchange(unique, counts_matrix, key=key + "/ids")
+    owned, recv_inverse = _owned_rows(param, received, name)
+    return comm.exchange(tf.gather(owned, recv_inverse),
+                         tf.transpose(counts_matrix), key=key + "/rows")
 
 
 def gather_rows(param, ids, table_name=None):
@@ -183,39 +212,19 @@ def gather_rows(param, ids, table_name=None):
         and `inverse` `[nnz]` maps every id to its row in `rows`.
     """
     name = table_name or _table_key(param)
-    n = param.num_ranks
-    vocab = param.vocabulary_size
-    owner = param.target_rank
-    table = param.value
-    if n == 1:
-        _, local_rows, inverse, _, _ = lookup_ops.dedup_bucketize(
-            ids, num_ranks=1, vocab_size=vocab, owner=-1, table_name=name,
-            raise_on_error=True,
-        )
-        return tf.gather(table, local_rows), inverse
-    if n != world.num_ranks():
-        raise RuntimeError(
-            f"Table '{name}' was created for {n} ranks, but the world now "
-            f"has {world.num_ranks()}."
-        )
-    comm = world.communicator()
+    if param.num_ranks == 1:
+        # One rank: the owner is here; dedup and gather, no exchange.
+        return _owned_rows(param, ids, name)
+    _check_world(param, name)
     key = _call_site_key(_table_key(param))
     unique, _, inverse, counts, error = lookup_ops.dedup_bucketize(
-        ids, num_ranks=n, vocab_size=vocab, owner=owner, table_name=name,
-        raise_on_error=False,
-    )
-    gathered = comm.all_gather(
+        ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
+        owner=param.target_rank, table_name=name, raise_on_error=False)
+    gathered = world.communicator().all_gather(
         tf.concat([counts, error], 0)[None, :], key=key + "/counts")
-    counts_matrix = lookup_ops.check_exchange(gathered, vocab, name)
-    received = comm.exchange(unique, counts_matrix, key=key + "/ids")
-    _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
-        received, num_ranks=n, vocab_size=vocab, owner=owner,
-        table_name=name, raise_on_error=True,
-    )
-    owned = tf.gather(table, local_rows)
-    outgoing = tf.gather(owned, recv_inverse)
-    rows = comm.exchange(
-        outgoing, tf.transpose(counts_matrix), key=key + "/rows")
+    counts_matrix = lookup_ops.check_exchange(
+        gathered, param.vocabulary_size, name)
+    rows = _rows_from_owners(param, unique, counts_matrix, name, key)
     return rows, inverse
 
 
@@ -250,11 +259,7 @@ def gather_rows_fused(params, ids_list, names):
         return [gather_rows(p, ids, table_name=name)
                 for p, ids, name in zip(params, ids_list, names)]
     for p, name in zip(params, names):
-        _check_table(p)
-        if p.num_ranks != n:
-            raise RuntimeError(
-                f"Table '{name}' was created for {p.num_ranks} ranks, but "
-                f"the world now has {n}.")
+        _check_world(p, name)
     comm = world.communicator()
     me = world.rank()
     k = len(params)
@@ -295,10 +300,7 @@ def gather_rows_fused(params, ids_list, names):
     for t, (p, name) in enumerate(zip(params, names)):
         recv_t = tf.gather(
             received, _block_index(in_offsets[:, t], incoming[:, t]))
-        _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
-            recv_t, num_ranks=n, vocab_size=p.vocabulary_size,
-            owner=p.target_rank, table_name=name, raise_on_error=True)
-        owned = tf.gather(p.value, local_rows)
+        owned, recv_inverse = _owned_rows(p, recv_t, name)
         outgoing_by_table.append(tf.gather(owned, recv_inverse))
 
     # Rows back, one exchange per dtype, flattened to scalars and grouped by
@@ -395,15 +397,7 @@ POOLING_MODES = ("auto", "home", "owner")
 def _home_pooled(param, feat, combiner, name, key, unique, inverse,
                  counts_matrix):
     """Rows come home (one per distinct id), pooled at home."""
-    comm = world.communicator()
-    n = param.num_ranks
-    received = comm.exchange(unique, counts_matrix, key=key + "/ids")
-    _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
-        received, num_ranks=n, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name, raise_on_error=True)
-    owned = tf.gather(param.value, local_rows)
-    rows = comm.exchange(tf.gather(owned, recv_inverse),
-                         tf.transpose(counts_matrix), key=key + "/rows")
+    rows = _rows_from_owners(param, unique, counts_matrix, name, key)
     return pool(rows, inverse, feat, combiner)
 
 
@@ -428,10 +422,7 @@ def _owner_pooled(param, feat, combiner, name, key, order, occ_matrix,
     requester = tf.repeat(tf.range(n, dtype=tf.int64), occ_matrix[:, me])
     offsets = tf.cumsum(batches, exclusive=True)
     segments = received[:, 1] + tf.gather(offsets, requester)
-    _, local_rows, recv_inverse, _, _ = lookup_ops.dedup_bucketize(
-        received[:, 0], num_ranks=n, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name, raise_on_error=True)
-    owned = tf.gather(param.value, local_rows)
+    owned, recv_inverse = _owned_rows(param, received[:, 0], name)
     partial = lookup_ops.segment_combine(
         owned, recv_inverse, segments, w_in, tf.reduce_sum(batches), "sum")
     # An owner sends requester b its B_b partial sums if b asked it anything.
@@ -461,7 +452,9 @@ def _partials_matrix(occ_matrix, batches):
 
 
 def _pooled_exchange(param, feat, combiner, name, pooling):
-    """A pooled lookup on several ranks, choosing where to pool.
+    """A pooled lookup on several ranks, on the owner or chosen per step.
+
+    (`pooling="home"` never comes here: it is `gather_rows` + `pool`.)
 
     Rows home (`"home"`) sends each distinct id and its row once; pooling on
     the owner (`"owner"`) sends every occurrence and brings back one partial
@@ -497,8 +490,6 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
         return _owner_pooled(param, feat, combiner, name, key, order,
                              occ_matrix, batches)
 
-    if pooling == "home":
-        return home()
     if pooling == "owner":
         return owner()
     dim = param.global_shape[1]
@@ -525,12 +516,8 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
             f"{name}: `pooling` must be one of {POOLING_MODES}. Received: "
             f"pooling={pooling!r}.")
     feat = normalize_ids(ids, weights, name)
-    if combiner is not None and param.num_ranks > 1:
-        _check_table(param)
-        if param.num_ranks != world.num_ranks():
-            raise RuntimeError(
-                f"Table '{name}' was created for {param.num_ranks} ranks, "
-                f"but the world now has {world.num_ranks()}.")
+    if combiner is not None and param.num_ranks > 1 and pooling != "home":
+        _check_world(param, name)
         return _pooled_exchange(param, feat, combiner, name, pooling)
     rows, inverse = gather_rows(param, feat.values, table_name=name)
     if combiner is None:
@@ -644,7 +631,7 @@ def all2all_dense_embedding(param, indices):
     indices = tf.convert_to_tensor(indices)
     name = _table_key(param)
     _check_int(indices, name)
-    flat = tf.reshape(_as_int64(indices), [-1])
+    flat = tf.reshape(tf.cast(indices, tf.int64), [-1])
     rows, inverse = gather_rows(param, flat, table_name=name)
     out = tf.gather(rows, inverse)
     shape = tf.concat(

@@ -13,6 +13,7 @@ from sok_keras.optimizers import sparse_rules
 from sok_keras.optimizers.wrapper import _check_supported
 from sok_keras.optimizers.wrapper import apply_with_tables
 from sok_keras.optimizers.wrapper import broadcast_variables
+from sok_keras.optimizers.wrapper import build_once
 from sok_keras.optimizers.wrapper import create_table_slots
 from sok_keras.variable import is_sok_variable
 
@@ -35,20 +36,9 @@ class _TablesMixin:
         broadcast_variables(dense, key="sok_optimizer/broadcast")
 
     def apply(self, grads, trainable_variables=None):
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-            self.built = True
+        build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables
-        base = super()
-
-        def apply_dense(g, v):
-            if v:
-                base.apply(g, v)
-            else:
-                self.iterations.assign_add(1)
-
-        apply_with_tables(self, grads, variables, apply_dense)
+        apply_with_tables(self, grads, variables, super().apply)
 
 
 def _make(keras_class):

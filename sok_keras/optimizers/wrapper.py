@@ -214,6 +214,15 @@ def create_table_slots(opt, variables):
                 sparse_rules.rule_for(topt), topt, table)
 
 
+def build_once(optimizer, variables):
+    """Builds `optimizer` for `variables` unless it is built (as Keras'
+    `Optimizer.apply` does)."""
+    if not optimizer.built:
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(variables)
+        optimizer.built = True
+
+
 def apply_with_tables(opt, grads, variables, apply_dense):
     """One training step for a mix of dense weights and sharded tables.
 
@@ -222,8 +231,9 @@ def apply_with_tables(opt, grads, variables, apply_dense):
         grads: gradients, one per variable (None allowed).
         variables: the variables.
         apply_dense: `fn(grads, variables)` applying `opt`'s own update to
-            the dense variables (called with clipping already done, and with
-            empty lists when there are none: it must still count the step).
+            the dense variables, called with clipping already done. When
+            there are none, `opt.iterations` is incremented instead, so the
+            step is counted either way.
     """
     grads = reduce_across_ranks(list(grads), variables)
     dense_g, dense_v, slices, tables = [], [], [], []
@@ -250,6 +260,9 @@ def apply_with_tables(opt, grads, variables, apply_dense):
             own_steps.append(topt)
     for topt in own_steps:
         topt.iterations.assign_add(1)
+    if not dense_v:
+        opt.iterations.assign_add(1)
+        return
     with _clipping_off(opt):
         apply_dense(dense_g, dense_v)
 
@@ -343,20 +356,10 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         return self.inner_optimizer.iterations
 
     def apply(self, grads, trainable_variables=None):
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
-            self.built = True
+        build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables
-        inner = self.inner_optimizer
-
-        def apply_dense(g, v):
-            if v:
-                inner.apply(g, v)
-            else:
-                inner.iterations.assign_add(1)
-
-        apply_with_tables(inner, grads, variables, apply_dense)
+        apply_with_tables(self.inner_optimizer, grads, variables,
+                          self.inner_optimizer.apply)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
