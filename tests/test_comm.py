@@ -47,11 +47,13 @@ def test_watchdog_turns_stall_into_error():
     assert res["error"] is not None, res
     assert "sok_keras: rank 0: exchange 'stall/ids'" in res["error"]
     assert f"within {timeout:g} s" in res["error"]
-    # Fired after the timeout, not much later (tracing takes ~1 s).
-    assert timeout <= res["elapsed"] < timeout + 5, res["elapsed"]
+    # Fired after the timeout and long before the 30 s stall ended (tracing
+    # takes ~1 s; the margin is for a loaded CI machine).
+    assert timeout <= res["elapsed"] < timeout + 15, res["elapsed"]
     # The runtime stays aborted: later collectives fail at once.
     assert "exchange 'stall/ids'" in res["after"]
-    assert res["after_elapsed"] < 1.0
+    # ... without waiting out another timeout.
+    assert res["after_elapsed"] < timeout, res["after_elapsed"]
 
 
 def test_inflight_markers():

@@ -43,8 +43,9 @@ def test_propagates_exit_code():
 def test_failing_rank_stops_the_others():
     job = launch(SCRIPT, 3, args=["fail"], timeout=60, grace=2)
     assert job.returncode == 3, _details(job)
-    # The others sleep 60 s: they must have been stopped within seconds.
-    assert job.elapsed < 15, _details(job)
+    # The others sleep 60 s: they must have been stopped long before (the
+    # margin is for a loaded CI machine; it takes ~1 s when idle).
+    assert job.elapsed < 30, _details(job)
     assert "[1] rank 1: something went wrong, exiting 3" in job.output
     assert "sokrun: rank 1 failed: it exited with code 3" in job.output
     assert "stopping ranks [0, 2]" in job.output, _details(job)
@@ -70,7 +71,7 @@ def test_timeout_kills_hanging_job():
     job = launch(SCRIPT, 2, args=["hang"], timeout=2, grace=1)
     assert job.returncode == 124, _details(job)
     assert "timeout" in job.output, _details(job)
-    assert job.elapsed < 12, _details(job)
+    assert job.elapsed < 30, _details(job)  # ranks sleep 60 s
     assert not job.leftovers, _details(job)
 
 
