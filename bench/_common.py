@@ -7,6 +7,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
@@ -88,3 +89,18 @@ def write_json(path, obj):
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def command_line():
+    """This script's command line, relative to the repository."""
+    return " ".join(
+        ["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+
+
+def finish(path, result, t0):
+    """Stamps the end load and total time on ``result``, writes it to
+    ``path`` and says so."""
+    result["loadavg_end"] = loadavg()
+    result["total_s"] = round(time.perf_counter() - t0, 1)
+    write_json(path, result)
+    print(f"wrote {path} in {result['total_s']} s")

@@ -347,9 +347,7 @@ def main(argv=None):
         print(f"N={n}: {line}  (load {_common.loadavg()})", flush=True)
     result = {
         "benchmark": "exchange",
-        "command": " ".join(
-            ["python", os.path.relpath(sys.argv[0], _common.REPO)]
-            + sys.argv[1:]),
+        "command": _common.command_line(),
         "machine": info,
         "versions": runs[0]["versions"],
         "config": {"vocab": args.vocab, "dim": args.dim,
@@ -359,11 +357,8 @@ def main(argv=None):
                    "steps": args.steps, "warmup": args.warmup,
                    "rounds": args.rounds},
         "runs": runs,
-        "loadavg_end": _common.loadavg(),
-        "total_s": round(time.perf_counter() - t0, 1),
     }
-    _common.write_json(args.out, result)
-    print(f"wrote {args.out} in {result['total_s']} s")
+    _common.finish(args.out, result, t0)
 
 
 if __name__ == "__main__":

@@ -241,9 +241,7 @@ def main(argv=None):
         row.pop("versions", None)
     result = {
         "benchmark": "optimizer_step",
-        "command": " ".join(
-            ["python", os.path.relpath(sys.argv[0], _common.REPO)]
-            + sys.argv[1:]),
+        "command": _common.command_line(),
         "machine": info,
         "versions": versions,
         "config": {"batch": BATCH, "ids_per_sample": HOT, "dim": DIM,
@@ -252,11 +250,8 @@ def main(argv=None):
                    "steps": args.steps, "warmup": args.warmup,
                    "rounds": args.rounds, "jit_compile": False},
         "rows": rows,
-        "loadavg_end": _common.loadavg(),
-        "total_s": round(time.perf_counter() - t0, 1),
     }
-    _common.write_json(args.out, result)
-    print(f"wrote {args.out} in {result['total_s']} s")
+    _common.finish(args.out, result, t0)
 
 
 if __name__ == "__main__":
