@@ -14,6 +14,17 @@ _TABLE_KEYS = ("vocabulary_size", "embedding_dim", "mode", "initializer",
 _FEATURE_KEYS = ("table", "combiner")
 
 
+def _checked_spec(layer_name, kind, key, spec, allowed):
+    """``spec`` as a dict, after checking it names only ``allowed`` keys."""
+    spec = dict(spec)
+    unknown = sorted(set(spec) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"EmbeddingCollection '{layer_name}': {kind} '{key}' has unknown "
+            f"keys {unknown}; allowed: {list(allowed)}.")
+    return spec
+
+
 @keras.saving.register_keras_serializable(package="sok_keras")
 class EmbeddingCollection(keras.layers.Layer):
     """Several sharded tables shared by named features, looked up together.
@@ -69,12 +80,7 @@ class EmbeddingCollection(keras.layers.Layer):
         self.tables = {}
         self._table_optimizers = {}
         for t, spec in tables.items():
-            spec = dict(spec)
-            unknown = sorted(set(spec) - set(_TABLE_KEYS))
-            if unknown:
-                raise ValueError(
-                    f"EmbeddingCollection '{name}': table '{t}' has unknown "
-                    f"keys {unknown}; allowed: {list(_TABLE_KEYS)}.")
+            spec = _checked_spec(name, "table", t, spec, _TABLE_KEYS)
             where = f"EmbeddingCollection '{name}', table '{t}'"
             self.tables[t] = {
                 "vocabulary_size": check_positive_int(
@@ -90,12 +96,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 spec.get("optimizer"), where)
         self.features = {}
         for f, spec in features.items():
-            spec = dict(spec)
-            unknown = sorted(set(spec) - set(_FEATURE_KEYS))
-            if unknown:
-                raise ValueError(
-                    f"EmbeddingCollection '{name}': feature '{f}' has unknown "
-                    f"keys {unknown}; allowed: {list(_FEATURE_KEYS)}.")
+            spec = _checked_spec(name, "feature", f, spec, _FEATURE_KEYS)
             if spec.get("table") not in self.tables:
                 raise ValueError(
                     f"EmbeddingCollection '{name}': feature '{f}' refers to "
