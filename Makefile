@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 DEPS := $(VENV)/.deps-installed
 BUILT := $(VENV)/.sok-built
-CSRC := $(shell find csrc -name '*.cc' -o -name '*.h' -o -name '*.cu.cc')
+CSRC := $(shell find csrc -name '*.cc' -o -name '*.c' -o -name '*.h' -o -name '*.cuh')
 NP ?= 2
 
 .PHONY: demo test bench build clean

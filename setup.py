@@ -8,6 +8,10 @@ package against another TensorFlow fails with a clear message.
 
 import glob
 import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension
 from setuptools import setup
@@ -28,11 +32,48 @@ def _tf():
     return tf
 
 
-def _sources():
+def _sources(cuda=False):
     files = glob.glob(os.path.join("csrc", "core", "*.cc"))
     files += glob.glob(os.path.join("csrc", "comm", "*.cc"))
     files += glob.glob(os.path.join("csrc", "tf", "*.cc"))
-    return sorted(f for f in files if not f.endswith(".cu.cc"))
+    return sorted(f for f in files if f.endswith(".cu.cc") == cuda)
+
+
+def _nvcc():
+    """The nvcc to build the CUDA kernels with, or None (a CPU-only build).
+
+    `SOK_CUDA=0` forces a CPU-only build; otherwise nvcc is looked for in
+    `$CUDA_HOME/bin`, then /usr/local/cuda/bin, then on PATH.
+    """
+    if os.environ.get("SOK_CUDA", "") == "0":
+        return None
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    on_path = shutil.which("nvcc")
+    if on_path:
+        candidates.append(on_path)
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    if os.environ.get("SOK_CUDA", "") == "1":
+        raise RuntimeError("SOK_CUDA=1 but no nvcc was found (set CUDA_HOME).")
+    return None
+
+
+def _gencode_flags(nvcc):
+    """-gencode for sm_80 and sm_90, and newer architectures nvcc knows."""
+    out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True,
+                         text=True, check=False).stdout
+    known = {int(m) for m in re.findall(r"compute_(\d+)", out)}
+    wanted = [a for a in (80, 90, 100, 120) if not known or a in known]
+    flags = []
+    for arch in wanted:
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    newest = wanted[-1]  # PTX of the newest for GPUs newer than all of these
+    flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
+    return flags
 
 
 class BuildTfOps(build_ext):
@@ -43,11 +84,61 @@ class BuildTfOps(build_ext):
         if self.parallel is None:
             self.parallel = max(1, os.cpu_count() or 1)
 
+    def _build_cuda(self, nvcc, abi_flags):
+        """Compiles csrc/**/*.cu.cc with nvcc; returns the object files."""
+        cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        out_dir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(out_dir, exist_ok=True)
+        gencode = _gencode_flags(nvcc)
+        jobs = []
+        for src in _sources(cuda=True):
+            obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
+            deps = [src] + glob.glob(os.path.join("csrc", "core", "*.h")) + (
+                glob.glob(os.path.join("csrc", "core", "*.cuh")))
+            fresh = os.path.exists(obj) and all(
+                os.path.getmtime(obj) >= os.path.getmtime(d) for d in deps)
+            cmd = [nvcc, "-x", "cu", "-std=c++17", "-O3", "-c", src, "-o", obj,
+                   "-I", os.path.join(HERE, "csrc"), "-DSOK_WITH_CUDA=1",
+                   "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+                   "-Xcompiler", "-fvisibility=hidden"] + abi_flags + gencode
+            jobs.append((obj, None if fresh else cmd))
+
+        def run(job):
+            obj, cmd = job
+            if cmd is not None:
+                print(" ".join(cmd), flush=True)
+                subprocess.run(cmd, check=True)
+            return obj
+
+        workers = max(1, min(len(jobs), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            objects = list(pool.map(run, jobs))
+        lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib")]
+        lib_dirs += glob.glob(os.path.join(cuda_home, "targets", "*", "lib"))
+        lib_dirs = [d for d in lib_dirs
+                    if os.path.exists(os.path.join(d, "libcudart_static.a"))]
+        if not lib_dirs:
+            raise RuntimeError(f"no libcudart_static.a under {cuda_home}")
+        return objects, ["-L" + lib_dirs[0], "-l:libcudart_static.a", "-ldl",
+                         "-lrt", "-lpthread"]
+
     def build_extensions(self):
         tf = _tf()
         cflags = list(tf.sysconfig.get_compile_flags())
         lflags = list(tf.sysconfig.get_link_flags())
+        nvcc = _nvcc()
+        cuda_objects, cuda_libs = [], []
+        if nvcc is not None:
+            abi = [f for f in cflags if f.startswith("-D_GLIBCXX_USE_CXX11_ABI")]
+            cuda_objects, cuda_libs = self._build_cuda(nvcc, abi)
+            cflags.append("-DSOK_WITH_CUDA=1")
         for ext in self.extensions:
+            if ext.name == "sok_keras._sok_bind_guard":
+                ext.extra_compile_args = ["-O2", "-g0", "-fPIC",
+                                          "-fvisibility=hidden"]
+                ext.extra_link_args = ["-g0", "-ldl"]
+                continue
+            ext.extra_objects = list(cuda_objects)
             ext.extra_compile_args = cflags + [
                 "-O3",
                 "-g0",
@@ -58,7 +149,8 @@ class BuildTfOps(build_ext):
                 "-Wno-interference-size",
                 f'-DSOK_TF_VERSION="{tf.__version__}"',
             ]
-            ext.extra_link_args = lflags + ["-g0", "-Wl,--no-undefined"]
+            ext.extra_link_args = lflags + cuda_libs + [
+                "-g0", "-Wl,--no-undefined"]
         # Drop -Wstrict-prototypes etc. that distutils adds for C.
         for flag in ("-Wstrict-prototypes",):
             if flag in self.compiler.compiler_so:
@@ -70,6 +162,7 @@ class BuildTfOps(build_ext):
                 "# Written by setup.py when the op library was built.\n"
                 f"TF_VERSION = {tf.__version__!r}\n"
                 f"TF_CXX11_ABI = {tf.sysconfig.CXX11_ABI_FLAG!r}\n"
+                f"WITH_CUDA = {nvcc is not None!r}\n"
             )
         os.replace(info + ".tmp", info)
         if not self.inplace:
@@ -89,7 +182,14 @@ setup(
             sources=_sources(),
             include_dirs=[os.path.join(HERE, "csrc")],
             language="c++",
-        )
+        ),
+        # LD_PRELOADed into ranks: keeps TensorFlow's gRPC servers off the
+        # wildcard address (see csrc/runtime/bind_guard.c).
+        Extension(
+            "sok_keras._sok_bind_guard",
+            sources=[os.path.join("csrc", "runtime", "bind_guard.c")],
+            language="c",
+        ),
     ],
     cmdclass={"build_ext": BuildTfOps},
 )

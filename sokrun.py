@@ -11,9 +11,14 @@ Each rank gets the environment variables
 
 - `SOK_RANK`: its rank, 0..N-1;
 - `SOK_NUM_RANKS`: N;
+- `SOK_LOCAL_RANK`: its rank on this host (here: its rank), which
+  `sok_keras.init()` uses to give each rank its own GPU;
 - `SOK_WORKER_ADDRS`: the comma-separated `127.0.0.1:port` addresses of all
   ranks, in rank order (free loopback ports picked by sokrun);
-- `PYTHONUNBUFFERED=1`, so that Python output arrives line by line.
+- `PYTHONUNBUFFERED=1`, so that Python output arrives line by line;
+- `LD_PRELOAD` of sok_keras's bind guard and `SOK_BIND_HOST=127.0.0.1`, so
+  that TensorFlow's (unauthenticated) gRPC servers listen on the loopback
+  address only, not on every interface (`SOK_BIND_GUARD=0` turns it off).
 
 `sok_keras.init()` reads them. Every output line of rank r (stdout and
 stderr) is printed with the prefix `[r] `.
@@ -65,6 +70,45 @@ def _free_ports(n):
     finally:
         for s in socks:
             s.close()
+
+
+def bind_guard_library():
+    """The path of sok_keras's bind guard (`_sok_bind_guard*.so`), found
+    without importing sok_keras (nor TensorFlow); None if not built."""
+    import glob
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("sok_keras")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        found = sorted(glob.glob(os.path.join(folder, "_sok_bind_guard*.so")))
+        if found:
+            return found[0]
+    return None
+
+
+def bind_guard_env(host, env=None):
+    """The variables that make a rank's servers listen on `host` only.
+
+    TensorFlow's gRPC server listens on the wildcard address; with these
+    (`LD_PRELOAD` of the bind guard and `SOK_BIND_HOST`), a bind to the
+    wildcard address becomes a bind to `host`. Returns {} when the guard is
+    not built or `SOK_BIND_GUARD=0` asks for TensorFlow's behaviour.
+    """
+    env = os.environ if env is None else env
+    if env.get("SOK_BIND_GUARD", "1") == "0":
+        return {}
+    lib = bind_guard_library()
+    if lib is None:
+        return {}
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    if lib not in preload:
+        preload.insert(0, lib)
+    return {"LD_PRELOAD": ":".join(preload), "SOK_BIND_HOST": host}
 
 
 def _child_setup(parent_pid):
@@ -207,9 +251,11 @@ def main(argv=None):
     try:
         for r in range(n):
             env = dict(os.environ)
+            env.update(bind_guard_env("127.0.0.1", env))
             env.update(
                 SOK_RANK=str(r),
                 SOK_NUM_RANKS=str(n),
+                SOK_LOCAL_RANK=str(r),
                 SOK_WORKER_ADDRS=addrs,
                 PYTHONUNBUFFERED="1",
             )

@@ -86,3 +86,15 @@ def register_gradient_once(op_type):
         return fn
 
     return decorator
+
+
+def build_info():
+    """What the loaded op library holds.
+
+    Returns:
+        A dict: `with_cuda` (whether it has CUDA kernels) and
+        `gpu_host_syncs` (blocking device-to-host copies its GPU kernels
+        have made in this process so far; docs/design.md lists them).
+    """
+    with_cuda, syncs = ops().sok_build_info()
+    return {"with_cuda": bool(with_cuda), "gpu_host_syncs": int(syncs)}

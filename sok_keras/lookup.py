@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from sok_keras import lookup_ops
 from sok_keras import world
+from sok_keras._ops import ops
 from sok_keras.variable import Variable
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
@@ -129,8 +130,7 @@ def normalize_ids(ids, weights=None, name="lookup"):
         segs = ids.value_rowids()
         w = None
         if weights is not None:
-            w = weights.values if isinstance(weights, tf.RaggedTensor) else (
-                tf.convert_to_tensor(weights))
+            w = _ragged_weights(ids, weights, name)
         keep = tf.not_equal(values, -1)
         values_k = tf.boolean_mask(values, keep)
         segs_k = tf.boolean_mask(segs, keep)
@@ -451,6 +451,13 @@ def _partials_matrix(occ_matrix, batches):
                     tf.zeros_like(occ_matrix))
 
 
+def _owner_of(param, ids):
+    """The owning rank of each id (int32); any int for an invalid id."""
+    if param.target_rank >= 0:
+        return tf.fill(tf.shape(ids), tf.constant(param.target_rank, tf.int32))
+    return tf.cast(tf.math.floormod(ids, param.num_ranks), tf.int32)
+
+
 def _pooled_exchange(param, feat, combiner, name, pooling):
     """A pooled lookup on several ranks, on the owner or chosen per step.
 
@@ -468,9 +475,11 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
     dedup = lookup_ops.dedup_bucketize(
         feat.values, num_ranks=n, vocab_size=param.vocabulary_size,
         owner=param.target_rank, table_name=name, raise_on_error=False)
-    # Occurrences per owner (the owner branch sorts them by owner).
-    occ_owner = tf.gather(
-        tf.repeat(tf.range(n, dtype=tf.int32), dedup.counts), dedup.inverse)
+    # Occurrences per owner (the owner branch sorts them by owner), from
+    # the ids themselves: nothing here may depend on the dedup counts, which
+    # are zero on a rank that saw an invalid id, until every rank has
+    # checked every rank's error (SokCheckExchange below).
+    occ_owner = _owner_of(param, feat.values)
     occ_counts = tf.math.bincount(occ_owner, minlength=n, maxlength=n,
                                   dtype=tf.int64)
     batch = tf.reshape(tf.cast(feat.batch_size, tf.int64), [1])
@@ -478,8 +487,15 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
     gathered = comm.all_gather(header[None, :], key=key + "/counts")
     counts_matrix = lookup_ops.check_exchange(
         gathered[:, :n + 2], param.vocabulary_size, name)
-    occ_matrix = gathered[:, n + 2:2 * n + 2]
-    batches = gathered[:, 2 * n + 2]
+    # Everything after the check waits for it: in a graph, an exchange that
+    # did not depend on it could start on one rank while the check fails
+    # on the other, and leave that collective unpaired.
+    # (A control dependency is not enough: grappler drops it. The check's
+    # output is a real data dependency.)
+    occ_matrix = lookup_ops.check_exchange(
+        tf.concat([gathered[:, n + 2:2 * n + 2], gathered[:, n:n + 2]], 1),
+        param.vocabulary_size, name)
+    batches = gathered[:, 2 * n + 2]  # used only with occ_matrix
 
     def home():
         return _home_pooled(param, feat, combiner, name, key, dedup.unique_ids,
@@ -493,13 +509,97 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
     if pooling == "owner":
         return owner()
     dim = param.global_shape[1]
-    row_bytes = 4 * dim  # the rows' dtype is at least 4 bytes
+    item = param.value.dtype.size
+    row_bytes = item * dim
     home_bytes = tf.reduce_sum(counts_matrix) * (8 + row_bytes)
-    weights_bytes = 0 if feat.weights is None else 4
+    weights_bytes = 0 if feat.weights is None else item
     owner_bytes = (tf.reduce_sum(occ_matrix) * (16 + weights_bytes)
                    + tf.reduce_sum(_partials_matrix(occ_matrix, batches))
                    * row_bytes)
     return tf.cond(owner_bytes < home_bytes, owner, home)
+
+
+def _bags(ids, weights, name):
+    """Dense (-1 padded) or ragged ids as (flat ids, row splits, weights),
+    padding kept; None for a SparseTensor (whose order is not promised)."""
+    if isinstance(ids, tf.SparseTensor):
+        return None
+    if isinstance(ids, tf.RaggedTensor):
+        _check_int(ids.flat_values, name)
+        if ids.ragged_rank != 1:
+            return None  # normalize_ids raises the error
+        w = None
+        if weights is not None:
+            w = _ragged_weights(ids, weights, name)
+        return ids.values, tf.cast(ids.row_splits, tf.int64), w
+    ids = tf.convert_to_tensor(ids)
+    _check_int(ids, name)
+    if ids.shape.rank not in (1, 2):
+        return None
+    shape = tf.shape(ids, out_type=tf.int64)
+    width = shape[1] if ids.shape.rank == 2 else tf.constant(1, tf.int64)
+    splits = tf.range(shape[0] + 1, dtype=tf.int64) * width
+    w = None
+    if weights is not None:
+        w = tf.reshape(tf.convert_to_tensor(weights), [-1])
+    return tf.reshape(ids, [-1]), splits, w
+
+
+def _pooled_whole_table(param, ids, weights, combiner, name):
+    """One rank: pools straight from the table (`SokPooledLookup`, no
+    dedup in the forward); the backward dedups and reduces the gradient per
+    distinct row, so the table's gradient is a `tf.IndexedSlices`. Returns
+    None where this path does not apply (sparse ids, other dtypes)."""
+    dtype = param.value.dtype
+    if dtype not in (tf.float32, tf.float64):
+        return None
+    bags = _bags(ids, weights, name)
+    if bags is None:
+        return None
+    values, splits, w = bags
+    if values.dtype not in (tf.int32, tf.int64):
+        values = tf.cast(values, tf.int64)
+    w = tf.zeros([0], dtype) if w is None else tf.cast(w, dtype)
+    local_shape = tf.constant(param.value.shape.as_list(), tf.int64)
+    vocab = param.vocabulary_size
+
+    @tf.custom_gradient
+    def pooled(table):
+        out = ops().sok_pooled_lookup(
+            table=table, ids=values, row_splits=splits, weights=w,
+            combiner=combiner, table_name=name)
+
+        def grad(dy):
+            feat = normalize_ids(ids, weights, name)
+            d = lookup_ops.dedup_bucketize(
+                feat.values, num_ranks=1, vocab_size=vocab, table_name=name)
+            fw = (tf.zeros([0], dy.dtype) if feat.weights is None
+                  else tf.cast(feat.weights, dy.dtype))
+            rows_grad = ops().sok_segment_combine_grad(
+                grad=dy, inverse=d.inverse, segment_ids=feat.segment_ids,
+                weights=fw,
+                num_unique=tf.shape(d.local_rows, out_type=tf.int64)[0],
+                combiner=combiner)
+            return tf.IndexedSlices(rows_grad, d.local_rows, local_shape)
+
+        return out, grad
+
+    out = pooled(tf.convert_to_tensor(param.value))
+    out.set_shape([None, param.global_shape[1]])
+    return out
+
+
+def _ragged_weights(ids, weights, name):
+    """The flat weights of ragged `ids`, which must share their row splits."""
+    if not isinstance(weights, tf.RaggedTensor):
+        return tf.reshape(tf.convert_to_tensor(weights), [-1])
+    check = tf.debugging.assert_equal(
+        tf.cast(weights.row_splits, tf.int64),
+        tf.cast(ids.row_splits, tf.int64),
+        message=(f"{name}: ragged weights must have the row splits of the "
+                 "ids (one weight per id, sample by sample)"))
+    with tf.control_dependencies([check]):
+        return tf.identity(weights.values)
 
 
 def lookup_one(param, ids, weights=None, combiner="sum", name=None,
@@ -515,6 +615,10 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
         raise ValueError(
             f"{name}: `pooling` must be one of {POOLING_MODES}. Received: "
             f"pooling={pooling!r}.")
+    if combiner is not None and param.num_ranks == 1:
+        whole = _pooled_whole_table(param, ids, weights, combiner, name)
+        if whole is not None:
+            return whole
     feat = normalize_ids(ids, weights, name)
     if combiner is not None and param.num_ranks > 1 and pooling != "home":
         _check_world(param, name)

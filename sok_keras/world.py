@@ -35,6 +35,26 @@ With more than one rank, `init` starts TensorFlow's collective runtime
 strategy is untouched), and creates the process's communicator
 (`sok_keras.comm.CollectiveCommunicator`).
 
+GPUs and the backend. When a process sees several GPUs, `init` keeps only
+the one of its local rank (`SOK_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+`SLURM_LOCALID`, `LOCAL_RANK`; modulo the number of GPUs), so that each
+rank has its own device. `init(backend=...)` (or `SOK_BACKEND`) chooses how
+ranks communicate: `"collective"` is TensorFlow's collective ops over gRPC
+(CPU or GPU tensors); `"nccl"` is the op library's NCCL communicator
+(`sok_keras.comm_nccl`), one GPU per rank; `"auto"` (the default) takes
+NCCL when the library has CUDA kernels, NCCL loads, and no two ranks share
+a GPU, and the collective backend otherwise (several ranks on one GPU, which
+NCCL refuses, or CPU-only processes).
+
+Security. TensorFlow's collective runtime is an unauthenticated gRPC
+server that would listen on every interface. sok_keras keeps it on the
+rank's own address: `sokrun` starts ranks with the bind guard preloaded
+(`SOK_BIND_HOST=127.0.0.1`), and `init` re-executes a rank started by
+another launcher under it, bound to the host of its `SOK_WORKER_ADDRS` or
+`MASTER_ADDR` entry (give `0.0.0.0`, or set `SOK_BIND_GUARD=0`, to listen
+on every interface). Multi-host jobs still belong on a private network:
+anyone who can reach a rank's address can run TensorFlow ops there.
+
 Other environment variables:
 
 - `SOK_COMM_TIMEOUT`: seconds a collective may wait for its peers before the
@@ -44,8 +64,10 @@ Other environment variables:
   `init(heartbeat_timeout=...)` wins).
 """
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 
 _LOCK = threading.Lock()
@@ -53,6 +75,10 @@ _WORLD = None  # the World once init() ran
 
 _DEFAULT_TIMEOUT = 600.0
 _DEFAULT_HEARTBEAT = 10.0
+
+_BACKENDS = ("auto", "nccl", "collective")
+_LOCAL_RANK_VARS = ("SOK_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "SLURM_LOCALID", "MPI_LOCALRANKID", "LOCAL_RANK")
 
 _SOURCES = (
     ("sokrun", "SOK_RANK", "SOK_NUM_RANKS"),
@@ -96,6 +122,9 @@ class World:
         self.initialized = False
         self.strategy = None
         self.communicator = None
+        self.backend = "local"
+        self.collective = None  # the gRPC communicator, when N > 1
+        self.gpu = None  # the name of this rank's GPU, if any
 
     @property
     def tf_config(self):
@@ -110,7 +139,8 @@ class World:
     def __repr__(self):
         return (
             f"World(rank={self.rank}, num_ranks={self.num_ranks}, "
-            f"source={self.source!r}, initialized={self.initialized})"
+            f"source={self.source!r}, backend={self.backend!r}, "
+            f"gpu={self.gpu!r}, initialized={self.initialized})"
         )
 
 
@@ -240,7 +270,181 @@ def _start_collectives(world):
     )
 
 
-def init(timeout=None, heartbeat_timeout=None, **kwargs):
+_WILDCARDS = ("", "0.0.0.0", "::", "*")
+
+
+def _guard_servers(world):
+    """Makes this rank's TensorFlow servers listen on its own address only.
+
+    TensorFlow's gRPC server binds the wildcard address whatever TF_CONFIG
+    says, and serves anyone who connects. Unless the process already runs
+    under sok_keras's bind guard (sokrun starts ranks under it), or
+    `SOK_BIND_GUARD=0`, or the rank's address is itself a wildcard, this
+    re-executes the program (same interpreter, same arguments) with the
+    guard preloaded: nothing has run in TensorFlow yet, so nothing is lost.
+    """
+    import socket
+    import sys
+
+    if os.environ.get("SOK_BIND_HOST") or os.environ.get(
+            "SOK_BIND_GUARD", "1") == "0":
+        return
+    host = world.worker_addrs[world.rank].rsplit(":", 1)[0].strip("[]")
+    if host in _WILDCARDS:
+        return  # the user asked for every interface
+    try:
+        ip = socket.getaddrinfo(host, None)[0][4][0]
+    except OSError as e:
+        raise RuntimeError(
+            f"sok_keras: cannot resolve rank {world.rank}'s address "
+            f"{host!r} (from {world.source}): {e}") from None
+    try:
+        import sokrun
+    except ImportError:
+        return
+    env = sokrun.bind_guard_env(ip)
+    if not env:
+        logging.getLogger("sok_keras").warning(
+            "sok_keras: the bind guard is not built; TensorFlow's servers "
+            "listen on every interface.")
+        return
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable] + list(sys.orig_argv[1:]))
+
+
+@contextlib.contextmanager
+def _sigterm_kept():
+    """Restores the SIGTERM handler that TensorFlow's multi-worker runtime
+    replaces (its preemption handling swallows the signal, so a rank would
+    survive a launcher's stop until SIGKILL)."""
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+    except ValueError:
+        before = None
+    try:
+        yield
+    finally:
+        if before is not None and (
+                threading.current_thread() is threading.main_thread()):
+            signal.signal(signal.SIGTERM, before)
+
+
+def _local_rank(env):
+    for name in _LOCAL_RANK_VARS:
+        if env.get(name, "").strip().isdigit():
+            return int(env[name])
+    return None
+
+
+def _pin_gpu(world):
+    """Keeps only this rank's GPU visible (before TensorFlow starts)."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return
+    local = _local_rank(os.environ)
+    if len(gpus) > 1 and local is not None:
+        mine = gpus[local % len(gpus)]
+        try:
+            tf.config.set_visible_devices([mine], "GPU")
+        except RuntimeError:  # TensorFlow already started: leave it
+            pass
+    logical = tf.config.list_logical_devices("GPU")
+    if logical:
+        world.gpu = logical[0].name
+
+
+def _gpu_fingerprint(world):
+    """One int per rank: equal on two ranks that use the same GPU."""
+    import socket
+    import zlib
+
+    import tensorflow as tf
+
+    if world.gpu is None:
+        return -1
+    visible = [d.name for d in tf.config.get_visible_devices("GPU")]
+    text = "|".join([socket.gethostname(),
+                     os.environ.get("CUDA_VISIBLE_DEVICES", "<all>"),
+                     ",".join(visible)])
+    return zlib.crc32(text.encode())
+
+
+def _nccl_unavailable(world, collective):
+    """Why NCCL cannot serve this world, or None (collective: the gRPC
+    communicator, to compare the ranks' GPUs)."""
+    import tensorflow as tf
+
+    from sok_keras import _ops
+
+    if not _ops.build_info()["with_cuda"]:
+        return "this sok_keras build has no CUDA kernels"
+    fingerprint = _gpu_fingerprint(world)
+    if collective is None:
+        return None if fingerprint != -1 else "this process sees no GPU"
+    prints = collective.all_gather(
+        tf.constant([fingerprint], tf.int64), "init/gpus").numpy().tolist()
+    if -1 in prints:
+        return f"rank {prints.index(-1)} sees no GPU"
+    if len(set(prints)) != len(prints):
+        return ("several ranks share one GPU (NCCL needs one GPU per rank); "
+                f"GPU fingerprints by rank: {prints}")
+    return None
+
+
+def _nccl_communicator(world, collective):
+    import tensorflow as tf
+
+    from sok_keras import comm_nccl
+
+    uid = comm_nccl.NcclCommunicator.new_unique_id() if world.rank == 0 else (
+        tf.zeros([128], tf.uint8))
+    if collective is not None:
+        uid = collective.broadcast(uid, "init/nccl_id")
+    return comm_nccl.NcclCommunicator(world.rank, world.num_ranks, uid,
+                                      timeout=world.timeout)
+
+
+def _choose_communicator(world, backend):
+    from sok_keras import comm
+
+    collective = None
+    if world.num_ranks > 1:
+        collective = comm.CollectiveCommunicator(
+            world.rank, world.num_ranks, timeout=world.timeout)
+    wants_nccl = backend == "nccl" or (backend == "auto"
+                                       and world.num_ranks > 1)
+    if wants_nccl:
+        reason = _nccl_unavailable(world, collective)
+        if reason is None:
+            try:
+                world.communicator = _nccl_communicator(world, collective)
+                world.backend = "nccl"
+                world.collective = collective
+                return
+            except Exception as e:  # NCCL missing or refused the GPUs
+                if backend == "nccl":
+                    raise
+                reason = f"NCCL could not be initialized: {e}"
+        if backend == "nccl":
+            raise RuntimeError(
+                f"sok_keras.init(backend='nccl'): {reason}. Use "
+                "backend='auto' or 'collective'.")
+        logging.getLogger("sok_keras").info(
+            "sok_keras: using TensorFlow collectives, not NCCL: %s", reason)
+    if collective is None:
+        world.communicator = comm.LocalCommunicator()
+        world.backend = "local"
+    else:
+        world.communicator = collective
+        world.backend = "collective"
+    world.collective = collective
+
+
+def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
     """Initializes sok_keras for this process (idempotent).
 
     Call it once at the start of the program, before TensorFlow runs any
@@ -253,6 +457,9 @@ def init(timeout=None, heartbeat_timeout=None, **kwargs):
         heartbeat_timeout: seconds after which the coordination service
             declares a silent peer dead (every rank then fails). Defaults to
             `SOK_HEARTBEAT_TIMEOUT` or 10. Only used by the first call.
+        backend: `"auto"` (default, or `SOK_BACKEND`), `"nccl"` or
+            `"collective"`: how ranks communicate (see the module
+            docstring). Only used by the first call.
         **kwargs: accepted for compatibility with SparseOperationKit's
             `sok.init`: `comm_tool` (only `None`/`"tf"`; there is no
             Horovod) and `use_legacy_optimizer` (ignored).
@@ -288,6 +495,11 @@ def init(timeout=None, heartbeat_timeout=None, **kwargs):
         raise ValueError(
             f"`timeout` must be a positive number of seconds, got {timeout!r}"
         )
+    backend = backend or os.environ.get("SOK_BACKEND") or "auto"
+    if backend not in _BACKENDS:
+        raise ValueError(
+            f"`backend` must be one of {_BACKENDS}. Received: "
+            f"backend={backend!r}.")
     if heartbeat_timeout is not None and not heartbeat_timeout > 0:
         raise ValueError(
             "`heartbeat_timeout` must be a positive number of seconds, got "
@@ -312,16 +524,15 @@ def init(timeout=None, heartbeat_timeout=None, **kwargs):
                 "SOK_HEARTBEAT_TIMEOUT", _DEFAULT_HEARTBEAT, os.environ
             )
         )
-        from sok_keras import comm
-
-        if world.num_ranks == 1:
-            world.communicator = comm.LocalCommunicator()
-        else:
+        if world.num_ranks > 1:
             _check_tf_not_started()
-            _start_collectives(world)
-            world.communicator = comm.CollectiveCommunicator(
-                world.rank, world.num_ranks, timeout=world.timeout
-            )
+            _guard_servers(world)
+            _pin_gpu(world)
+            with _sigterm_kept():
+                _start_collectives(world)
+        else:
+            _pin_gpu(world)
+        _choose_communicator(world, backend)
         world.initialized = True
         _WORLD = world
         logging.getLogger("sok_keras").info("sok_keras initialized: %r", world)

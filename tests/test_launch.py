@@ -153,3 +153,17 @@ def test_usage_errors():
     )
     assert out.returncode == 127
     assert b"cannot start rank 0" in out.stderr
+
+
+def test_sigterm_to_a_rank_stops_the_job_promptly():
+    """sok.init() must not leave TensorFlow's SIGTERM handler in place (a
+    rank that ignores SIGTERM survives Slurm's, Kubernetes' or mpirun's
+    stop until SIGKILL)."""
+    from tests.multiprocess import launch
+    from tests.multiprocess import worker_path
+
+    job = launch(worker_path("sigterm_self"), 2, timeout=60)
+    assert job.returncode != 0, job.output
+    assert job.elapsed < 40, (job.elapsed, job.output)
+    assert "SIGTERM" in job.output, job.output
+    assert not job.leftovers

@@ -29,3 +29,28 @@ def test_pooling_on_the_owner_equals_pooling_at_home():
             assert r["cases"] == 72
             assert r["max_err"] < 1e-4, r
             assert r["max_grad_diff"] < 1e-4, r
+
+
+def test_invalid_id_on_one_rank_raises_on_every_rank():
+    """Every pooling mode: rank 1's bad id raises the same error on both
+    ranks (naming table, rank and id), nothing changes, the ranks stay in
+    step. Before the fix, pooling 'auto'/'owner' failed on rank 1 alone."""
+    results = run_workers(worker_path("bad_id"), 2, timeout=120)
+    expected_after = [[9.0, 11.0, 13.0], [9.0, 10.0, 11.0]]
+    for r in results:
+        assert r["unchanged"]
+        names = [k for k in r["cases"] if not k.endswith("/after")]
+        assert len(names) == 8
+        for name in names:
+            msg = r["cases"][name]
+            assert "rank 1" in msg and "40" in msg, (name, msg)
+            assert "tbl" in msg or "emb" in msg, (name, msg)
+            after = r["cases"][name + "/after"]
+            if "unpooled" not in name:
+                assert after == expected_after, (name, after)
+    # The same message on both ranks (past TensorFlow's device prefix).
+    def ours(r):
+        return {k: v[v.index("sok_keras:"):].split("\n")[0]
+                if isinstance(v, str) else v for k, v in r["cases"].items()}
+
+    assert ours(results[0]) == ours(results[1])

@@ -1,6 +1,7 @@
 """Loading the op library: version check, gradients registered once."""
 
 import importlib
+import os
 import sys
 import types
 
@@ -36,3 +37,37 @@ def test_reimporting_wrappers_does_not_register_gradients_twice():
     importlib.reload(lookup_ops)
     importlib.reload(lookup_ops)
     assert _ops.ops() is _ops.ops()  # loaded once
+
+
+# Host-side bookkeeping ops that never touch a table: they run on the CPU
+# whatever the device (their inputs and outputs are scalars and strings).
+HOST_ONLY_OPS = {"SokBuildInfo", "SokInflightSnapshot", "SokNcclUniqueId",
+                 "SokNcclHealth"}
+
+
+def test_every_op_has_a_gpu_kernel_when_built_with_cuda():
+    from tensorflow.python.framework import kernels
+
+    from sok_keras import _ops
+
+    if not _ops.build_info()["with_cuda"]:
+        pytest.skip("op library built without CUDA (no nvcc at build time)")
+    import glob
+    import re
+
+    csrc = os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "csrc")
+    names = set()
+    for path in glob.glob(os.path.join(csrc, "tf", "*.cc")):
+        with open(path) as f:
+            names |= set(re.findall(r'REGISTER_OP\("(\w+)"\)', f.read()))
+    assert len(names) >= 25, names
+    missing = []
+    for name in names:
+        devices = {k.device_type
+                   for k in kernels.get_registered_kernels_for_op(name).kernel}
+        if not name.startswith("SokNccl"):  # NCCL needs a GPU
+            assert "CPU" in devices, name
+        if name not in HOST_ONLY_OPS and "GPU" not in devices:
+            missing.append(name)
+    assert not missing, f"ops without a GPU kernel: {missing}"

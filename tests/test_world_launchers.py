@@ -36,8 +36,9 @@ def _free_port_block(count):
     raise RuntimeError("no free port block")
 
 
-@pytest.mark.parametrize("style", ["torchrun", "openmpi"])
-def test_two_ranks_without_sokrun(style, tmp_path):
+def _run_two_ranks(style, worker, args, tmp_path):
+    """Starts `worker` as 2 ranks by hand in a torchrun- or Open MPI-style
+    environment; returns the per-rank results."""
     base = _free_port_block(2)
     procs = []
     for rank in range(2):
@@ -45,7 +46,8 @@ def test_two_ranks_without_sokrun(style, tmp_path):
             [REPO, os.path.join(REPO, "tests", "workers")]),
             TF_CPP_MIN_LOG_LEVEL="2", SOK_TEST_OUT=str(tmp_path),
             PYTHONUNBUFFERED="1")
-        for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS"):
+        for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
+                    "SOK_BIND_HOST", "LD_PRELOAD"):
             env.pop(var, None)
         if style == "torchrun":
             env.update(RANK=str(rank), WORLD_SIZE="2",
@@ -59,7 +61,7 @@ def test_two_ranks_without_sokrun(style, tmp_path):
         # there is no SOK_RANK, so the harness passes it separately.
         env["SOK_TEST_RANK"] = str(rank)
         procs.append(subprocess.Popen(
-            [sys.executable, WORKER, "distributed"], env=env, cwd=REPO,
+            [sys.executable, worker] + list(args), env=env, cwd=REPO,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
@@ -73,9 +75,38 @@ def test_two_ranks_without_sokrun(style, tmp_path):
                 p.wait()
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text())
-               for r in range(2)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text())
+            for r in range(2)]
+
+
+@pytest.mark.parametrize("style", ["torchrun", "openmpi"])
+def test_two_ranks_without_sokrun(style, tmp_path):
+    results = _run_two_ranks(style, WORKER, ["distributed"], tmp_path)
     assert results[0]["shapes"] == [[9, 3], [4, 5]]
     assert results[1]["shapes"] == [[8, 3], [3, 5]]
     assert results[0]["grad_rows"] == [1, 1]
     assert results[1]["grad_rows"] == [3, 2]
+
+
+def _loopback(addr):
+    return (addr.startswith("127.") or addr == "0000:0000:0000:0000:0000:"
+            "0000:0000:0001" or addr.startswith("::ffff:127."))
+
+
+@pytest.mark.parametrize("launcher", ["sokrun", "torchrun"])
+def test_rank_servers_listen_on_loopback_only(launcher, tmp_path):
+    """TensorFlow's gRPC server would listen on every interface (and serves
+    anyone); under sokrun and under another launcher the ranks' servers
+    must listen on loopback only."""
+    worker = os.path.join(REPO, "tests", "workers", "listen_check.py")
+    if launcher == "sokrun":
+        from tests.multiprocess import run_workers
+
+        results = run_workers(worker, 2, timeout=90)
+    else:
+        results = _run_two_ranks("torchrun", worker, [], tmp_path)
+    for r in results:
+        assert r["sum"] == 2.0
+        assert r["listening"], r
+        assert all(_loopback(a) for a, _ in r["listening"]), r
+        assert r["bind_host"] == "127.0.0.1"

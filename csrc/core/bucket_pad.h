@@ -65,4 +65,34 @@ void BucketUnpad(const char* received, int64_t row_bytes,
 }  // namespace bucket
 }  // namespace sok
 
+// ============================================================================
+// GPU versions (core/bucket_pad.cu.cc), only in builds with CUDA
+// (SOK_WITH_CUDA). Same layout as BucketPad / BucketUnpad above; x, padded,
+// received and out are device memory, counts is host memory. The work is
+// cudaMemcpyAsync / cudaMemsetAsync calls on d.stream (no kernels, no host
+// sync); a CUDA failure is returned as an error status.
+// ============================================================================
+#ifdef SOK_WITH_CUDA
+
+#include "core/device.h"
+
+namespace sok {
+namespace bucket {
+namespace gpu {
+
+Status BucketPad(const GpuDevice& d, const char* x, int64_t row_bytes,
+                 const int64_t* counts, int64_t num_ranks, int64_t rank,
+                 int64_t bucket, char* padded);
+
+Status BucketUnpad(const GpuDevice& d, const char* received,
+                   int64_t row_bytes, const int64_t* counts,
+                   int64_t num_ranks, int64_t rank, int64_t bucket,
+                   char* out);
+
+}  // namespace gpu
+}  // namespace bucket
+}  // namespace sok
+
+#endif  // SOK_WITH_CUDA
+
 #endif  // SOK_KERAS_CORE_BUCKET_PAD_H_

@@ -326,13 +326,6 @@ void GroupPositions(const Tkey* keys, int64_t nnz, int64_t num_keys,
 
 }  // namespace
 
-ParallelFor SerialParallelFor() {
-  return [](int64_t n, int64_t /*cost_per_unit*/,
-            const std::function<void(int64_t, int64_t)>& fn) {
-    if (n > 0) fn(0, n);
-  };
-}
-
 template <typename Tid>
 IdError FindFirstInvalidId(const Tid* ids, int64_t nnz, int64_t vocab_size,
                            const ParallelFor& parallel_for) {

@@ -16,34 +16,15 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "core/status.h"
 
 namespace sok {
 namespace lookup {
 
-// See core/parallel.h.
+// See core/parallel.h and core/status.h.
 using ParallelFor = ::sok::ParallelFor;
-
-// Returns a ParallelFor that runs everything on the calling thread.
-ParallelFor SerialParallelFor();
-
-// A minimal status: ok() or an error message.
-class LookupStatus {
- public:
-  LookupStatus() = default;
-  static LookupStatus Ok() { return LookupStatus(); }
-  static LookupStatus Error(std::string message) {
-    LookupStatus status;
-    status.ok_ = false;
-    status.message_ = std::move(message);
-    return status;
-  }
-  bool ok() const { return ok_; }
-  const std::string& message() const { return message_; }
-
- private:
-  bool ok_ = true;
-  std::string message_;
-};
+using ::sok::SerialParallelFor;
+using LookupStatus = ::sok::Status;
 
 // The first invalid id of a lookup: its position and value, or (-1, 0).
 struct IdError {
@@ -122,5 +103,91 @@ int64_t FirstRankWithError(const int64_t* gathered, int64_t num_ranks,
 
 }  // namespace lookup
 }  // namespace sok
+
+// ============================================================================
+// GPU kernels (core/lookup.cu.cc), only in builds with CUDA (SOK_WITH_CUDA).
+// Every function enqueues its work on d.stream and returns a CUDA failure as
+// an error status (an internal error: the arguments were already checked).
+// Device pointers are marked [device], host pointers [host]. Results are
+// identical to the CPU kernels above and deterministic (no float atomics;
+// every sum runs in ascending position order).
+// ============================================================================
+#ifdef SOK_WITH_CUDA
+
+#include "core/device.h"
+
+namespace sok {
+namespace lookup {
+namespace gpu {
+
+// The results of gpu::DedupBucketize.
+struct DedupOutput {
+  int64_t num_unique = 0;       // U [host]
+  IdError error;                // the first invalid id by position [host]
+  std::vector<int64_t> counts;  // [num_ranks] unique ids per rank [host]
+  // [U] each [device], in scratch memory of `d` (valid while d's scratch
+  // lives); copy them into the outputs. Null when U == 0.
+  const int64_t* unique_ids = nullptr;
+  const int64_t* local_rows = nullptr;
+};
+
+// FindFirstInvalidId + DedupBucketize on the device, with one blocking
+// device-to-host copy (none when nnz == 0). ids [device] [nnz];
+// inverse [device] [nnz] is written. If an id is outside [0, vocab_size),
+// out->error is set and, as on the CPU, U = 0, counts are zero and inverse
+// is zeroed. Requires 0 <= nnz <= INT32_MAX, num_ranks >= 1 and
+// owner < num_ranks.
+template <typename Tid>
+Status DedupBucketize(const GpuDevice& d, const Tid* ids, int64_t nnz,
+                      int64_t num_ranks, int64_t owner, int64_t vocab_size,
+                      int32_t* inverse, DedupOutput* out);
+
+// Enqueues a device-to-device copy of `bytes` bytes (nothing if bytes == 0).
+Status CopyDeviceToDevice(const GpuDevice& d, void* dst, const void* src,
+                          int64_t bytes);
+
+// The result of gpu::CheckSegmentIndices.
+struct SegmentIndexCheck {
+  // ok(), or the message of the CPU ValidateSegmentIndices for the same
+  // inputs (an invalid argument).
+  Status invalid;
+  bool segments_sorted = false;  // segment_ids is non-decreasing
+  bool inverse_sorted = false;   // inverse is non-decreasing
+};
+
+// ValidateSegmentIndices on the device, with one blocking device-to-host
+// copy (none when nnz == 0). inverse, segment_ids [device] [nnz]. Also
+// fails (in check->invalid) if nnz > INT32_MAX, a limit of the GPU kernels.
+template <typename Tseg>
+Status CheckSegmentIndices(const GpuDevice& d, const int32_t* inverse,
+                           const Tseg* segment_ids, int64_t nnz,
+                           int64_t num_rows, int64_t num_segments,
+                           SegmentIndexCheck* check);
+
+// SegmentCombine on the device; no host sync. rows [device] [num_rows, dim],
+// inverse, segment_ids [device] [nnz], weights [device] [nnz] or null (all
+// ones), out [device] [num_segments, dim]. `check` is the (valid) result of
+// CheckSegmentIndices for these indices.
+template <typename T, typename Tseg>
+Status SegmentCombine(const GpuDevice& d, const T* rows, int64_t dim,
+                      const int32_t* inverse, const Tseg* segment_ids,
+                      const T* weights, int64_t nnz, int64_t num_segments,
+                      Combiner combiner, const SegmentIndexCheck& check,
+                      T* out);
+
+// SegmentCombineGrad on the device; no host sync. grad [device]
+// [num_segments, dim], out [device] [num_rows, dim]; otherwise as above.
+template <typename T, typename Tseg>
+Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
+                          const int32_t* inverse, const Tseg* segment_ids,
+                          const T* weights, int64_t nnz, int64_t num_segments,
+                          int64_t num_rows, Combiner combiner,
+                          const SegmentIndexCheck& check, T* out);
+
+}  // namespace gpu
+}  // namespace lookup
+}  // namespace sok
+
+#endif  // SOK_WITH_CUDA
 
 #endif  // SOK_KERAS_CORE_LOOKUP_H_

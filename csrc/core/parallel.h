@@ -17,6 +17,14 @@ using WorkFn = std::function<void(int64_t, int64_t)>;
 using ParallelFor =
     std::function<void(int64_t n, int64_t cost_per_unit, const WorkFn& fn)>;
 
+// Runs fn(0, n) on the calling thread (tests, tiny inputs).
+inline void SerialFor(int64_t n, int64_t /*cost_per_unit*/, const WorkFn& fn) {
+  if (n > 0) fn(0, n);
+}
+
+// SerialFor as a ParallelFor value.
+inline ParallelFor SerialParallelFor() { return SerialFor; }
+
 }  // namespace sok
 
 #endif  // SOK_CORE_PARALLEL_H_

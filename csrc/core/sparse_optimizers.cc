@@ -7,10 +7,6 @@
 namespace sok {
 namespace sparse_opt {
 
-void SerialFor(int64_t n, int64_t /*cost_per_unit*/, const WorkFn& fn) {
-  if (n > 0) fn(0, n);
-}
-
 template <typename Index>
 Status BuildUniqueIndex(const Index* indices, int64_t k, int64_t num_rows,
                         UniqueIndex* out) {

@@ -24,29 +24,15 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"  // GpuDevice, for the GPU entry points below
 #include "core/parallel.h"
+#include "core/status.h"
 
 namespace sok {
 namespace sparse_opt {
 
-// A minimal status: ok() or an invalid-argument message.
-class Status {
- public:
-  Status() = default;
-  static Status Ok() { return Status(); }
-  static Status InvalidArgument(std::string msg) {
-    Status s;
-    s.ok_ = false;
-    s.message_ = std::move(msg);
-    return s;
-  }
-  bool ok() const { return ok_; }
-  const std::string& message() const { return message_; }
-
- private:
-  bool ok_ = true;
-  std::string message_;
-};
+// See core/status.h.
+using Status = ::sok::Status;
 
 // parallel_for(n, cost_per_unit, fn) must call fn(begin, end) over disjoint
 // ranges that together cover [0, n) (possibly concurrently). `cost_per_unit`
@@ -54,8 +40,7 @@ class Status {
 using WorkFn = ::sok::WorkFn;            // see core/parallel.h
 using ParallelFor = ::sok::ParallelFor;
 
-// Runs fn(0, n) on the calling thread.
-void SerialFor(int64_t n, int64_t cost_per_unit, const WorkFn& fn);
+using ::sok::SerialFor;  // runs fn(0, n) on the calling thread
 
 // The unique rows of an index list and, per unique row, the positions at
 // which it occurs (CSR layout, ascending positions).
@@ -146,6 +131,95 @@ Status ApplyRmsprop(T* var, T* vel, T* mom, T* avg, int64_t num_rows,
                     int64_t dim, const int64_t* rows_idx, const T* grad,
                     int64_t n, T lr, T rho, T momentum, T epsilon,
                     const ParallelFor& pf);
+
+
+// ===========================================================================
+// GPU entry points (implemented in core/sparse_optimizers.cu.cc; defined
+// only in builds with SOK_WITH_CUDA). Plain C++ declarations, so the host
+// compiler can include them; every pointer argument below is device memory
+// unless said otherwise. All work is enqueued on d.stream, scratch comes
+// from d.allocate; the only host sync is the one inside Dedup.
+namespace gpu {
+
+// The unique rows of a device index list, grouped by row (CSR layout).
+struct DedupResult {
+  // Host values (copied back by Dedup with one blocking copy).
+  int64_t num_unique = 0;     // U; 0 when k == 0
+  int64_t bad_position = -1;  // first position p with indices[p] outside
+                              // [0, num_rows), or -1 when all are valid
+  int64_t bad_value = 0;      // indices[bad_position] (when >= 0)
+  // Device pointers into d's scratch (valid while that scratch lives).
+  // Meaningful only when bad_position == -1 and k > 0.
+  const int64_t* rows = nullptr;       // [U] unique rows, ascending
+  const int64_t* offsets = nullptr;    // [U + 1], offsets[U] == k
+  const int64_t* positions = nullptr;  // [k]: positions[offsets[u] ..
+                                       // offsets[u+1]) are the positions of
+                                       // rows[u], ascending
+};
+
+// Validates indices[0..k) (device) against [0, num_rows) and groups equal
+// indices (stable radix sort, so deterministic). Writes no user memory.
+// k == 0: returns U = 0 with no device work. A returned error is an internal
+// (CUDA / out of memory) failure; an invalid index is reported through
+// out->bad_position instead.
+template <typename Index>
+Status Dedup(const GpuDevice& d, const Index* indices, int64_t k,
+             int64_t num_rows, DedupResult* out);
+
+// The message of BuildUniqueIndex for an invalid index (same wording).
+inline std::string InvalidIndexMessage(int64_t position, int64_t value,
+                                       int64_t num_rows) {
+  return "indices[" + std::to_string(position) + "] = " +
+         std::to_string(value) + " is not in [0, " + std::to_string(num_rows) +
+         ") (the variable has " + std::to_string(num_rows) + " rows)";
+}
+
+enum class Rule { kSgd, kMomentum, kAdagrad, kAdam, kFtrl, kRmsprop };
+
+// The op's scalar hyperparameters (read on the host as T; stored as double,
+// which is exact for float and double, and converted back to T before use).
+// Only the fields of the chosen rule are read.
+struct Hyper {
+  double lr = 0;
+  double momentum = 0;      // Momentum, Rmsprop
+  double epsilon = 0;       // Adagrad, Adam, Rmsprop
+  double beta_1 = 0;        // Adam
+  double beta_2 = 0;        // Adam
+  double step = 0;          // Adam
+  double weight_decay = 0;  // Adam with apply_weight_decay (AdamW)
+  double lr_power = 0;      // Ftrl
+  double l1 = 0;            // Ftrl
+  double l2 = 0;            // Ftrl
+  double l2_shrinkage = 0;  // Ftrl
+  double beta = 0;          // Ftrl
+  double rho = 0;           // Rmsprop
+  bool nesterov = false;            // Momentum
+  bool apply_weight_decay = false;  // Adam -> AdamW
+};
+
+// One update per unique row of `dedup` (from Dedup over the same indices,
+// with bad_position == -1), with grad [k, dim] summed per row in ascending
+// position order. var and slots are [num_rows, dim]. Slots per rule (same
+// formulas and operation order as the CPU Apply* functions above):
+//   kSgd:      -
+//   kMomentum: s1 = m
+//   kAdagrad:  s1 = accumulator
+//   kAdam:     s1 = m, s2 = v, s3 = vhat (nullptr unless amsgrad)
+//   kFtrl:     s1 = accumulator, s2 = linear
+//   kRmsprop:  s1 = velocity, s2 = mom (nullptr unless momentum),
+//              s3 = mg (nullptr unless centered)
+// U == 0 or dim == 0: no-op.
+template <typename T>
+Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
+                 T* s2, T* s3, int64_t dim, const DedupResult& dedup,
+                 const T* grad);
+
+// Stream-ordered device-to-device copy of `bytes` bytes (0: no-op).
+Status CopyDevice(const GpuDevice& d, void* dst, const void* src,
+                  int64_t bytes);
+
+}  // namespace gpu
+// ===========================================================================
 
 }  // namespace sparse_opt
 }  // namespace sok

@@ -16,6 +16,7 @@
 
 #include "core/bucket_pad.h"
 #include "tf/cpu_parallel.h"
+#include "tf/gpu_device.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -30,6 +31,9 @@ namespace {
 using ::tensorflow::DataTypeSize;
 using ::tensorflow::DataTypeString;
 using ::tensorflow::DEVICE_CPU;
+#ifdef SOK_WITH_CUDA
+using ::tensorflow::DEVICE_GPU;
+#endif
 using ::tensorflow::OpKernel;
 using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
@@ -196,81 +200,188 @@ class SokBucketPadOp : public BucketOpBase {
   using BucketOpBase::BucketOpBase;
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& counts = ctx->input(1);
-    if (!Validate(ctx, x, counts)) return;
-    const int64_t* c = counts.flat<int64_t>().data();
-    int64_t exponent = 0;
-    if (!Check(ctx, bucket::BucketExponent(c, num_ranks, &exponent))) return;
-    int64_t send = 0;
-    if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, true, &send))) return;
-    const int64_t rows = x.dim_size(0);
-    OP_REQUIRES(ctx, rows == send,
-                errors::InvalidArgument(
-                    Where(), "the rows of x must equal sum(counts_matrix[rank, "
-                    ":]), but x has ", rows, " rows and sum(counts_matrix[",
-                    rank_, ", :]) = ", send, " (x shape ",
-                    x.shape().DebugString(), ")"));
-    if (!Check(ctx, bucket::CheckPaddedSize(num_ranks, exponent, row_bytes)))
-      return;
-    const int64_t bucket = int64_t{1} << exponent;
+    const int64_t* c = nullptr;
+    int64_t bucket = 0;
     Tensor* padded = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, RowsShape(x, num_ranks * bucket), &padded));
-    Tensor* e = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &e));
-    e->scalar<int64_t>()() = exponent;
+    if (!Prepare(ctx, &c, &bucket, &padded)) return;
+    const Tensor& x = ctx->input(0);
     bucket::BucketPad(static_cast<const char*>(x.data()), row_bytes, c,
                       num_ranks, rank_, bucket, CpuParallelFor(ctx),
                       static_cast<char*>(padded->data()));
   }
+
+ protected:
+  // Validates the inputs (CPU and GPU), allocates `padded` and writes the
+  // exponent (host memory). Returns false (status set) on failure.
+  bool Prepare(OpKernelContext* ctx, const int64_t** counts_data,
+               int64_t* bucket_rows, Tensor** padded_out) {
+    const Tensor& x = ctx->input(0);
+    const Tensor& counts = ctx->input(1);
+    if (!Validate(ctx, x, counts)) return false;
+    const int64_t* c = counts.flat<int64_t>().data();
+    int64_t exponent = 0;
+    if (!Check(ctx, bucket::BucketExponent(c, num_ranks, &exponent))) {
+      return false;
+    }
+    int64_t send = 0;
+    if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, true, &send))) {
+      return false;
+    }
+    const int64_t rows = x.dim_size(0);
+    if (rows != send) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "the rows of x must equal sum(counts_matrix[rank, "
+          ":]), but x has ", rows, " rows and sum(counts_matrix[",
+          rank_, ", :]) = ", send, " (x shape ",
+          x.shape().DebugString(), ")"));
+      return false;
+    }
+    if (!Check(ctx, bucket::CheckPaddedSize(num_ranks, exponent, row_bytes)))
+      return false;
+    const int64_t bucket = int64_t{1} << exponent;
+    Tensor* padded = nullptr;
+    absl::Status status = ctx->allocate_output(
+        0, RowsShape(x, num_ranks * bucket), &padded);
+    if (!status.ok()) {
+      ctx->CtxFailure(status);
+      return false;
+    }
+    Tensor* e = nullptr;
+    status = ctx->allocate_output(1, TensorShape({}), &e);
+    if (!status.ok()) {
+      ctx->CtxFailure(status);
+      return false;
+    }
+    e->scalar<int64_t>()() = exponent;
+    *counts_data = c;
+    *bucket_rows = bucket;
+    *padded_out = padded;
+    return true;
+  }
 };
+
+#ifdef SOK_WITH_CUDA
+// x and padded in device memory; counts_matrix and exponent in host memory.
+class SokBucketPadGpuOp : public SokBucketPadOp {
+ public:
+  using SokBucketPadOp::SokBucketPadOp;
+
+  void Compute(OpKernelContext* ctx) override {
+    const int64_t* c = nullptr;
+    int64_t bucket = 0;
+    Tensor* padded = nullptr;
+    if (!Prepare(ctx, &c, &bucket, &padded)) return;
+    const Tensor& x = ctx->input(0);
+    GpuScratch scratch(ctx);
+    const GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    const Status status = bucket::gpu::BucketPad(
+        d, static_cast<const char*>(x.data()), row_bytes, c, num_ranks, rank_,
+        bucket, static_cast<char*>(padded->data()));
+    OP_REQUIRES(ctx, status.ok(),
+                errors::Internal(Where(), "SokBucketPad on GPU: ",
+                                 status.message()));
+  }
+};
+#endif  // SOK_WITH_CUDA
 
 class SokBucketUnpadOp : public BucketOpBase {
  public:
   using BucketOpBase::BucketOpBase;
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& received = ctx->input(0);
-    const Tensor& counts = ctx->input(1);
-    const Tensor& exponent_t = ctx->input(2);
-    if (!Validate(ctx, received, counts)) return;
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(exponent_t.shape()),
-                errors::InvalidArgument(Where(),
-                                        "exponent must be a scalar, got shape ",
-                                        exponent_t.shape().DebugString()));
-    const int64_t exponent = exponent_t.scalar<int64_t>()();
-    OP_REQUIRES(ctx, exponent >= 0 && exponent <= bucket::kMaxExponent,
-                errors::InvalidArgument(Where(), "exponent ", exponent,
-                                        " is out of range [0, ",
-                                        bucket::kMaxExponent, "]"));
-    if (!Check(ctx, bucket::CheckPaddedSize(num_ranks, exponent, row_bytes)))
-      return;
-    const int64_t bucket = int64_t{1} << exponent;
-    OP_REQUIRES(ctx, received.dim_size(0) == num_ranks * bucket,
-                errors::InvalidArgument(
-                    Where(), "received has ", received.dim_size(0),
-                    " rows, expected num_ranks * 2^exponent = ", num_ranks,
-                    " * ", bucket));
-    const int64_t* c = counts.flat<int64_t>().data();
-    for (int64_t j = 0; j < num_ranks; ++j) {
-      const int64_t n = c[j * num_ranks + rank_];
-      OP_REQUIRES(ctx, n >= 0 && n <= bucket,
-                  errors::InvalidArgument(
-                      Where(), "counts_matrix[", j, ", ", rank_, "] = ", n,
-                      " is out of range [0, 2^exponent = ", bucket, "]"));
-    }
-    int64_t total = 0;
-    if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, false, &total)))
-      return;
+    const int64_t* c = nullptr;
+    int64_t bucket = 0;
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx,
-                   ctx->allocate_output(0, RowsShape(received, total), &y));
+    if (!Prepare(ctx, &c, &bucket, &y)) return;
+    const Tensor& received = ctx->input(0);
     bucket::BucketUnpad(static_cast<const char*>(received.data()), row_bytes,
                         c, num_ranks, rank_, bucket, CpuParallelFor(ctx),
                         static_cast<char*>(y->data()));
   }
+
+ protected:
+  // Validates the inputs (CPU and GPU) and allocates `y`. Returns false
+  // (status set) on failure.
+  bool Prepare(OpKernelContext* ctx, const int64_t** counts_data,
+               int64_t* bucket_rows, Tensor** y_out) {
+    const Tensor& received = ctx->input(0);
+    const Tensor& counts = ctx->input(1);
+    const Tensor& exponent_t = ctx->input(2);
+    if (!Validate(ctx, received, counts)) return false;
+    if (!TensorShapeUtils::IsScalar(exponent_t.shape())) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "exponent must be a scalar, got shape ",
+          exponent_t.shape().DebugString()));
+      return false;
+    }
+    const int64_t exponent = exponent_t.scalar<int64_t>()();
+    if (exponent < 0 || exponent > bucket::kMaxExponent) {
+      ctx->CtxFailure(errors::InvalidArgument(Where(), "exponent ", exponent,
+                                              " is out of range [0, ",
+                                              bucket::kMaxExponent, "]"));
+      return false;
+    }
+    if (!Check(ctx, bucket::CheckPaddedSize(num_ranks, exponent, row_bytes)))
+      return false;
+    const int64_t bucket = int64_t{1} << exponent;
+    if (received.dim_size(0) != num_ranks * bucket) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "received has ", received.dim_size(0),
+          " rows, expected num_ranks * 2^exponent = ", num_ranks, " * ",
+          bucket));
+      return false;
+    }
+    const int64_t* c = counts.flat<int64_t>().data();
+    for (int64_t j = 0; j < num_ranks; ++j) {
+      const int64_t n = c[j * num_ranks + rank_];
+      if (n < 0 || n > bucket) {
+        ctx->CtxFailure(errors::InvalidArgument(
+            Where(), "counts_matrix[", j, ", ", rank_, "] = ", n,
+            " is out of range [0, 2^exponent = ", bucket, "]"));
+        return false;
+      }
+    }
+    int64_t total = 0;
+    if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, false, &total)))
+      return false;
+    Tensor* y = nullptr;
+    const absl::Status status =
+        ctx->allocate_output(0, RowsShape(received, total), &y);
+    if (!status.ok()) {
+      ctx->CtxFailure(status);
+      return false;
+    }
+    *counts_data = c;
+    *bucket_rows = bucket;
+    *y_out = y;
+    return true;
+  }
 };
+
+#ifdef SOK_WITH_CUDA
+// received and y in device memory; counts_matrix and exponent in host
+// memory.
+class SokBucketUnpadGpuOp : public SokBucketUnpadOp {
+ public:
+  using SokBucketUnpadOp::SokBucketUnpadOp;
+
+  void Compute(OpKernelContext* ctx) override {
+    const int64_t* c = nullptr;
+    int64_t bucket = 0;
+    Tensor* y = nullptr;
+    if (!Prepare(ctx, &c, &bucket, &y)) return;
+    const Tensor& received = ctx->input(0);
+    GpuScratch scratch(ctx);
+    const GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    const Status status = bucket::gpu::BucketUnpad(
+        d, static_cast<const char*>(received.data()), row_bytes, c, num_ranks,
+        rank_, bucket, static_cast<char*>(y->data()));
+    OP_REQUIRES(ctx, status.ok(),
+                errors::Internal(Where(), "SokBucketUnpad on GPU: ",
+                                 status.message()));
+  }
+};
+#endif  // SOK_WITH_CUDA
 
 REGISTER_KERNEL_BUILDER(Name("SokBucketPad")
                             .Device(DEVICE_CPU)
@@ -282,6 +393,39 @@ REGISTER_KERNEL_BUILDER(Name("SokBucketUnpad")
                             .HostMemory("counts_matrix")
                             .HostMemory("exponent"),
                         SokBucketUnpadOp);
+
+#ifdef SOK_WITH_CUDA
+// Every dtype of SOK_BUCKET_TYPES (the copies work in bytes).
+#define REGISTER_BUCKET_GPU(T)                                          \
+  REGISTER_KERNEL_BUILDER(Name("SokBucketPad")                          \
+                              .Device(DEVICE_GPU)                       \
+                              .TypeConstraint<T>("T")                   \
+                              .HostMemory("counts_matrix")              \
+                              .HostMemory("exponent"),                  \
+                          SokBucketPadGpuOp);                           \
+  REGISTER_KERNEL_BUILDER(Name("SokBucketUnpad")                        \
+                              .Device(DEVICE_GPU)                       \
+                              .TypeConstraint<T>("T")                   \
+                              .HostMemory("counts_matrix")              \
+                              .HostMemory("exponent"),                  \
+                          SokBucketUnpadGpuOp);
+REGISTER_BUCKET_GPU(bool)
+REGISTER_BUCKET_GPU(::tensorflow::int8)
+REGISTER_BUCKET_GPU(::tensorflow::uint8)
+REGISTER_BUCKET_GPU(::tensorflow::int16)
+REGISTER_BUCKET_GPU(::tensorflow::uint16)
+REGISTER_BUCKET_GPU(::tensorflow::int32)
+REGISTER_BUCKET_GPU(::tensorflow::uint32)
+REGISTER_BUCKET_GPU(::tensorflow::int64)
+REGISTER_BUCKET_GPU(::tensorflow::uint64)
+REGISTER_BUCKET_GPU(Eigen::half)
+REGISTER_BUCKET_GPU(::tensorflow::bfloat16)
+REGISTER_BUCKET_GPU(float)
+REGISTER_BUCKET_GPU(double)
+REGISTER_BUCKET_GPU(::tensorflow::complex64)
+REGISTER_BUCKET_GPU(::tensorflow::complex128)
+#undef REGISTER_BUCKET_GPU
+#endif  // SOK_WITH_CUDA
 
 }  // namespace
 }  // namespace sok

@@ -12,6 +12,7 @@
 
 #include "core/lookup.h"
 #include "tf/cpu_parallel.h"
+#include "tf/gpu_device.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -26,6 +27,9 @@ namespace sok {
 namespace {
 
 using ::tensorflow::DEVICE_CPU;
+#ifdef SOK_WITH_CUDA
+using ::tensorflow::DEVICE_GPU;
+#endif
 using ::tensorflow::OpKernel;
 using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
@@ -94,10 +98,11 @@ raise_on_error: Whether an invalid id fails the op. If false, the op returns
   no unique ids, a zero inverse and zero counts, and reports the id in error.
 )doc");
 
-template <typename Tids>
-class SokDedupBucketizeOp : public OpKernel {
+// The attrs, input checks and output writers shared by the CPU and GPU
+// kernels of SokDedupBucketize.
+class SokDedupBucketizeBase : public OpKernel {
  public:
-  explicit SokDedupBucketizeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit SokDedupBucketizeBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_ranks", &num_ranks_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_size", &vocab_size_));
@@ -110,29 +115,77 @@ class SokDedupBucketizeOp : public OpKernel {
                     ")."));
   }
 
+ protected:
+  // Checks the ids input; returns its size in *nnz, or false (status set).
+  bool ValidateIds(OpKernelContext* ctx, const Tensor& ids, int64_t* nnz) {
+    if (!TensorShapeUtils::IsVector(ids.shape())) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          "sok_keras: table '", table_name_,
+          "': ids must be a vector, got shape ", ids.shape().DebugString(),
+          "."));
+      return false;
+    }
+    *nnz = ids.NumElements();
+    if (*nnz > std::numeric_limits<int32_t>::max()) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          "sok_keras: table '", table_name_, "': the number of ids (", *nnz,
+          ") must fit in int32."));
+      return false;
+    }
+    return true;
+  }
+
+  // The error of an invalid id when raise_on_error is set.
+  absl::Status InvalidIdError(const lookup::IdError& error) const {
+    return errors::InvalidArgument(
+        "sok_keras: table '", table_name_, "': id ", error.value,
+        " at position ", error.position, " is out of range [0, ", vocab_size_,
+        ").");
+  }
+
+  // Allocates output `index` ([size] int64) and copies `size` values into
+  // it (host memory).
+  static void CopyOut(OpKernelContext* ctx, int index,
+                      const std::vector<int64_t>& values, int64_t size) {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(index, TensorShape({size}), &out));
+    if (size > 0) {
+      std::memcpy(out->flat<int64_t>().data(), values.data(),
+                  size * sizeof(int64_t));
+    }
+  }
+
+  // Writes the error output (host memory).
+  static void WriteError(OpKernelContext* ctx, const lookup::IdError& error) {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({2}), &out));
+    out->flat<int64_t>()(0) = error.position;
+    out->flat<int64_t>()(1) = error.value;
+  }
+
+  int64_t num_ranks_ = 1;
+  int64_t owner_ = -1;
+  int64_t vocab_size_ = 0;
+  std::string table_name_;
+  bool raise_on_error_ = true;
+};
+
+template <typename Tids>
+class SokDedupBucketizeOp : public SokDedupBucketizeBase {
+ public:
+  using SokDedupBucketizeBase::SokDedupBucketizeBase;
+
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids = ctx->input(0);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()),
-                errors::InvalidArgument(
-                    "sok_keras: table '", table_name_,
-                    "': ids must be a vector, got shape ",
-                    ids.shape().DebugString(), "."));
-    const int64_t nnz = ids.NumElements();
-    OP_REQUIRES(ctx, nnz <= std::numeric_limits<int32_t>::max(),
-                errors::InvalidArgument(
-                    "sok_keras: table '", table_name_, "': the number of ids (",
-                    nnz, ") must fit in int32."));
+    int64_t nnz = 0;
+    if (!ValidateIds(ctx, ids, &nnz)) return;
     const Tids* ids_data = ids.flat<Tids>().data();
     const lookup::ParallelFor parallel_for = CpuParallelFor(ctx);
 
     const lookup::IdError error =
         lookup::FindFirstInvalidId(ids_data, nnz, vocab_size_, parallel_for);
     if (!error.ok()) {
-      OP_REQUIRES(ctx, !raise_on_error_,
-                  errors::InvalidArgument(
-                      "sok_keras: table '", table_name_, "': id ",
-                      error.value, " at position ", error.position,
-                      " is out of range [0, ", vocab_size_, ")."));
+      OP_REQUIRES(ctx, !raise_on_error_, InvalidIdError(error));
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({0}), &out));
       OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &out));
@@ -160,31 +213,73 @@ class SokDedupBucketizeOp : public OpKernel {
     CopyOut(ctx, 3, result.counts, num_ranks_);
     WriteError(ctx, error);
   }
+};
+
+#ifdef SOK_WITH_CUDA
+// ids, unique_ids, local_rows and inverse in device memory; counts and error
+// in host memory. One blocking device-to-host copy (in
+// lookup::gpu::DedupBucketize) sizes the outputs and decides the error.
+template <typename Tids>
+class SokDedupBucketizeGpuOp : public SokDedupBucketizeBase {
+ public:
+  using SokDedupBucketizeBase::SokDedupBucketizeBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    int64_t nnz = 0;
+    if (!ValidateIds(ctx, ids, &nnz)) return;
+    GpuScratch scratch(ctx);
+    const GpuDevice d = MakeGpuDevice(ctx, &scratch);
+
+    Tensor* inverse = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({nnz}), &inverse));
+    lookup::gpu::DedupOutput result;
+    const Status status = lookup::gpu::DedupBucketize<Tids>(
+        d, ids.flat<Tids>().data(), nnz, num_ranks_, owner_, vocab_size_,
+        inverse->flat<int32_t>().data(), &result);
+    OP_REQUIRES(ctx, status.ok(),
+                errors::Internal("sok_keras: table '", table_name_,
+                                 "': SokDedupBucketize on GPU: ",
+                                 status.message()));
+    if (!result.error.ok()) {
+      // inverse was zeroed; the same outputs as the CPU kernel.
+      OP_REQUIRES(ctx, !raise_on_error_, InvalidIdError(result.error));
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({0}), &out));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({0}), &out));
+      OP_REQUIRES_OK(ctx,
+                     ctx->allocate_output(3, TensorShape({num_ranks_}), &out));
+      out->flat<int64_t>().setZero();
+      WriteError(ctx, result.error);
+      return;
+    }
+
+    const int64_t num_unique = result.num_unique;
+    CopyOutDevice(ctx, d, 0, result.unique_ids, num_unique);
+    if (!ctx->status().ok()) return;
+    CopyOutDevice(ctx, d, 1, result.local_rows, num_unique);
+    if (!ctx->status().ok()) return;
+    CopyOut(ctx, 3, result.counts, num_ranks_);
+    WriteError(ctx, result.error);
+  }
 
  private:
-  static void CopyOut(OpKernelContext* ctx, int index,
-                      const std::vector<int64_t>& values, int64_t size) {
+  // Allocates output `index` ([size] int64, device memory) and copies `size`
+  // values of device memory into it, on the op's stream.
+  void CopyOutDevice(OpKernelContext* ctx, const GpuDevice& d, int index,
+                     const int64_t* values, int64_t size) {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(index, TensorShape({size}), &out));
-    if (size > 0) {
-      std::memcpy(out->flat<int64_t>().data(), values.data(),
-                  size * sizeof(int64_t));
-    }
+    if (size == 0) return;
+    const Status status = lookup::gpu::CopyDeviceToDevice(
+        d, out->flat<int64_t>().data(), values, size * sizeof(int64_t));
+    OP_REQUIRES(ctx, status.ok(),
+                errors::Internal("sok_keras: table '", table_name_,
+                                 "': SokDedupBucketize on GPU: ",
+                                 status.message()));
   }
-
-  static void WriteError(OpKernelContext* ctx, const lookup::IdError& error) {
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({2}), &out));
-    out->flat<int64_t>()(0) = error.position;
-    out->flat<int64_t>()(1) = error.value;
-  }
-
-  int64_t num_ranks_ = 1;
-  int64_t owner_ = -1;
-  int64_t vocab_size_ = 0;
-  std::string table_name_;
-  bool raise_on_error_ = true;
 };
+#endif  // SOK_WITH_CUDA
 
 #define REGISTER_DEDUP(Tids)                                      \
   REGISTER_KERNEL_BUILDER(Name("SokDedupBucketize")               \
@@ -194,6 +289,19 @@ class SokDedupBucketizeOp : public OpKernel {
 REGISTER_DEDUP(int32_t)
 REGISTER_DEDUP(int64_t)
 #undef REGISTER_DEDUP
+
+#ifdef SOK_WITH_CUDA
+#define REGISTER_DEDUP_GPU(Tids)                                  \
+  REGISTER_KERNEL_BUILDER(Name("SokDedupBucketize")               \
+                              .Device(DEVICE_GPU)                 \
+                              .TypeConstraint<Tids>("Tids")       \
+                              .HostMemory("counts")               \
+                              .HostMemory("error"),               \
+                          SokDedupBucketizeGpuOp<Tids>);
+REGISTER_DEDUP_GPU(int32_t)
+REGISTER_DEDUP_GPU(int64_t)
+#undef REGISTER_DEDUP_GPU
+#endif  // SOK_WITH_CUDA
 
 // ----------------------------------------------------------------------------
 // SokCheckExchange
@@ -272,16 +380,22 @@ class SokCheckExchangeOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("SokCheckExchange").Device(DEVICE_CPU),
                         SokCheckExchangeOp);
+#ifdef SOK_WITH_CUDA
+// A host-side check: the same kernel, with every tensor in host memory.
+REGISTER_KERNEL_BUILDER(Name("SokCheckExchange")
+                            .Device(DEVICE_GPU)
+                            .HostMemory("gathered")
+                            .HostMemory("counts_matrix"),
+                        SokCheckExchangeOp);
+#endif  // SOK_WITH_CUDA
 
 // ----------------------------------------------------------------------------
 // SokSegmentCombine and SokSegmentCombineGrad
 
-// Validates the inputs shared by SokSegmentCombine and its gradient:
-// `dense` is rows ([U, D], forward) or grad ([B, D], backward).
-template <typename T, typename Tseg>
-void ValidateCombineInputs(OpKernelContext* ctx, const char* dense_name,
-                           int64_t num_rows,
-                           int64_t num_segments) {
+// Validates the shapes of the inputs shared by SokSegmentCombine and its
+// gradient (CPU and GPU): `dense` is rows ([U, D], forward) or grad
+// ([B, D], backward).
+void ValidateCombineShapes(OpKernelContext* ctx, const char* dense_name) {
   const Tensor& dense = ctx->input(0);
   const Tensor& inverse = ctx->input(1);
   const Tensor& segment_ids = ctx->input(2);
@@ -309,6 +423,19 @@ void ValidateCombineInputs(OpKernelContext* ctx, const char* dense_name,
               errors::InvalidArgument(
                   "weights must be empty or have the size of inverse (", nnz,
                   "), got size ", weights.NumElements(), "."));
+}
+
+// Validates the inputs shared by SokSegmentCombine and its gradient on the
+// CPU: the shapes, then the indices (host memory).
+template <typename T, typename Tseg>
+void ValidateCombineInputs(OpKernelContext* ctx, const char* dense_name,
+                           int64_t num_rows,
+                           int64_t num_segments) {
+  ValidateCombineShapes(ctx, dense_name);
+  if (!ctx->status().ok()) return;
+  const Tensor& inverse = ctx->input(1);
+  const Tensor& segment_ids = ctx->input(2);
+  const int64_t nnz = inverse.NumElements();
   const lookup::LookupStatus status = lookup::ValidateSegmentIndices(
       inverse.flat<int32_t>().data(), segment_ids.flat<Tseg>().data(), nnz,
       num_rows, num_segments, CpuParallelFor(ctx));
@@ -324,6 +451,22 @@ absl::Status ScalarInt64(OpKernelContext* ctx, int index, const char* name,
   }
   *value = t.scalar<int64_t>()();
   return absl::OkStatus();
+}
+
+// Reads the count input 4 (num_segments or num_unique, host memory), which
+// must be >= 0; returns false (status set) otherwise.
+bool ReadCount(OpKernelContext* ctx, const char* name, int64_t* value) {
+  const absl::Status status = ScalarInt64(ctx, 4, name, value);
+  if (!status.ok()) {
+    ctx->CtxFailure(status);
+    return false;
+  }
+  if (*value < 0) {
+    ctx->CtxFailure(errors::InvalidArgument(
+        name, " must be non-negative, got ", *value, "."));
+    return false;
+  }
+  return true;
 }
 
 absl::Status CombineShapeFn(InferenceContext* c) {
@@ -400,11 +543,7 @@ class SokSegmentCombineOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     int64_t num_segments = 0;
-    OP_REQUIRES_OK(ctx, ScalarInt64(ctx, 4, "num_segments", &num_segments));
-    OP_REQUIRES(ctx, num_segments >= 0,
-                errors::InvalidArgument(
-                    "num_segments must be non-negative, got ", num_segments,
-                    "."));
+    if (!ReadCount(ctx, "num_segments", &num_segments)) return;
     const Tensor& rows = ctx->input(0);
     const int64_t num_rows = rows.dims() == 2 ? rows.dim_size(0) : 0;
     ValidateCombineInputs<T, Tseg>(ctx, "rows", num_rows,
@@ -440,10 +579,7 @@ class SokSegmentCombineGradOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     int64_t num_unique = 0;
-    OP_REQUIRES_OK(ctx, ScalarInt64(ctx, 4, "num_unique", &num_unique));
-    OP_REQUIRES(ctx, num_unique >= 0,
-                errors::InvalidArgument("num_unique must be non-negative, got ",
-                                        num_unique, "."));
+    if (!ReadCount(ctx, "num_unique", &num_unique)) return;
     const Tensor& grad = ctx->input(0);
     const int64_t num_segments = grad.dims() == 2 ? grad.dim_size(0) : 0;
     ValidateCombineInputs<T, Tseg>(ctx, "grad", num_unique,
@@ -470,6 +606,128 @@ class SokSegmentCombineGradOp : public OpKernel {
   lookup::Combiner combiner_ = lookup::Combiner::kSum;
 };
 
+#ifdef SOK_WITH_CUDA
+// Checks the indices of a combine op on the device (one blocking
+// device-to-host copy) after ValidateCombineShapes; fails the op with the
+// CPU kernel's message if one is out of range. Returns false (status set)
+// on failure.
+template <typename Tseg>
+bool CheckCombineIndicesGpu(OpKernelContext* ctx, const GpuDevice& d,
+                            const char* op, int64_t num_rows,
+                            int64_t num_segments,
+                            lookup::gpu::SegmentIndexCheck* check) {
+  const Tensor& inverse = ctx->input(1);
+  const Tensor& segment_ids = ctx->input(2);
+  const Status status = lookup::gpu::CheckSegmentIndices<Tseg>(
+      d, inverse.flat<int32_t>().data(), segment_ids.flat<Tseg>().data(),
+      inverse.NumElements(), num_rows, num_segments, check);
+  if (!status.ok()) {
+    ctx->CtxFailure(errors::Internal(op, " on GPU: ", status.message()));
+    return false;
+  }
+  if (!check->invalid.ok()) {
+    ctx->CtxFailure(errors::InvalidArgument(check->invalid.message()));
+    return false;
+  }
+  return true;
+}
+
+// rows, inverse, segment_ids, weights and out in device memory,
+// num_segments in host memory.
+template <typename T, typename Tseg>
+class SokSegmentCombineGpuOp : public OpKernel {
+ public:
+  explicit SokSegmentCombineGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    ParseCombinerAttr(ctx, &combiner_);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t num_segments = 0;
+    if (!ReadCount(ctx, "num_segments", &num_segments)) return;
+    const Tensor& rows = ctx->input(0);
+    const int64_t num_rows = rows.dims() == 2 ? rows.dim_size(0) : 0;
+    ValidateCombineShapes(ctx, "rows");
+    if (!ctx->status().ok()) return;
+    GpuScratch scratch(ctx);
+    const GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    lookup::gpu::SegmentIndexCheck check;
+    if (!CheckCombineIndicesGpu<Tseg>(ctx, d, "SokSegmentCombine", num_rows,
+                                      num_segments, &check)) {
+      return;
+    }
+
+    const Tensor& inverse = ctx->input(1);
+    const Tensor& segment_ids = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const int64_t dim = rows.dim_size(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({num_segments, dim}), &out));
+    if (out->NumElements() == 0) return;
+    const Status status = lookup::gpu::SegmentCombine<T, Tseg>(
+        d, rows.flat<T>().data(), dim, inverse.flat<int32_t>().data(),
+        segment_ids.flat<Tseg>().data(),
+        weights.NumElements() == 0 ? nullptr : weights.flat<T>().data(),
+        inverse.NumElements(), num_segments, combiner_, check,
+        out->flat<T>().data());
+    OP_REQUIRES(ctx, status.ok(),
+                errors::Internal("SokSegmentCombine on GPU: ",
+                                 status.message()));
+  }
+
+ private:
+  lookup::Combiner combiner_ = lookup::Combiner::kSum;
+};
+
+// grad, inverse, segment_ids, weights and rows_grad in device memory,
+// num_unique in host memory.
+template <typename T, typename Tseg>
+class SokSegmentCombineGradGpuOp : public OpKernel {
+ public:
+  explicit SokSegmentCombineGradGpuOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    ParseCombinerAttr(ctx, &combiner_);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t num_unique = 0;
+    if (!ReadCount(ctx, "num_unique", &num_unique)) return;
+    const Tensor& grad = ctx->input(0);
+    const int64_t num_segments = grad.dims() == 2 ? grad.dim_size(0) : 0;
+    ValidateCombineShapes(ctx, "grad");
+    if (!ctx->status().ok()) return;
+    GpuScratch scratch(ctx);
+    const GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    lookup::gpu::SegmentIndexCheck check;
+    if (!CheckCombineIndicesGpu<Tseg>(ctx, d, "SokSegmentCombineGrad",
+                                      num_unique, num_segments, &check)) {
+      return;
+    }
+
+    const Tensor& inverse = ctx->input(1);
+    const Tensor& segment_ids = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const int64_t dim = grad.dim_size(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({num_unique, dim}), &out));
+    if (out->NumElements() == 0) return;
+    const Status status = lookup::gpu::SegmentCombineGrad<T, Tseg>(
+        d, grad.flat<T>().data(), dim, inverse.flat<int32_t>().data(),
+        segment_ids.flat<Tseg>().data(),
+        weights.NumElements() == 0 ? nullptr : weights.flat<T>().data(),
+        inverse.NumElements(), num_segments, num_unique, combiner_, check,
+        out->flat<T>().data());
+    OP_REQUIRES(ctx, status.ok(),
+                errors::Internal("SokSegmentCombineGrad on GPU: ",
+                                 status.message()));
+  }
+
+ private:
+  lookup::Combiner combiner_ = lookup::Combiner::kSum;
+};
+#endif  // SOK_WITH_CUDA
+
 #define REGISTER_COMBINE(T, Tseg)                                      \
   REGISTER_KERNEL_BUILDER(Name("SokSegmentCombine")                    \
                               .Device(DEVICE_CPU)                      \
@@ -488,6 +746,27 @@ REGISTER_COMBINE(float, int64_t)
 REGISTER_COMBINE(double, int32_t)
 REGISTER_COMBINE(double, int64_t)
 #undef REGISTER_COMBINE
+
+#ifdef SOK_WITH_CUDA
+#define REGISTER_COMBINE_GPU(T, Tseg)                                  \
+  REGISTER_KERNEL_BUILDER(Name("SokSegmentCombine")                    \
+                              .Device(DEVICE_GPU)                      \
+                              .TypeConstraint<T>("T")                  \
+                              .TypeConstraint<Tseg>("Tseg")            \
+                              .HostMemory("num_segments"),             \
+                          SokSegmentCombineGpuOp<T, Tseg>);            \
+  REGISTER_KERNEL_BUILDER(Name("SokSegmentCombineGrad")                \
+                              .Device(DEVICE_GPU)                      \
+                              .TypeConstraint<T>("T")                  \
+                              .TypeConstraint<Tseg>("Tseg")            \
+                              .HostMemory("num_unique"),               \
+                          SokSegmentCombineGradGpuOp<T, Tseg>);
+REGISTER_COMBINE_GPU(float, int32_t)
+REGISTER_COMBINE_GPU(float, int64_t)
+REGISTER_COMBINE_GPU(double, int32_t)
+REGISTER_COMBINE_GPU(double, int64_t)
+#undef REGISTER_COMBINE_GPU
+#endif  // SOK_WITH_CUDA
 
 }  // namespace
 }  // namespace sok

@@ -33,6 +33,10 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
+#ifdef SOK_WITH_CUDA
+#include "tf/gpu_device.h"
+#endif
+
 namespace tensorflow {
 namespace {
 
@@ -243,8 +247,25 @@ struct ApplyArgs {
   so::ParallelFor pf;
 };
 
+// Which device a kernel class runs on (the template argument `Device` of
+// the kernels below).
+struct CpuKernel {};
+struct GpuKernel {};
+
+// What the shared host-side validation hands to the device-specific part.
+struct Validated {
+  std::string op;
+  std::vector<int> used;                  // resource inputs read/written
+  std::vector<core::RefCountPtr<Var>> vars;  // vars[j] is input used[j]
+  int64_t rows = 0;
+  int64_t dim = 0;
+  int64_t k = 0;
+};
+
 // Shared logic; subclasses name their resource inputs and run the rule.
-template <typename T, typename Index>
+// Compute validates, looks up and locks the variables (identically for both
+// devices), then runs the device-specific part (Run).
+template <typename Device, typename T, typename Index>
 class SokSparseApplyBase : public OpKernel {
  public:
   SokSparseApplyBase(OpKernelConstruction* c, std::vector<std::string> names,
@@ -253,7 +274,9 @@ class SokSparseApplyBase : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const int nres = static_cast<int>(names_.size());
-    const std::string op = type_string();
+    Validated val;
+    val.op = type_string();
+    const std::string& op = val.op;
     const Tensor& indices = ctx->input(nres);
     const Tensor& grad = ctx->input(nres + 1);
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
@@ -280,8 +303,10 @@ class SokSparseApplyBase : public OpKernel {
     }
 
     // Look up the used variables.
-    const std::vector<int> used = UsedResources();
-    std::vector<core::RefCountPtr<Var>> vars(used.size());
+    val.used = UsedResources();
+    const std::vector<int>& used = val.used;
+    val.vars.resize(used.size());
+    std::vector<core::RefCountPtr<Var>>& vars = val.vars;
     for (size_t j = 0; j < used.size(); ++j) {
       OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, used[j]),
                                          &vars[j]));
@@ -343,8 +368,46 @@ class SokSparseApplyBase : public OpKernel {
                     " does not match var shape ", var_shape.DebugString(),
                     " (expected [k] + var.shape[1:] with k = number of "
                     "indices)"));
-    const int64_t rows = var_shape.dim_size(0);
-    const int64_t k = indices.dim_size(0);
+    val.rows = var_shape.dim_size(0);
+    val.dim = dim;
+    val.k = indices.dim_size(0);
+    // The locks stay held until Run returns.
+    Run(ctx, &val, indices, grad, Device());
+  }
+
+ protected:
+  T Scalar(OpKernelContext* ctx, int i) const {
+    return ctx->input(static_cast<int>(names_.size()) + 2 + i).scalar<T>()();
+  }
+  // Indices (into names_) of the resource inputs that are read/written.
+  virtual std::vector<int> UsedResources() const {
+    std::vector<int> all(names_.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+    return all;
+  }
+  // CPU: bufs[i] is the data of resource input i (nullptr if unused).
+  virtual so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& bufs,
+                           const T* grad, const ApplyArgs& a) = 0;
+#ifdef SOK_WITH_CUDA
+  // GPU: fills the rule's hyperparameters (read on the host: every scalar
+  // input is HostMemory in the GPU registrations) and returns the rule. The
+  // slots are passed as s1..s3 = resource inputs 1..3 (nullptr if unused);
+  // see so::gpu::ApplyRule.
+  virtual so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                                so::gpu::Hyper* h) const = 0;
+#endif
+
+ private:
+  // The CPU part: unique rows, summed duplicates, copy-on-write, Apply.
+  void Run(OpKernelContext* ctx, Validated* val, const Tensor& indices,
+           const Tensor& grad, CpuKernel) {
+    const std::string& op = val->op;
+    const std::vector<int>& used = val->used;
+    std::vector<core::RefCountPtr<Var>>& vars = val->vars;
+    const DataType dt = DataTypeToEnum<T>::v();
+    const int64_t rows = val->rows;
+    const int64_t dim = val->dim;
+    const int64_t k = val->k;
 
     // Unique rows; validates every index before anything is written.
     so::UniqueIndex uniq;
@@ -380,30 +443,80 @@ class SokSparseApplyBase : public OpKernel {
     OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
   }
 
- protected:
-  T Scalar(OpKernelContext* ctx, int i) const {
-    return ctx->input(static_cast<int>(names_.size()) + 2 + i).scalar<T>()();
-  }
-  // Indices (into names_) of the resource inputs that are read/written.
-  virtual std::vector<int> UsedResources() const {
-    std::vector<int> all(names_.size());
-    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
-    return all;
-  }
-  // bufs[i] is the data of resource input i (nullptr if unused).
-  virtual so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& bufs,
-                           const T* grad, const ApplyArgs& a) = 0;
+#ifdef SOK_WITH_CUDA
+  // The GPU part: validate + deduplicate the indices on the device (one
+  // blocking copy of the result), copy-on-write, then one update per unique
+  // row with its gradients summed in ascending position order.
+  void Run(OpKernelContext* ctx, Validated* val, const Tensor& indices,
+           const Tensor& grad, GpuKernel) {
+    const std::string& op = val->op;
+    const std::vector<int>& used = val->used;
+    std::vector<core::RefCountPtr<Var>>& vars = val->vars;
+    if (val->k == 0) return;  // nothing to validate or update
 
- private:
+    ::sok::GpuScratch scratch(ctx);  // alive until Run returns
+    const ::sok::GpuDevice d = ::sok::MakeGpuDevice(ctx, &scratch);
+
+    // Validates every index before anything is written.
+    so::gpu::DedupResult dedup;
+    so::Status st = so::gpu::Dedup<Index>(d, indices.flat<Index>().data(),
+                                          val->k, val->rows, &dedup);
+    OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
+    OP_REQUIRES(ctx, dedup.bad_position < 0,
+                errors::InvalidArgument(
+                    op, ": ",
+                    so::gpu::InvalidIndexMessage(dedup.bad_position,
+                                                 dedup.bad_value, val->rows)));
+
+    // Copy-on-write, then update in place.
+    std::vector<T*> bufs(names_.size(), nullptr);
+    for (size_t j = 0; j < used.size(); ++j) {
+      OP_REQUIRES_OK(ctx, EnsureExclusiveBufferGpu(ctx, d, vars[j].get()));
+      bufs[used[j]] = vars[j]->tensor()->flat<T>().data();
+    }
+    so::gpu::Hyper h;
+    const so::gpu::Rule rule = GpuRule(ctx, &h);
+    auto slot = [&bufs](size_t i) -> T* {
+      return i < bufs.size() ? bufs[i] : nullptr;
+    };
+    st = so::gpu::ApplyRule<T>(d, rule, h, bufs[0], slot(1), slot(2), slot(3),
+                               val->dim, dedup, grad.flat<T>().data());
+    OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
+  }
+
+  // Device counterpart of EnsureExclusiveBuffer: a stream-ordered copy into
+  // a fresh GPU buffer when the variable's buffer is shared.
+  static absl::Status EnsureExclusiveBufferGpu(OpKernelContext* ctx,
+                                               const ::sok::GpuDevice& d,
+                                               Var* var) {
+    Tensor* t = var->tensor();
+    if (t->RefCountIsOne()) return absl::OkStatus();
+    Tensor tmp;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &tmp));
+    if (t->NumElements() > 0) {
+      const so::Status st = so::gpu::CopyDevice(
+          d, tmp.data(), t->data(), static_cast<int64_t>(t->TotalBytes()));
+      if (!st.ok()) {
+        return errors::Internal("copy-on-write of a variable: ", st.message());
+      }
+    }
+    *t = tmp;
+    return absl::OkStatus();
+  }
+#endif  // SOK_WITH_CUDA
+
   std::vector<std::string> names_;
   int num_scalars_;
 };
 
-template <typename T, typename Index>
-class SgdOp : public SokSparseApplyBase<T, Index> {
+// Each op class is templated on the device tag (CpuKernel / GpuKernel):
+// `Apply` is the CPU rule, `GpuRule` (CUDA builds) names the GPU rule and
+// reads the same scalars into a so::gpu::Hyper.
+template <typename Device, typename T, typename Index>
+class SgdOp : public SokSparseApplyBase<Device, T, Index> {
  public:
   explicit SgdOp(OpKernelConstruction* c)
-      : SokSparseApplyBase<T, Index>(c, {"var"}, 1) {}
+      : SokSparseApplyBase<Device, T, Index>(c, {"var"}, 1) {}
 
  protected:
   so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
@@ -411,13 +524,20 @@ class SgdOp : public SokSparseApplyBase<T, Index> {
     return so::ApplySgd<T>(b[0], a.rows, a.dim, a.uniq_rows, g, a.n,
                            this->Scalar(ctx, 0), a.pf);
   }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    return so::gpu::Rule::kSgd;
+  }
+#endif
 };
 
-template <typename T, typename Index>
-class MomentumOp : public SokSparseApplyBase<T, Index> {
+template <typename Device, typename T, typename Index>
+class MomentumOp : public SokSparseApplyBase<Device, T, Index> {
  public:
   explicit MomentumOp(OpKernelConstruction* c)
-      : SokSparseApplyBase<T, Index>(c, {"var", "m"}, 2) {
+      : SokSparseApplyBase<Device, T, Index>(c, {"var", "m"}, 2) {
     OP_REQUIRES_OK(c, c->GetAttr("nesterov", &nesterov_));
   }
 
@@ -428,16 +548,25 @@ class MomentumOp : public SokSparseApplyBase<T, Index> {
                                 a.n, this->Scalar(ctx, 0),
                                 this->Scalar(ctx, 1), nesterov_, a.pf);
   }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->momentum = this->Scalar(ctx, 1);
+    h->nesterov = nesterov_;
+    return so::gpu::Rule::kMomentum;
+  }
+#endif
 
  private:
   bool nesterov_ = false;
 };
 
-template <typename T, typename Index>
-class AdagradOp : public SokSparseApplyBase<T, Index> {
+template <typename Device, typename T, typename Index>
+class AdagradOp : public SokSparseApplyBase<Device, T, Index> {
  public:
   explicit AdagradOp(OpKernelConstruction* c)
-      : SokSparseApplyBase<T, Index>(c, {"var", "accumulator"}, 2) {}
+      : SokSparseApplyBase<Device, T, Index>(c, {"var", "accumulator"}, 2) {}
 
  protected:
   so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
@@ -446,14 +575,22 @@ class AdagradOp : public SokSparseApplyBase<T, Index> {
                                this->Scalar(ctx, 0), this->Scalar(ctx, 1),
                                a.pf);
   }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->epsilon = this->Scalar(ctx, 1);
+    return so::gpu::Rule::kAdagrad;
+  }
+#endif
 };
 
-template <typename T, typename Index, bool kWeightDecay>
-class AdamOp : public SokSparseApplyBase<T, Index> {
+template <typename Device, typename T, typename Index, bool kWeightDecay>
+class AdamOp : public SokSparseApplyBase<Device, T, Index> {
  public:
   explicit AdamOp(OpKernelConstruction* c)
-      : SokSparseApplyBase<T, Index>(c, {"var", "m", "v", "vhat"},
-                                     kWeightDecay ? 6 : 5) {
+      : SokSparseApplyBase<Device, T, Index>(c, {"var", "m", "v", "vhat"},
+                                             kWeightDecay ? 6 : 5) {
     OP_REQUIRES_OK(c, c->GetAttr("amsgrad", &amsgrad_));
   }
 
@@ -471,16 +608,31 @@ class AdamOp : public SokSparseApplyBase<T, Index> {
                             this->Scalar(ctx, 2), this->Scalar(ctx, 3),
                             this->Scalar(ctx, 4), kWeightDecay, wd, a.pf);
   }
+#ifdef SOK_WITH_CUDA
+  // vhat (s3) is nullptr unless amsgrad: it is then not in UsedResources.
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->beta_1 = this->Scalar(ctx, 1);
+    h->beta_2 = this->Scalar(ctx, 2);
+    h->epsilon = this->Scalar(ctx, 3);
+    h->step = this->Scalar(ctx, 4);
+    h->apply_weight_decay = kWeightDecay;
+    h->weight_decay = kWeightDecay ? this->Scalar(ctx, 5) : T(0);
+    return so::gpu::Rule::kAdam;
+  }
+#endif
 
  private:
   bool amsgrad_ = false;
 };
 
-template <typename T, typename Index>
-class FtrlOp : public SokSparseApplyBase<T, Index> {
+template <typename Device, typename T, typename Index>
+class FtrlOp : public SokSparseApplyBase<Device, T, Index> {
  public:
   explicit FtrlOp(OpKernelConstruction* c)
-      : SokSparseApplyBase<T, Index>(c, {"var", "accumulator", "linear"}, 6) {}
+      : SokSparseApplyBase<Device, T, Index>(
+            c, {"var", "accumulator", "linear"}, 6) {}
 
  protected:
   so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
@@ -490,13 +642,26 @@ class FtrlOp : public SokSparseApplyBase<T, Index> {
                             this->Scalar(ctx, 2), this->Scalar(ctx, 3),
                             this->Scalar(ctx, 4), this->Scalar(ctx, 5), a.pf);
   }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->lr_power = this->Scalar(ctx, 1);
+    h->l1 = this->Scalar(ctx, 2);
+    h->l2 = this->Scalar(ctx, 3);
+    h->l2_shrinkage = this->Scalar(ctx, 4);
+    h->beta = this->Scalar(ctx, 5);
+    return so::gpu::Rule::kFtrl;
+  }
+#endif
 };
 
-template <typename T, typename Index>
-class RmspropOp : public SokSparseApplyBase<T, Index> {
+template <typename Device, typename T, typename Index>
+class RmspropOp : public SokSparseApplyBase<Device, T, Index> {
  public:
   explicit RmspropOp(OpKernelConstruction* c)
-      : SokSparseApplyBase<T, Index>(c, {"var", "velocity", "mom", "mg"}, 4) {
+      : SokSparseApplyBase<Device, T, Index>(
+            c, {"var", "velocity", "mom", "mg"}, 4) {
     OP_REQUIRES_OK(c, c->GetAttr("centered", &centered_));
     OP_REQUIRES_OK(c, c->GetAttr("use_momentum", &use_momentum_));
   }
@@ -516,23 +681,35 @@ class RmspropOp : public SokSparseApplyBase<T, Index> {
         this->Scalar(ctx, 1), this->Scalar(ctx, 2), this->Scalar(ctx, 3),
         a.pf);
   }
+#ifdef SOK_WITH_CUDA
+  // mom (s2) / mg (s3) are nullptr unless use_momentum / centered: they are
+  // then not in UsedResources.
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->rho = this->Scalar(ctx, 1);
+    h->momentum = this->Scalar(ctx, 2);
+    h->epsilon = this->Scalar(ctx, 3);
+    return so::gpu::Rule::kRmsprop;
+  }
+#endif
 
  private:
   bool centered_ = false;
   bool use_momentum_ = false;
 };
 
-template <typename T, typename Index>
-using AdamNoWd = AdamOp<T, Index, false>;
-template <typename T, typename Index>
-using AdamWd = AdamOp<T, Index, true>;
+template <typename Device, typename T, typename Index>
+using AdamNoWd = AdamOp<Device, T, Index, false>;
+template <typename Device, typename T, typename Index>
+using AdamWd = AdamOp<Device, T, Index, true>;
 
 #define SOK_REGISTER(NAME, KERNEL, T, Index)                       \
   REGISTER_KERNEL_BUILDER(Name(NAME)                               \
                               .Device(DEVICE_CPU)                  \
                               .TypeConstraint<T>("T")              \
                               .TypeConstraint<Index>("Tindices"),  \
-                          KERNEL<T, Index>);
+                          KERNEL<CpuKernel, T, Index>);
 
 #define SOK_REGISTER_ALL(T, Index)                                  \
   SOK_REGISTER("SokSparseApplySgd", SgdOp, T, Index)               \
@@ -550,6 +727,60 @@ SOK_REGISTER_ALL(double, int64_t)
 
 #undef SOK_REGISTER_ALL
 #undef SOK_REGISTER
+
+#ifdef SOK_WITH_CUDA
+// GPU kernels: resource handles are host memory (always, for DT_RESOURCE);
+// indices and grad are device memory; every scalar hyperparameter is
+// HostMemory, read on the host by Scalar() exactly as on the CPU.
+#define SOK_REGISTER_GPU(NAME, KERNEL, T, Index, HOST_MEMORY)      \
+  REGISTER_KERNEL_BUILDER(Name(NAME)                               \
+                              .Device(DEVICE_GPU)                  \
+                              .TypeConstraint<T>("T")              \
+                              .TypeConstraint<Index>("Tindices")   \
+                              HOST_MEMORY,                         \
+                          KERNEL<GpuKernel, T, Index>);
+
+#define SOK_HOST_SGD .HostMemory("lr")
+#define SOK_HOST_MOMENTUM .HostMemory("lr").HostMemory("momentum")
+#define SOK_HOST_ADAGRAD .HostMemory("lr").HostMemory("epsilon")
+#define SOK_HOST_ADAM                                              \
+  .HostMemory("lr").HostMemory("beta_1").HostMemory("beta_2")      \
+      .HostMemory("epsilon").HostMemory("step")
+#define SOK_HOST_ADAMW SOK_HOST_ADAM.HostMemory("weight_decay")
+#define SOK_HOST_FTRL                                              \
+  .HostMemory("lr").HostMemory("lr_power").HostMemory("l1")        \
+      .HostMemory("l2").HostMemory("l2_shrinkage").HostMemory("beta")
+#define SOK_HOST_RMSPROP                                           \
+  .HostMemory("lr").HostMemory("rho").HostMemory("momentum")       \
+      .HostMemory("epsilon")
+
+#define SOK_REGISTER_GPU_ALL(T, Index)                                        \
+  SOK_REGISTER_GPU("SokSparseApplySgd", SgdOp, T, Index, SOK_HOST_SGD)       \
+  SOK_REGISTER_GPU("SokSparseApplyMomentum", MomentumOp, T, Index,           \
+                   SOK_HOST_MOMENTUM)                                         \
+  SOK_REGISTER_GPU("SokSparseApplyAdagrad", AdagradOp, T, Index,             \
+                   SOK_HOST_ADAGRAD)                                          \
+  SOK_REGISTER_GPU("SokSparseApplyAdam", AdamNoWd, T, Index, SOK_HOST_ADAM)  \
+  SOK_REGISTER_GPU("SokSparseApplyAdamW", AdamWd, T, Index, SOK_HOST_ADAMW)  \
+  SOK_REGISTER_GPU("SokSparseApplyFtrl", FtrlOp, T, Index, SOK_HOST_FTRL)    \
+  SOK_REGISTER_GPU("SokSparseApplyRmsprop", RmspropOp, T, Index,             \
+                   SOK_HOST_RMSPROP)
+
+SOK_REGISTER_GPU_ALL(float, int32)
+SOK_REGISTER_GPU_ALL(float, int64_t)
+SOK_REGISTER_GPU_ALL(double, int32)
+SOK_REGISTER_GPU_ALL(double, int64_t)
+
+#undef SOK_REGISTER_GPU_ALL
+#undef SOK_HOST_RMSPROP
+#undef SOK_HOST_FTRL
+#undef SOK_HOST_ADAMW
+#undef SOK_HOST_ADAM
+#undef SOK_HOST_ADAGRAD
+#undef SOK_HOST_MOMENTUM
+#undef SOK_HOST_SGD
+#undef SOK_REGISTER_GPU
+#endif  // SOK_WITH_CUDA
 
 }  // namespace
 }  // namespace tensorflow

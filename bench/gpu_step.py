@@ -1,0 +1,257 @@
+"""P5 on one GPU: sok_keras against torch, the HBM floor and Keras, one run.
+
+Measures, on the GPU TensorFlow sees (and torch, in a subprocess of the
+same run, on the same ids):
+
+1. device copy bandwidth (torch, 4 GiB; read + written bytes / time);
+2. forward pooled lookup, batch B x F features x H ids (sum), a V x D fp32
+   table, Zipf ids: torch `embedding_bag(mode="sum")` vs
+   `sok.lookup_sparse`, and the HBM floor (B*F*H rows x D*4 bytes over the
+   copy bandwidth);
+3. a training step (`train_on_batch`: forward, backward, update) of
+   B x F x H pooled features -> Dense(1): `keras.layers.Embedding` + Keras
+   Adam vs `sok.layers.DistributedEmbedding` + `OptimizerWrapper(Adam)`;
+4. the unpooled model: B x F one-id features -> Flatten -> Dense(256, relu)
+   -> Dense(1), Keras Embedding + Adam vs sok + OptimizerWrapper(Adam).
+
+Usage (on the GPU machine): `python bench/gpu_step.py --out FILE`
+(`--small` for a quick check anywhere). Writes a JSON record and prints a
+summary table.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+
+def zipf_ids(n, vocab, seed, a=1.05):
+    """Zipf-distributed ids in [0, vocab), hot ids spread over the table."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ranks = rng.zipf(a, n) - 1
+    ranks = np.where(ranks < vocab, ranks, rng.integers(0, vocab, n))
+    return ((ranks * 2654435761) % vocab).astype(np.int64)
+
+
+TORCH = r"""
+import json, sys, time
+import numpy as np, torch
+cfg = json.loads(sys.argv[1])
+ids = torch.from_numpy(np.load(cfg["ids"])).cuda()
+dev = torch.device("cuda")
+out = {}
+# Copy bandwidth: 4 GiB device to device.
+x = torch.empty(1 << 30, dtype=torch.float32, device=dev).uniform_()
+y = torch.empty_like(x)
+for _ in range(3):
+    y.copy_(x)
+torch.cuda.synchronize()
+ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+times = []
+for _ in range(10):
+    ev[0].record(); y.copy_(x); ev[1].record(); torch.cuda.synchronize()
+    times.append(ev[0].elapsed_time(ev[1]))
+times.sort()
+out["copy_GBps"] = 2 * x.numel() * 4 / (times[len(times) // 2] * 1e-3) / 1e9
+del x, y
+table = torch.empty(cfg["vocab"], cfg["dim"], device=dev).uniform_(-0.05, 0.05)
+bags = ids.view(-1, cfg["hotness"])
+f = lambda: torch.nn.functional.embedding_bag(bags, table, mode="sum")
+for _ in range(5):
+    f()
+torch.cuda.synchronize()
+times = []
+for _ in range(30):
+    ev[0].record(); f(); ev[1].record(); torch.cuda.synchronize()
+    times.append(ev[0].elapsed_time(ev[1]))
+times.sort()
+out["torch_embedding_bag_ms"] = times[len(times) // 2]
+out["torch_version"] = torch.__version__
+print(json.dumps(out))
+"""
+
+
+def _time(fn, sync, steps, rounds=3):
+    """Median over `rounds` of (wall time of `steps` calls) / steps, ms."""
+    per = []
+    for _ in range(rounds):
+        sync(fn())
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            r = fn()
+        sync(r)
+        per.append((time.perf_counter() - t0) / steps * 1000.0)
+    per.sort()
+    return round(per[len(per) // 2], 3), [round(p, 3) for p in per]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--features", type=int, default=26)
+    p.add_argument("--hotness", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=10_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--out", default=os.path.join(_common.RESULTS,
+                                                 "gpu_step.json"))
+    args = p.parse_args()
+    if args.small:
+        args.batch, args.vocab, args.steps = 512, 100_000, 3
+    t0 = time.perf_counter()
+    import numpy as np
+
+    nnz = args.batch * args.features * args.hotness
+    ids = zipf_ids(nnz, args.vocab, seed=1)
+    result = {"machine": _common.machine_info(), "command":
+              _common.command_line(), "config": vars(args),
+              "ids": {"nnz": nnz, "unique": int(np.unique(ids).size)}}
+    ids_path = os.path.join("/tmp", "sok_gpu_step_ids.npy")
+    np.save(ids_path, ids)
+    if not args.no_torch:  # first, in its own process: TF takes the memory
+        cfg = {"ids": ids_path, "vocab": args.vocab, "dim": args.dim,
+               "hotness": args.hotness}
+        run = subprocess.run([sys.executable, "-c", TORCH, json.dumps(cfg)],
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            result["torch_error"] = run.stderr[-2000:]
+        else:
+            result.update(json.loads(run.stdout.strip().splitlines()[-1]))
+
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    import keras
+    import tensorflow as tf
+
+    import sok_keras as sok
+    from sok_keras import _ops
+
+    result["tf_version"] = tf.__version__
+    result["gpus"] = [d.name for d in tf.config.list_physical_devices("GPU")]
+    B, F, H, V, D = (args.batch, args.features, args.hotness, args.vocab,
+                     args.dim)
+
+    def sync(x):
+        x = tf.nest.flatten(x)[0]
+        np.asarray(tf.reshape(x, [-1])[:1])
+
+    # 2. Forward pooled lookup.
+    init = keras.initializers.RandomUniform(-0.05, 0.05, seed=3)
+    table = sok.Variable(init, shape=(V, D), name="bench_table")
+    bags = tf.constant(ids.reshape(-1, H))
+    fwd = tf.function(lambda: sok.lookup_sparse(table, bags, combiners="sum"))
+    syncs0 = _ops.build_info()["gpu_host_syncs"]
+    sync(fwd())
+    result["sok_forward_host_syncs"] = (
+        _ops.build_info()["gpu_host_syncs"] - syncs0)
+    result["sok_forward_ms"], result["sok_forward_rounds"] = _time(
+        fwd, sync, args.steps * 3)
+
+    # Where the forward's time goes: each stage alone, on the same inputs.
+    from sok_keras import lookup as sok_lookup
+    from sok_keras import lookup_ops
+
+    feat = sok_lookup.normalize_ids(bags)
+    dedup = lookup_ops.dedup_bucketize(feat.values, 1, V)
+    rows = tf.gather(table.value, dedup.local_rows)
+    stages = {
+        "normalize_ids": lambda: sok_lookup.normalize_ids(bags).values,
+        "dedup_bucketize": lambda: lookup_ops.dedup_bucketize(
+            feat.values, 1, V).inverse,
+        "gather_unique_rows": lambda: tf.gather(table.value,
+                                                dedup.local_rows),
+        "segment_combine": lambda: lookup_ops.segment_combine(
+            rows, dedup.inverse, feat.segment_ids, None, feat.batch_size),
+        "tf_gather_all_rows": lambda: tf.gather(table.value, feat.values),
+    }
+    result["forward_stages_ms"] = {
+        name: _time(tf.function(fn), sync, args.steps * 3)[0]
+        for name, fn in stages.items()}
+
+    # 3. Training step, pooled features.
+    class PooledFeatures(keras.layers.Layer):
+        def __init__(self, emb, **kw):
+            super().__init__(**kw)
+            self.emb = emb
+
+        def call(self, x):
+            if isinstance(self.emb, keras.layers.Embedding):
+                return keras.ops.reshape(
+                    keras.ops.sum(self.emb(x), axis=2), (-1, F * D))
+            out = self.emb(keras.ops.reshape(x, (-1, H)))
+            return keras.ops.reshape(out, (-1, F * D))
+
+    x3 = ids.reshape(B, F, H)
+    y = (np.arange(B) % 2).astype(np.float32)[:, None]
+
+    def step_model(kind, pooled):
+        keras.utils.clear_session()
+        if kind == "keras":
+            emb = keras.layers.Embedding(V, D, embeddings_initializer=init)
+            opt = keras.optimizers.Adam(1e-3)
+        else:
+            emb = sok.layers.DistributedEmbedding(
+                V, D, combiner="sum" if pooled else None,
+                embeddings_initializer=init)
+            opt = sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(1e-3))
+        if pooled:
+            inp = keras.Input((F, H), dtype="int64")
+            h = PooledFeatures(emb)(inp)
+        else:
+            inp = keras.Input((F,), dtype="int64")
+            h = keras.layers.Flatten()(emb(inp))
+            h = keras.layers.Dense(256, activation="relu")(h)
+        out = keras.layers.Dense(1)(h)
+        model = keras.Model(inp, out)
+        model.compile(optimizer=opt, loss="mse")
+        return model
+
+    for name, pooled, x in (("pooled", True, x3),
+                            ("unpooled", False, x3[:, :, 0])):
+        xt = tf.constant(x)
+        yt = tf.constant(y)
+        for kind in ("keras", "sok"):
+            model = step_model(kind, pooled)
+            first = time.perf_counter()
+            model.train_on_batch(xt, yt)
+            first = time.perf_counter() - first
+            ms, rounds = _time(lambda: model.train_on_batch(xt, yt),
+                               lambda r: float(r), args.steps)
+            result[f"{name}_{kind}_step_ms"] = ms
+            result[f"{name}_{kind}_rounds"] = rounds
+            result[f"{name}_{kind}_first_step_s"] = round(first, 2)
+
+    copy = result.get("copy_GBps")
+    if copy:
+        floor = nnz * D * 4 / (copy * 1e9) * 1000.0
+        result["hbm_floor_ms"] = round(floor, 3)
+        result["forward_over_floor"] = round(result["sok_forward_ms"] / floor,
+                                             2)
+    if "torch_embedding_bag_ms" in result:
+        result["forward_vs_torch"] = round(
+            result["torch_embedding_bag_ms"] / result["sok_forward_ms"], 2)
+    for name in ("pooled", "unpooled"):
+        result[f"{name}_speedup_vs_keras"] = round(
+            result[f"{name}_keras_step_ms"] / result[f"{name}_sok_step_ms"], 2)
+    _common.finish(args.out, result, t0)
+    keys = ["copy_GBps", "torch_embedding_bag_ms", "sok_forward_ms",
+            "hbm_floor_ms", "forward_over_floor", "forward_vs_torch",
+            "sok_forward_host_syncs", "forward_stages_ms",
+            "pooled_keras_step_ms",
+            "pooled_sok_step_ms", "pooled_speedup_vs_keras",
+            "unpooled_keras_step_ms", "unpooled_sok_step_ms",
+            "unpooled_speedup_vs_keras"]
+    for k in keys:
+        print(f"{k:32s} {result.get(k)}")
+
+
+if __name__ == "__main__":
+    main()

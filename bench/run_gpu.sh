@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the H200 machine (see ../shared/gpu/README.md and docs/gpu.md): runs the
+# GPU tests, the CPU suite with the GPU visible, the same with
+# CUDA_VISIBLE_DEVICES="", the demo on 1 and 2 ranks sharing the GPU, the
+# notebook, and the P5 benchmark. Logs go to $OUT (or bench/_out).
+#   source .gpu/small/device_setup.sh && bash bench/run_gpu.sh [tests|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+out=${OUT:-bench/_out}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TF_FORCE_GPU_ALLOW_GROWTH=true PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0
+status=0
+step() {  # step NAME CMD...: runs CMD, logs to $out/NAME.log, keeps going
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$out/summary.log"
+  local t0=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || status=1
+  echo "=== $name: exit $rc in $((SECONDS - t0)) s; $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$out/$name.log" | tail -1)" | tee -a "$out/summary.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.log"
+python3 -c "import sok_keras._ops as o; print('build', o.build_info())" 2>&1 | tail -1 | tee -a "$out/summary.log"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  step gpu_tests timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
+      tests/test_gpu.py tests/test_ops_loading.py
+  step multirank_shared_gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 6 \
+      tests/test_seed_example_multirank.py tests/test_training_multirank.py \
+      tests/layers/test_layers_multirank.py tests/test_lookup_multirank.py \
+      tests/test_save_load_multirank.py tests/test_seed_example.py \
+      tests/examples tests/test_notebooks.py
+  step no_gpu env CUDA_VISIBLE_DEVICES= timeout 100 python3 -m pytest -q \
+      -p no:cacheprovider -n 4 tests/test_lookup.py tests/test_notebooks.py
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  step demo_1rank timeout 120 python3 -m sokrun -np 1 --timeout 110 python3 -m sok_keras.examples.train_dlrm
+  step demo_2ranks timeout 150 python3 -m sokrun -np 2 --timeout 140 python3 -m sok_keras.examples.train_dlrm
+  step bench timeout 280 python3 bench/gpu_step.py --out "$out/gpu_step.json"
+fi
+exit $status

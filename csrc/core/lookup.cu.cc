@@ -1,0 +1,766 @@
+// GPU kernels of the embedding lookup path (see the GPU section of
+// core/lookup.h). TensorFlow-free.
+//
+// Every result is identical to the CPU kernels of core/lookup.cc and
+// deterministic:
+// - DedupBucketize sorts (key, position) pairs with a stable radix sort,
+//   key = owner * rows_per_rank + local_row (distributed) or id
+//   (localized), so the unique ids come out by rank, then by id.
+// - SegmentCombine(Grad) group positions by segment (or by row) with a
+//   stable radix sort of (key, position) - skipped when the keys are
+//   already sorted - and sum every output element in one thread in
+//   ascending position order, with the same IEEE operations as the CPU
+//   (explicit _rn intrinsics, so that nvcc contracts nothing into FMAs).
+// No float atomics; integer atomics only for first-error positions and
+// flags.
+
+#include <cuda_runtime.h>
+
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/gpu_util.cuh"
+#include "core/lookup.h"
+
+namespace sok {
+namespace lookup {
+namespace gpu {
+namespace {
+
+using ::sok::gpu::BitsFor;
+using ::sok::gpu::BlocksFor;
+using ::sok::gpu::CopyToHostSync;
+using ::sok::gpu::Scratch;
+using ::sok::gpu::StreamOf;
+
+using ull = unsigned long long;  // NOLINT: the type of CUDA's 64-bit atomics
+constexpr ull kNone = ~ull{0};
+constexpr int kThreads = 256;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+// ----------------------------------------------------------------------------
+// IEEE arithmetic without contraction (the CPU build uses no FMA).
+
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double Add(double a, double b) {
+  return __dadd_rn(a, b);
+}
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double Mul(double a, double b) {
+  return __dmul_rn(a, b);
+}
+__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double Div(double a, double b) {
+  return __ddiv_rn(a, b);
+}
+__device__ __forceinline__ float Sqrt(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double Sqrt(double a) { return __dsqrt_rn(a); }
+
+// The number of keys[0, n) that are < value (keys non-decreasing).
+template <typename Tkey>
+__device__ __forceinline__ int64_t LowerBound(const Tkey* keys, int64_t n,
+                                              int64_t value) {
+  int64_t lo = 0;
+  int64_t hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (static_cast<int64_t>(keys[mid]) < value) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Temporary storage of a cub call, sized by a first query.
+Status CubTemp(const GpuDevice& d, size_t bytes, void** temp) {
+  uint8_t* p = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, static_cast<int64_t>(bytes) + 1, &p,
+                              "cub temporary storage"));
+  *temp = p;
+  return Status::Ok();
+}
+
+// Stable radix sort of (keys_in, 0..n-1) by the low `bits` bits of the keys.
+template <typename Tkey>
+Status SortPositions(const GpuDevice& d, const Tkey* keys_in,
+                     const int32_t* positions_in, int64_t n, int bits,
+                     Tkey* keys_out, int32_t* positions_out) {
+  const int num_items = static_cast<int>(n);
+  size_t temp_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out,
+                                      positions_in, positions_out, num_items,
+                                      0, bits, StreamOf(d)),
+      "cub::DeviceRadixSort::SortPairs (size query)");
+  void* temp = nullptr;
+  SOK_RETURN_IF_ERROR(CubTemp(d, temp_bytes, &temp));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out,
+                                      positions_in, positions_out, num_items,
+                                      0, bits, StreamOf(d)),
+      "cub::DeviceRadixSort::SortPairs");
+  return Status::Ok();
+}
+
+// ----------------------------------------------------------------------------
+// DedupBucketize.
+
+// info layout (ull): [0] U, [1] first invalid position (kNone if none),
+// [2] its value, [3 + r] counts[r].
+constexpr int kInfoUnique = 0;
+constexpr int kInfoBadPos = 1;
+constexpr int kInfoBadValue = 2;
+constexpr int kInfoCounts = 3;
+
+// keys[i] = sort key of ids[i] (0 for an invalid id), positions[i] = i;
+// lowers info[kInfoBadPos] to the position of every invalid id.
+template <typename Tid, typename Tkey>
+__global__ void DedupKeysKernel(const Tid* ids, int64_t nnz, int64_t vocab,
+                                int64_t num_ranks, bool distributed,
+                                ull rows_per_rank, Tkey* keys,
+                                int32_t* positions, ull* info) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nnz;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    Tkey key = 0;
+    if (id < 0 || id >= vocab) {
+      atomicMin(&info[kInfoBadPos], static_cast<ull>(i));
+    } else if (distributed) {
+      key = static_cast<Tkey>(static_cast<ull>(id % num_ranks) *
+                                  rows_per_rank +
+                              static_cast<ull>(id / num_ranks));
+    } else {
+      key = static_cast<Tkey>(id);
+    }
+    keys[i] = key;
+    positions[i] = static_cast<int32_t>(i);
+  }
+}
+
+// flags[k] = 1 where sorted key k starts a run of equal keys.
+template <typename Tkey>
+__global__ void HeadFlagsKernel(const Tkey* keys, int64_t n, int32_t* flags) {
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < n;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    flags[k] = (k == 0 || keys[k] != keys[k - 1]) ? 1 : 0;
+  }
+}
+
+// unique = rank[k] - 1 (rank: inclusive scan of the head flags):
+// inverse[position[k]] = unique; at a head, the unique id and its row.
+template <typename Tid>
+__global__ void DedupScatterKernel(const Tid* ids, const int32_t* positions,
+                                   const int32_t* flags, const int32_t* rank,
+                                   int64_t n, int64_t num_ranks,
+                                   bool distributed, int32_t* inverse,
+                                   int64_t* unique_ids, int64_t* local_rows) {
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < n;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t position = positions[k];
+    const int32_t unique = rank[k] - 1;
+    inverse[position] = unique;
+    if (flags[k] != 0) {
+      const int64_t id = static_cast<int64_t>(ids[position]);
+      unique_ids[unique] = id;
+      local_rows[unique] = distributed ? id / num_ranks : id;
+    }
+  }
+}
+
+// counts[r] = unique keys in [r * rows_per_rank, (r + 1) * rows_per_rank)
+// (distributed), or U on rank `owner` (localized); also U and the value of
+// the first invalid id.
+template <typename Tid, typename Tkey>
+__global__ void DedupCountsKernel(const Tid* ids, const Tkey* keys,
+                                  const int32_t* rank, int64_t n,
+                                  int64_t num_ranks, int64_t owner,
+                                  ull rows_per_rank, ull* info) {
+  const ull num_unique = static_cast<ull>(rank[n - 1]);
+  // The number of unique keys < bound.
+  auto unique_below = [&](ull bound) -> ull {
+    int64_t lo = 0;
+    int64_t hi = n;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (static_cast<ull>(keys[mid]) < bound) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo == 0 ? 0 : static_cast<ull>(rank[lo - 1]);
+  };
+  for (int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       r < num_ranks; r += int64_t{gridDim.x} * blockDim.x) {
+    ull count = 0;
+    if (owner >= 0) {
+      count = r == owner ? num_unique : 0;
+    } else {
+      const ull lo = static_cast<ull>(r) * rows_per_rank;
+      count = (r == num_ranks - 1 ? num_unique : unique_below(lo + rows_per_rank)) -
+              unique_below(lo);
+    }
+    info[kInfoCounts + r] = count;
+    if (r == 0) {
+      info[kInfoUnique] = num_unique;
+      const ull bad = info[kInfoBadPos];
+      info[kInfoBadValue] =
+          bad == kNone ? 0 : static_cast<ull>(static_cast<int64_t>(ids[bad]));
+    }
+  }
+}
+
+template <typename Tid, typename Tkey>
+Status DedupSorted(const GpuDevice& d, const Tid* ids, int64_t nnz,
+                   int64_t num_ranks, int64_t owner, int64_t vocab_size,
+                   ull rows_per_rank, ull max_key, int32_t* inverse,
+                   ull* info, int64_t** unique_ids, int64_t** local_rows) {
+  const cudaStream_t stream = StreamOf(d);
+  const bool distributed = owner < 0;
+  Tkey* keys_in = nullptr;
+  Tkey* keys = nullptr;
+  int32_t* positions_in = nullptr;
+  int32_t* positions = nullptr;
+  int32_t* rank = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &keys_in, "dedup keys"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &keys, "dedup sorted keys"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &positions_in, "dedup positions"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &positions, "dedup sorted positions"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &rank, "dedup unique ranks"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, unique_ids, "dedup unique ids"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, local_rows, "dedup local rows"));
+
+  const int blocks = BlocksFor(nnz, kThreads);
+  DedupKeysKernel<Tid, Tkey><<<blocks, kThreads, 0, stream>>>(
+      ids, nnz, vocab_size, num_ranks, distributed, rows_per_rank, keys_in,
+      positions_in, info);
+  SOK_LAUNCH_RETURN_IF_ERROR("DedupKeysKernel");
+  SOK_RETURN_IF_ERROR(SortPositions(d, keys_in, positions_in, nnz,
+                                    BitsFor(max_key), keys, positions));
+  // The unsorted positions are dead after the sort: reuse them for flags.
+  int32_t* flags = positions_in;
+  HeadFlagsKernel<Tkey><<<blocks, kThreads, 0, stream>>>(keys, nnz, flags);
+  SOK_LAUNCH_RETURN_IF_ERROR("HeadFlagsKernel");
+
+  const int num_items = static_cast<int>(nnz);
+  size_t temp_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveSum(nullptr, temp_bytes, flags, rank,
+                                    num_items, stream),
+      "cub::DeviceScan::InclusiveSum (size query)");
+  void* temp = nullptr;
+  SOK_RETURN_IF_ERROR(CubTemp(d, temp_bytes, &temp));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveSum(temp, temp_bytes, flags, rank, num_items,
+                                    stream),
+      "cub::DeviceScan::InclusiveSum");
+
+  DedupScatterKernel<Tid><<<blocks, kThreads, 0, stream>>>(
+      ids, positions, flags, rank, nnz, num_ranks, distributed, inverse,
+      *unique_ids, *local_rows);
+  SOK_LAUNCH_RETURN_IF_ERROR("DedupScatterKernel");
+  DedupCountsKernel<Tid, Tkey>
+      <<<BlocksFor(num_ranks, kThreads), kThreads, 0, stream>>>(
+          ids, keys, rank, nnz, num_ranks, owner, rows_per_rank, info);
+  SOK_LAUNCH_RETURN_IF_ERROR("DedupCountsKernel");
+  return Status::Ok();
+}
+
+// ----------------------------------------------------------------------------
+// Segment indices.
+
+// check layout (ull): [0] first bad inverse position, [1] first bad segment
+// position (kNone if none), [2] / [3] their values, [4] segment_ids
+// unsorted, [5] inverse unsorted.
+// Every thread of a block runs the same number of iterations (the loop is
+// over block-sized tiles), as __syncthreads_or requires; it turns the
+// unsorted flags into one atomic per block and tile.
+template <typename Tseg>
+__global__ void CheckIndicesKernel(const int32_t* inverse,
+                                   const Tseg* segment_ids, int64_t nnz,
+                                   int64_t num_rows, int64_t num_segments,
+                                   ull* check) {
+  for (int64_t tile = blockIdx.x * int64_t{blockDim.x}; tile < nnz;
+       tile += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = tile + threadIdx.x;
+    int segments_unsorted = 0;
+    int inverse_unsorted = 0;
+    if (i < nnz) {
+      const int64_t row = inverse[i];
+      const int64_t segment = static_cast<int64_t>(segment_ids[i]);
+      if (row < 0 || row >= num_rows) {
+        atomicMin(&check[0], static_cast<ull>(i));
+      }
+      if (segment < 0 || segment >= num_segments) {
+        atomicMin(&check[1], static_cast<ull>(i));
+      }
+      if (i > 0) {
+        segments_unsorted =
+            segment < static_cast<int64_t>(segment_ids[i - 1]) ? 1 : 0;
+        inverse_unsorted = row < inverse[i - 1] ? 1 : 0;
+      }
+    }
+    segments_unsorted = __syncthreads_or(segments_unsorted);
+    inverse_unsorted = __syncthreads_or(inverse_unsorted);
+    if (threadIdx.x == 0) {
+      if (segments_unsorted != 0) atomicOr(&check[4], ull{1});
+      if (inverse_unsorted != 0) atomicOr(&check[5], ull{1});
+    }
+  }
+}
+
+template <typename Tseg>
+__global__ void CheckValuesKernel(const int32_t* inverse,
+                                  const Tseg* segment_ids, ull* check) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (check[0] != kNone) {
+    check[2] = static_cast<ull>(static_cast<int64_t>(inverse[check[0]]));
+  }
+  if (check[1] != kNone) {
+    check[3] = static_cast<ull>(static_cast<int64_t>(segment_ids[check[1]]));
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Grouping positions by key.
+
+// offsets[b] = the number of keys < b, for b in [0, num_keys].
+template <typename Tkey>
+__global__ void OffsetsKernel(const Tkey* sorted_keys, int64_t n,
+                              int64_t num_keys, int32_t* offsets) {
+  for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       b <= num_keys; b += int64_t{gridDim.x} * blockDim.x) {
+    offsets[b] = static_cast<int32_t>(LowerBound(sorted_keys, n, b));
+  }
+}
+
+template <typename Tin, typename Tkey>
+__global__ void SortKeysKernel(const Tin* in, int64_t n, Tkey* keys,
+                               int32_t* positions) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    keys[i] = static_cast<Tkey>(in[i]);
+    positions[i] = static_cast<int32_t>(i);
+  }
+}
+
+template <typename Tin, typename Tkey>
+Status SortAndOffsets(const GpuDevice& d, const Tin* in, int64_t n,
+                      int64_t num_keys, int32_t* offsets,
+                      const int32_t** order) {
+  const cudaStream_t stream = StreamOf(d);
+  Tkey* keys_in = nullptr;
+  Tkey* keys = nullptr;
+  int32_t* positions_in = nullptr;
+  int32_t* positions = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, n, &keys_in, "group keys"));
+  SOK_RETURN_IF_ERROR(Scratch(d, n, &keys, "group sorted keys"));
+  SOK_RETURN_IF_ERROR(Scratch(d, n, &positions_in, "group positions"));
+  SOK_RETURN_IF_ERROR(Scratch(d, n, &positions, "group sorted positions"));
+  SortKeysKernel<Tin, Tkey><<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(
+      in, n, keys_in, positions_in);
+  SOK_LAUNCH_RETURN_IF_ERROR("SortKeysKernel");
+  SOK_RETURN_IF_ERROR(SortPositions(
+      d, keys_in, positions_in, n,
+      BitsFor(static_cast<uint64_t>(num_keys - 1)), keys, positions));
+  OffsetsKernel<Tkey>
+      <<<BlocksFor(num_keys + 1, kThreads), kThreads, 0, stream>>>(
+          keys, n, num_keys, offsets);
+  SOK_LAUNCH_RETURN_IF_ERROR("OffsetsKernel");
+  *order = positions;
+  return Status::Ok();
+}
+
+// Groups positions [0, n) by key (keys in [0, num_keys), validated, n >= 1,
+// num_keys >= 1): the positions with key b are order[offsets[b] ..
+// offsets[b + 1]), ascending; order is null when the keys are already
+// sorted (the identity).
+template <typename Tin>
+Status GroupPositions(const GpuDevice& d, const Tin* keys, int64_t n,
+                      int64_t num_keys, bool sorted, const int32_t** offsets,
+                      const int32_t** order) {
+  int32_t* offs = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, num_keys + 1, &offs, "group offsets"));
+  *offsets = offs;
+  *order = nullptr;
+  if (sorted) {
+    OffsetsKernel<Tin>
+        <<<BlocksFor(num_keys + 1, kThreads), kThreads, 0, StreamOf(d)>>>(
+            keys, n, num_keys, offs);
+    SOK_LAUNCH_RETURN_IF_ERROR("OffsetsKernel");
+    return Status::Ok();
+  }
+  if (static_cast<uint64_t>(num_keys - 1) <=
+      std::numeric_limits<uint32_t>::max()) {
+    return SortAndOffsets<Tin, uint32_t>(d, keys, n, num_keys, offs, order);
+  }
+  return SortAndOffsets<Tin, uint64_t>(d, keys, n, num_keys, offs, order);
+}
+
+// ----------------------------------------------------------------------------
+// Combining.
+
+// A block of (tx, ty) threads: ty groups (segments or rows) at a time, tx
+// threads striding over dim.
+struct GroupShape {
+  dim3 block;
+  int blocks;
+};
+
+GroupShape ShapeFor(int64_t groups, int64_t dim) {
+  int tx = 1;
+  while (tx < dim && tx < 128) tx *= 2;
+  const int ty = kThreads / tx;
+  GroupShape shape;
+  shape.block = dim3(tx, ty);
+  shape.blocks = BlocksFor(groups, ty);
+  return shape;
+}
+
+template <typename T, typename Tseg>
+__global__ void SegmentCombineKernel(const T* rows, int64_t dim,
+                                     const int32_t* inverse,
+                                     const T* weights,
+                                     const int32_t* offsets,
+                                     const int32_t* order,
+                                     int64_t num_segments, int combiner,
+                                     T* out) {
+  for (int64_t b = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
+       b < num_segments; b += int64_t{gridDim.x} * blockDim.y) {
+    const int64_t begin = offsets[b];
+    const int64_t end = offsets[b + 1];
+    T* o = out + b * dim;
+    for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
+      T acc = T(0);
+      T weight_sum = T(0);
+      T square_sum = T(0);
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t i = order == nullptr ? k : order[k];
+        const T value = rows[static_cast<int64_t>(inverse[i]) * dim + e];
+        if (weights == nullptr) {
+          acc = Add(acc, value);
+          weight_sum = Add(weight_sum, T(1));
+        } else {
+          const T w = weights[i];
+          acc = Add(acc, Mul(w, value));
+          weight_sum = Add(weight_sum, w);
+          square_sum = Add(square_sum, Mul(w, w));
+        }
+      }
+      if (weights == nullptr) square_sum = weight_sum;
+      if (combiner != static_cast<int>(Combiner::kSum)) {
+        const T denominator = combiner == static_cast<int>(Combiner::kMean)
+                                  ? weight_sum
+                                  : Sqrt(square_sum);
+        acc = denominator == T(0) ? T(0) : Div(acc, denominator);
+      }
+      o[e] = acc;
+    }
+  }
+}
+
+// denominator[b] for mean (sum of weights) or sqrtn (sqrt of the sum of
+// squared weights), summed in ascending position order.
+template <typename T>
+__global__ void DenominatorKernel(const T* weights, const int32_t* offsets,
+                                  const int32_t* order, int64_t num_segments,
+                                  bool sqrtn, T* denominator) {
+  for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       b < num_segments; b += int64_t{gridDim.x} * blockDim.x) {
+    T den = T(0);
+    for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
+      const int64_t i = order == nullptr ? k : order[k];
+      const T w = weights == nullptr ? T(1) : weights[i];
+      den = Add(den, sqrtn ? Mul(w, w) : w);
+    }
+    denominator[b] = sqrtn ? Sqrt(den) : den;
+  }
+}
+
+template <typename T, typename Tseg>
+__global__ void SegmentCombineGradKernel(
+    const T* grad, int64_t dim, const Tseg* segment_ids, const T* weights,
+    const T* denominator, const int32_t* offsets, const int32_t* order,
+    int64_t num_rows, T* out) {
+  for (int64_t u = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
+       u < num_rows; u += int64_t{gridDim.x} * blockDim.y) {
+    const int64_t begin = offsets[u];
+    const int64_t end = offsets[u + 1];
+    T* o = out + u * dim;
+    for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
+      T acc = T(0);
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t i = order == nullptr ? k : order[k];
+        const int64_t s = static_cast<int64_t>(segment_ids[i]);
+        T g = grad[s * dim + e];
+        if (denominator != nullptr) {
+          const T den = denominator[s];
+          g = den == T(0) ? T(0) : Div(g, den);
+        }
+        acc = weights == nullptr ? Add(acc, g) : Add(acc, Mul(g, weights[i]));
+      }
+      o[e] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// Entry points.
+
+template <typename Tid>
+Status DedupBucketize(const GpuDevice& d, const Tid* ids, int64_t nnz,
+                      int64_t num_ranks, int64_t owner, int64_t vocab_size,
+                      int32_t* inverse, DedupOutput* out) {
+  if (num_ranks < 1) {
+    return Status::Error("num_ranks must be at least 1, got " +
+                         std::to_string(num_ranks) + ".");
+  }
+  if (owner >= num_ranks) {
+    return Status::Error("owner must be -1 or less than num_ranks (" +
+                         std::to_string(num_ranks) + "), got " +
+                         std::to_string(owner) + ".");
+  }
+  if (nnz < 0 || nnz > kInt32Max) {
+    return Status::Error("the number of ids (" + std::to_string(nnz) +
+                         ") must fit in int32.");
+  }
+  out->num_unique = 0;
+  out->error = IdError();
+  out->counts.assign(num_ranks, 0);
+  out->unique_ids = nullptr;
+  out->local_rows = nullptr;
+  if (nnz == 0) return Status::Ok();
+  const cudaStream_t stream = StreamOf(d);
+
+  // Sort keys: rank * rows_per_rank + local row (distributed), else the id.
+  const bool distributed = owner < 0;
+  const ull vocab = static_cast<ull>(std::max<int64_t>(vocab_size, 0));
+  const ull ranks = static_cast<ull>(num_ranks);
+  ull rows_per_rank = 0;
+  ull max_key = 0;
+  if (vocab > 0) {
+    if (distributed) {
+      rows_per_rank = vocab / ranks + (vocab % ranks != 0 ? 1 : 0);
+      max_key = (ranks - 1) * rows_per_rank + (vocab - 1) / ranks;
+    } else {
+      max_key = vocab - 1;
+    }
+  }
+
+  const int64_t info_size = kInfoCounts + num_ranks;
+  ull* info = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, info_size, &info, "dedup summary"));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(info, 0, info_size * sizeof(ull), stream),
+      "dedup summary init");
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(info + kInfoBadPos, 0xFF, sizeof(ull), stream),
+      "dedup summary init");
+  int64_t* unique_ids = nullptr;
+  int64_t* local_rows = nullptr;
+  if (max_key <= std::numeric_limits<uint32_t>::max()) {
+    SOK_RETURN_IF_ERROR((DedupSorted<Tid, uint32_t>(
+        d, ids, nnz, num_ranks, owner, vocab_size, rows_per_rank, max_key,
+        inverse, info, &unique_ids, &local_rows)));
+  } else {
+    SOK_RETURN_IF_ERROR((DedupSorted<Tid, uint64_t>(
+        d, ids, nnz, num_ranks, owner, vocab_size, rows_per_rank, max_key,
+        inverse, info, &unique_ids, &local_rows)));
+  }
+
+  // The one blocking copy: U, the first invalid id and the counts.
+  std::vector<ull> host(info_size);
+  SOK_RETURN_IF_ERROR(CopyToHostSync(d, host.data(), info,
+                                     info_size * sizeof(ull),
+                                     "SokDedupBucketize summary"));
+  if (host[kInfoBadPos] != kNone) {
+    out->error.position = static_cast<int64_t>(host[kInfoBadPos]);
+    out->error.value = static_cast<int64_t>(host[kInfoBadValue]);
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(inverse, 0, nnz * sizeof(int32_t), stream),
+        "SokDedupBucketize zero inverse");
+    return Status::Ok();
+  }
+  out->num_unique = static_cast<int64_t>(host[kInfoUnique]);
+  for (int64_t r = 0; r < num_ranks; ++r) {
+    out->counts[r] = static_cast<int64_t>(host[kInfoCounts + r]);
+  }
+  out->unique_ids = unique_ids;
+  out->local_rows = local_rows;
+  return Status::Ok();
+}
+
+Status CopyDeviceToDevice(const GpuDevice& d, void* dst, const void* src,
+                          int64_t bytes) {
+  if (bytes <= 0) return Status::Ok();
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
+                      cudaMemcpyDeviceToDevice, StreamOf(d)),
+      "device-to-device copy");
+  return Status::Ok();
+}
+
+template <typename Tseg>
+Status CheckSegmentIndices(const GpuDevice& d, const int32_t* inverse,
+                           const Tseg* segment_ids, int64_t nnz,
+                           int64_t num_rows, int64_t num_segments,
+                           SegmentIndexCheck* check) {
+  check->invalid = Status::Ok();
+  check->segments_sorted = true;
+  check->inverse_sorted = true;
+  if (nnz <= 0) return Status::Ok();
+  if (nnz > kInt32Max) {
+    check->invalid = Status::InvalidArgument(
+        "the number of positions (" + std::to_string(nnz) +
+        ") must fit in int32 on the GPU.");
+    return Status::Ok();
+  }
+  const cudaStream_t stream = StreamOf(d);
+  constexpr int kCheckSize = 6;
+  ull* dev = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, kCheckSize, &dev, "index check"));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(dev, 0, kCheckSize * sizeof(ull), stream),
+      "index check init");
+  SOK_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev, 0xFF, 2 * sizeof(ull), stream),
+                           "index check init");
+  CheckIndicesKernel<Tseg><<<BlocksFor(nnz, kThreads), kThreads, 0, stream>>>(
+      inverse, segment_ids, nnz, num_rows, num_segments, dev);
+  SOK_LAUNCH_RETURN_IF_ERROR("CheckIndicesKernel");
+  CheckValuesKernel<Tseg><<<1, 1, 0, stream>>>(inverse, segment_ids, dev);
+  SOK_LAUNCH_RETURN_IF_ERROR("CheckValuesKernel");
+
+  // The one blocking copy: the first invalid positions, values, sortedness.
+  ull host[kCheckSize];
+  SOK_RETURN_IF_ERROR(CopyToHostSync(d, host, dev, sizeof(host),
+                                     "segment index check"));
+  check->segments_sorted = host[4] == 0;
+  check->inverse_sorted = host[5] == 0;
+  // The messages of the CPU ValidateSegmentIndices.
+  if (host[0] != kNone) {
+    check->invalid = Status::InvalidArgument(
+        "inverse[" + std::to_string(static_cast<int64_t>(host[0])) +
+        "] = " + std::to_string(static_cast<int64_t>(host[2])) +
+        " is out of range [0, " + std::to_string(num_rows) + ").");
+  } else if (host[1] != kNone) {
+    check->invalid = Status::InvalidArgument(
+        "segment_ids[" + std::to_string(static_cast<int64_t>(host[1])) +
+        "] = " + std::to_string(static_cast<int64_t>(host[3])) +
+        " is out of range [0, " + std::to_string(num_segments) + ").");
+  }
+  return Status::Ok();
+}
+
+template <typename T, typename Tseg>
+Status SegmentCombine(const GpuDevice& d, const T* rows, int64_t dim,
+                      const int32_t* inverse, const Tseg* segment_ids,
+                      const T* weights, int64_t nnz, int64_t num_segments,
+                      Combiner combiner, const SegmentIndexCheck& check,
+                      T* out) {
+  if (num_segments <= 0 || dim <= 0) return Status::Ok();
+  if (!check.invalid.ok()) return check.invalid;
+  const cudaStream_t stream = StreamOf(d);
+  if (nnz <= 0) {  // every segment is empty
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(out, 0, num_segments * dim * sizeof(T), stream),
+        "SokSegmentCombine zero output");
+    return Status::Ok();
+  }
+  const int32_t* offsets = nullptr;
+  const int32_t* order = nullptr;
+  SOK_RETURN_IF_ERROR(GroupPositions(d, segment_ids, nnz, num_segments,
+                                     check.segments_sorted, &offsets,
+                                     &order));
+  const GroupShape shape = ShapeFor(num_segments, dim);
+  SegmentCombineKernel<T, Tseg><<<shape.blocks, shape.block, 0, stream>>>(
+      rows, dim, inverse, weights, offsets, order, num_segments,
+      static_cast<int>(combiner), out);
+  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineKernel");
+  return Status::Ok();
+}
+
+template <typename T, typename Tseg>
+Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
+                          const int32_t* inverse, const Tseg* segment_ids,
+                          const T* weights, int64_t nnz, int64_t num_segments,
+                          int64_t num_rows, Combiner combiner,
+                          const SegmentIndexCheck& check, T* out) {
+  if (num_rows <= 0 || dim <= 0) return Status::Ok();
+  if (!check.invalid.ok()) return check.invalid;
+  const cudaStream_t stream = StreamOf(d);
+  if (nnz <= 0) {  // no row is referenced
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(out, 0, num_rows * dim * sizeof(T), stream),
+        "SokSegmentCombineGrad zero output");
+    return Status::Ok();
+  }
+  // nnz > 0 and valid segment ids imply num_segments >= 1.
+  T* denominator = nullptr;
+  if (combiner != Combiner::kSum) {
+    const int32_t* seg_offsets = nullptr;
+    const int32_t* seg_order = nullptr;
+    SOK_RETURN_IF_ERROR(GroupPositions(d, segment_ids, nnz, num_segments,
+                                       check.segments_sorted, &seg_offsets,
+                                       &seg_order));
+    SOK_RETURN_IF_ERROR(
+        Scratch(d, num_segments, &denominator, "segment denominators"));
+    DenominatorKernel<T>
+        <<<BlocksFor(num_segments, kThreads), kThreads, 0, stream>>>(
+            weights, seg_offsets, seg_order, num_segments,
+            combiner == Combiner::kSqrtn, denominator);
+    SOK_LAUNCH_RETURN_IF_ERROR("DenominatorKernel");
+  }
+  const int32_t* offsets = nullptr;
+  const int32_t* order = nullptr;
+  SOK_RETURN_IF_ERROR(GroupPositions(d, inverse, nnz, num_rows,
+                                     check.inverse_sorted, &offsets, &order));
+  const GroupShape shape = ShapeFor(num_rows, dim);
+  SegmentCombineGradKernel<T, Tseg><<<shape.blocks, shape.block, 0, stream>>>(
+      grad, dim, segment_ids, weights, denominator, offsets, order, num_rows,
+      out);
+  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradKernel");
+  return Status::Ok();
+}
+
+// Explicit instantiations.
+template Status DedupBucketize<int32_t>(const GpuDevice&, const int32_t*,
+                                        int64_t, int64_t, int64_t, int64_t,
+                                        int32_t*, DedupOutput*);
+template Status DedupBucketize<int64_t>(const GpuDevice&, const int64_t*,
+                                        int64_t, int64_t, int64_t, int64_t,
+                                        int32_t*, DedupOutput*);
+
+#define SOK_INSTANTIATE_GPU_SEG(Tseg)                                       \
+  template Status CheckSegmentIndices<Tseg>(                                \
+      const GpuDevice&, const int32_t*, const Tseg*, int64_t, int64_t,      \
+      int64_t, SegmentIndexCheck*);
+SOK_INSTANTIATE_GPU_SEG(int32_t)
+SOK_INSTANTIATE_GPU_SEG(int64_t)
+#undef SOK_INSTANTIATE_GPU_SEG
+
+#define SOK_INSTANTIATE_GPU_COMBINE(T, Tseg)                                \
+  template Status SegmentCombine<T, Tseg>(                                  \
+      const GpuDevice&, const T*, int64_t, const int32_t*, const Tseg*,     \
+      const T*, int64_t, int64_t, Combiner, const SegmentIndexCheck&, T*);  \
+  template Status SegmentCombineGrad<T, Tseg>(                              \
+      const GpuDevice&, const T*, int64_t, const int32_t*, const Tseg*,     \
+      const T*, int64_t, int64_t, int64_t, Combiner,                        \
+      const SegmentIndexCheck&, T*);
+SOK_INSTANTIATE_GPU_COMBINE(float, int32_t)
+SOK_INSTANTIATE_GPU_COMBINE(float, int64_t)
+SOK_INSTANTIATE_GPU_COMBINE(double, int32_t)
+SOK_INSTANTIATE_GPU_COMBINE(double, int64_t)
+#undef SOK_INSTANTIATE_GPU_COMBINE
+
+}  // namespace gpu
+}  // namespace lookup
+}  // namespace sok

@@ -1,0 +1,81 @@
+#include "core/pooled_lookup.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+namespace sok {
+namespace lookup {
+
+template <typename Device, typename T, typename Tid>
+Status PooledLookupFunctor<Device, T, Tid>::operator()(
+    const Device& d, const T* table, int64_t vocab_size, int64_t dim,
+    const Tid* ids, int64_t nnz, const int64_t* splits, int64_t batch,
+    const T* weights, Combiner combiner, T* out, PooledLookupError* error) {
+  *error = PooledLookupError();
+  for (int64_t b = 0; b < batch; ++b) {  // cheap, and first-bad by order
+    const int64_t begin = splits[b];
+    const int64_t end = splits[b + 1];
+    if (begin < 0 || end < begin || end > nnz || (b == 0 && begin != 0) ||
+        (b == batch - 1 && end != nnz)) {
+      error->bad_bag = b;
+      return Status::Ok();
+    }
+  }
+  if (batch == 0 && nnz != 0) {
+    error->bad_bag = 0;
+    return Status::Ok();
+  }
+  for (int64_t i = 0; i < nnz; ++i) {
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    if (id != -1 && (id < 0 || id >= vocab_size)) {
+      error->position = i;
+      error->value = id;
+      return Status::Ok();
+    }
+  }
+  const int64_t cost = (nnz / std::max<int64_t>(batch, 1) + 1) * (dim * 2 + 8);
+  d.parallel_for(batch, cost, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      T* o = out + b * dim;
+      std::fill(o, o + dim, T(0));
+      T weight_sum = 0;
+      T square_sum = 0;
+      for (int64_t i = splits[b]; i < splits[b + 1]; ++i) {
+        const int64_t id = static_cast<int64_t>(ids[i]);
+        if (id == -1) continue;
+        const T* row = table + id * dim;
+        if (weights == nullptr) {
+          for (int64_t c = 0; c < dim; ++c) o[c] += row[c];
+          weight_sum += T(1);
+        } else {
+          const T w = weights[i];
+          for (int64_t c = 0; c < dim; ++c) o[c] += w * row[c];
+          weight_sum += w;
+          square_sum += w * w;
+        }
+      }
+      if (weights == nullptr) square_sum = weight_sum;
+      T denominator;
+      if (combiner == Combiner::kMean) {
+        denominator = weight_sum;
+      } else if (combiner == Combiner::kSqrtn) {
+        denominator = std::sqrt(square_sum);
+      } else {
+        continue;
+      }
+      for (int64_t c = 0; c < dim; ++c) {
+        o[c] = denominator == T(0) ? T(0) : o[c] / denominator;
+      }
+    }
+  });
+  return Status::Ok();
+}
+
+template struct PooledLookupFunctor<CpuDevice, float, int32_t>;
+template struct PooledLookupFunctor<CpuDevice, float, int64_t>;
+template struct PooledLookupFunctor<CpuDevice, double, int32_t>;
+template struct PooledLookupFunctor<CpuDevice, double, int64_t>;
+
+}  // namespace lookup
+}  // namespace sok

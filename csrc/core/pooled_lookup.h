@@ -1,0 +1,55 @@
+// Pooled lookup straight from a whole table (one rank, no exchange): the
+// forward of `lookup_sparse` / a pooled layer when the table is not
+// sharded. One functor, implemented for CpuDevice (pooled_lookup.cc) and
+// GpuDevice (pooled_lookup.cu.cc). TensorFlow-free.
+#ifndef SOK_CORE_POOLED_LOOKUP_H_
+#define SOK_CORE_POOLED_LOOKUP_H_
+
+#include <cstdint>
+
+#include "core/device.h"
+#include "core/lookup.h"
+#include "core/status.h"
+
+namespace sok {
+namespace lookup {
+
+// What was wrong with the inputs, if anything: the first (by position) id
+// outside [0, vocab_size) that is not the padding value -1, and the first
+// bag whose row splits are inconsistent (decreasing, outside [0, nnz], not
+// starting at 0 or not ending at nnz).
+struct PooledLookupError {
+  int64_t position = -1;  // of the first invalid id
+  int64_t value = 0;      // that id
+  int64_t bad_bag = -1;   // first bag with bad splits
+  bool ok() const { return position < 0 && bad_bag < 0; }
+};
+
+// out[b] = combine(weights[i] * table[ids[i]] for i in
+//                  [splits[b], splits[b + 1]) with ids[i] != -1)
+// table: [vocab_size, dim]; ids: [nnz]; splits: [batch + 1]; weights: [nnz]
+// or nullptr (all ones); out: [batch, dim]. Combiners as SegmentCombine
+// (padding counts for nothing, a zero denominator gives zeros). Results
+// are deterministic and equal on both devices up to rounding (the GPU
+// computes the same sums in the same order). On invalid input `error` says
+// what, and `out` is unspecified.
+template <typename Device, typename T, typename Tid>
+struct PooledLookupFunctor {
+  Status operator()(const Device& d, const T* table, int64_t vocab_size,
+                    int64_t dim, const Tid* ids, int64_t nnz,
+                    const int64_t* splits, int64_t batch, const T* weights,
+                    Combiner combiner, T* out, PooledLookupError* error);
+};
+
+template <typename T, typename Tid>
+struct PooledLookupFunctor<GpuDevice, T, Tid> {
+  Status operator()(const GpuDevice& d, const T* table, int64_t vocab_size,
+                    int64_t dim, const Tid* ids, int64_t nnz,
+                    const int64_t* splits, int64_t batch, const T* weights,
+                    Combiner combiner, T* out, PooledLookupError* error);
+};
+
+}  // namespace lookup
+}  // namespace sok
+
+#endif  // SOK_CORE_POOLED_LOOKUP_H_

@@ -1,0 +1,510 @@
+// CUDA kernels of the sparse ("lazy") optimizer updates: see the GPU section
+// of core/sparse_optimizers.h. TensorFlow-free.
+//
+// Dedup: validate indices (atomicMin of the first invalid position), stable
+// radix sort of (row, position) pairs, segment heads + inclusive scan -> CSR
+// (rows, offsets, positions), one blocking copy of {bad position, bad value,
+// U} to the host.
+// ApplyRule: one generic kernel over unique rows (threadIdx.y/blockIdx.x) and
+// columns (threadIdx.x), templated on a per-rule functor. Each thread sums
+// grad[p, c] over the row's positions in ascending order (no float atomics,
+// deterministic) and applies the rule at [row, c].
+//
+// Floating point: the rule functors use the _rn intrinsics (__fmul_rn etc.),
+// which nvcc never contracts into FMAs, so that every operation rounds as in
+// the CPU code (core/sparse_optimizers.cc), in the same order. Scalars
+// derived from the hyperparameters (Adam's alpha, Ftrl's l2_reg, ...) are
+// computed on the host with the same expressions as the CPU code. Only
+// pow() (Ftrl, when lr_power != -0.5) may differ from the host's by an ulp,
+// which Ftrl's cancellations can amplify.
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "core/gpu_util.cuh"
+#include "core/sparse_optimizers.h"
+
+namespace sok {
+namespace sparse_opt {
+namespace gpu {
+namespace {
+
+namespace cu = ::sok::gpu;
+
+// ---------------------------------------------------------------------------
+// Dedup kernels.
+
+// keys[p] = indices[p] (0 where invalid, to keep the sort's bit range),
+// pos[p] = p; the first invalid position goes to *bad (initialised to
+// all-ones, i.e. UINT64_MAX, by the caller).
+template <typename Index, typename Key>
+__global__ void PrepareKeysKernel(const Index* __restrict__ indices, int64_t k,
+                                  int64_t num_rows, Key* __restrict__ keys,
+                                  int64_t* __restrict__ pos,
+                                  unsigned long long* bad) {
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       p < k; p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = static_cast<int64_t>(indices[p]);
+    const bool valid = r >= 0 && r < num_rows;
+    keys[p] = valid ? static_cast<Key>(r) : Key(0);
+    pos[p] = p;
+    if (!valid) atomicMin(bad, static_cast<unsigned long long>(p));
+  }
+}
+
+// seg[i] = 1 where sorted key i starts a new run, else 0.
+template <typename Key>
+__global__ void HeadFlagsKernel(const Key* __restrict__ keys, int64_t k,
+                                int64_t* __restrict__ seg) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < k; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    seg[i] = (i == 0 || keys[i] != keys[i - 1]) ? 1 : 0;
+  }
+}
+
+// seg is the inclusive scan of the head flags (1-based run id). Writes
+// offsets[u], rows[u] at each run head, offsets[U] = k, and
+// info = {bad position, bad value, U}.
+template <typename Index, typename Key>
+__global__ void ScatterRunsKernel(const Key* __restrict__ keys,
+                                  const int64_t* __restrict__ seg, int64_t k,
+                                  const Index* __restrict__ indices,
+                                  int64_t* __restrict__ offsets,
+                                  int64_t* __restrict__ rows,
+                                  int64_t* __restrict__ info) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       i < k; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t s = seg[i];
+    if (i == 0 || s != seg[i - 1]) {
+      offsets[s - 1] = i;
+      rows[s - 1] = static_cast<int64_t>(keys[i]);
+    }
+    if (i == k - 1) {
+      offsets[s] = k;
+      info[2] = s;
+      const int64_t bad = info[0];  // -1 (all ones) when every index is valid
+      info[1] = (bad >= 0 && bad < k) ? static_cast<int64_t>(indices[bad]) : 0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Rounding-exact arithmetic (never contracted into FMA).
+
+__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double Add(double a, double b) {
+  return __dadd_rn(a, b);
+}
+__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double Sub(double a, double b) {
+  return __dsub_rn(a, b);
+}
+__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double Mul(double a, double b) {
+  return __dmul_rn(a, b);
+}
+__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double Div(double a, double b) {
+  return __ddiv_rn(a, b);
+}
+__device__ __forceinline__ float Sqrt(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double Sqrt(double a) { return __dsqrt_rn(a); }
+// pow() as in Ftrl, as close to the host's std::pow as we can get: the
+// common lr_power = -0.5 (pow(x, 0.5)) through the correctly rounded sqrt for
+// positive finite x (glibc's pow/powf are correctly rounded there in
+// practice, CUDA's pow is not always), otherwise CUDA's pow; float in double
+// precision, then rounded (what glibc's powf effectively does).
+__device__ __forceinline__ float Pow(float a, float b) {
+  if (b == 0.5f && a > 0.0f && a <= 3.402823466e+38f) return __fsqrt_rn(a);
+  return static_cast<float>(pow(static_cast<double>(a), static_cast<double>(b)));
+}
+__device__ __forceinline__ double Pow(double a, double b) {
+  if (b == 0.5 && a > 0.0 && a <= 1.7976931348623157e+308) return __dsqrt_rn(a);
+  return pow(a, b);
+}
+// std::max / std::min semantics (including NaN handling).
+template <typename T>
+__device__ __forceinline__ T StdMax(T a, T b) { return (a < b) ? b : a; }
+template <typename T>
+__device__ __forceinline__ T StdMin(T a, T b) { return (b < a) ? b : a; }
+
+// ---------------------------------------------------------------------------
+// Rule functors: operator()(i, g) updates element i (= row * dim + c) of var
+// and the slots with the summed gradient g. Mirrors the Apply* loop bodies of
+// core/sparse_optimizers.cc expression by expression.
+
+template <typename T>
+struct SgdFn {
+  T* var;
+  T lr;
+  __device__ __forceinline__ void operator()(int64_t i, T g) const {
+    var[i] = Sub(var[i], Mul(g, lr));  // w -= g * lr
+  }
+};
+
+template <typename T>
+struct MomentumFn {
+  T* var;
+  T* mom;
+  T lr, momentum;
+  bool nesterov;
+  __device__ __forceinline__ void operator()(int64_t i, T g) const {
+    const T mj = Sub(Mul(mom[i], momentum), Mul(g, lr));
+    mom[i] = mj;
+    if (nesterov) {
+      var[i] = Add(var[i], Sub(Mul(mj, momentum), Mul(g, lr)));
+    } else {
+      var[i] = Add(var[i], mj);
+    }
+  }
+};
+
+template <typename T>
+struct AdagradFn {
+  T* var;
+  T* acc;
+  T lr, epsilon;
+  __device__ __forceinline__ void operator()(int64_t i, T g) const {
+    const T aj = Add(acc[i], Mul(g, g));
+    acc[i] = aj;
+    var[i] = Sub(var[i], Div(Mul(lr, g), Sqrt(Add(aj, epsilon))));
+  }
+};
+
+template <typename T>
+struct AdamFn {
+  T* var;
+  T* m;
+  T* v;
+  T* vhat;  // nullptr unless amsgrad
+  T lr, epsilon, alpha, one_minus_b1, one_minus_b2, weight_decay;
+  bool apply_weight_decay;
+  __device__ __forceinline__ void operator()(int64_t i, T g) const {
+    T w = var[i];
+    if (apply_weight_decay) w = Sub(w, Mul(Mul(w, weight_decay), lr));
+    const T mr = m[i];
+    const T vr = v[i];
+    const T mj = Add(mr, Mul(Sub(g, mr), one_minus_b1));
+    const T vj = Add(vr, Mul(Sub(Mul(g, g), vr), one_minus_b2));
+    m[i] = mj;
+    v[i] = vj;
+    T vu = vj;
+    if (vhat != nullptr) {
+      vu = StdMax(vhat[i], vj);
+      vhat[i] = vu;
+    }
+    var[i] = Sub(w, Div(Mul(mj, alpha), Add(Sqrt(vu), epsilon)));
+  }
+};
+
+template <typename T>
+struct FtrlFn {
+  T* var;
+  T* acc;
+  T* linear;
+  T lr, l1, two_l2_reg, two_shrink, neg_power;
+  __device__ __forceinline__ void operator()(int64_t i, T g) const {
+    const T wj = var[i];
+    const T aj = acc[i];
+    const T grad_to_use = Add(g, Mul(two_shrink, wj));
+    const T new_acc = Add(aj, Mul(g, g));
+    const T new_pow = Pow(new_acc, neg_power);
+    const T old_pow = Pow(aj, neg_power);
+    const T lj =
+        Add(linear[i], Sub(grad_to_use, Mul(Div(Sub(new_pow, old_pow), lr), wj)));
+    linear[i] = lj;
+    const T quadratic = Add(Div(new_pow, lr), two_l2_reg);
+    const T clipped = StdMin(StdMax(lj, -l1), l1);
+    var[i] = Div(Sub(clipped, lj), quadratic);
+    acc[i] = new_acc;
+  }
+};
+
+template <typename T>
+struct RmspropFn {
+  T* var;
+  T* vel;
+  T* mom;  // nullptr unless momentum
+  T* avg;  // nullptr unless centered
+  T lr, rho, one_minus_rho, momentum, epsilon;
+  __device__ __forceinline__ void operator()(int64_t i, T g) const {
+    const T vj = Add(Mul(rho, vel[i]), Mul(one_minus_rho, Mul(g, g)));
+    vel[i] = vj;
+    T denom;
+    if (avg != nullptr) {
+      const T aj = Add(Mul(rho, avg[i]), Mul(one_minus_rho, g));
+      avg[i] = aj;
+      denom = Add(Sub(vj, Mul(aj, aj)), epsilon);
+    } else {
+      denom = Add(vj, epsilon);
+    }
+    const T inc = Div(Mul(lr, g), Sqrt(denom));
+    if (mom != nullptr) {
+      const T mj = Add(Mul(momentum, mom[i]), inc);
+      mom[i] = mj;
+      var[i] = Sub(var[i], mj);
+    } else {
+      var[i] = Sub(var[i], inc);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The one apply kernel. Block = (tx, ty): ty unique rows per block, tx
+// threads striding over dim; grid-stride over unique rows.
+template <typename T, typename Fn>
+__global__ void ApplyKernel(Fn fn, const int64_t* __restrict__ rows,
+                            const int64_t* __restrict__ offsets,
+                            const int64_t* __restrict__ positions,
+                            const T* __restrict__ grad, int64_t num_unique,
+                            int64_t dim) {
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y;
+       u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t s = offsets[u];
+    const int64_t e = offsets[u + 1];
+    const int64_t base = rows[u] * dim;
+    for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+      // Same summation order as SumDuplicateRows: first, then ascending.
+      T g = grad[positions[s] * dim + c];
+      for (int64_t q = s + 1; q < e; ++q) {
+        g = Add(g, grad[positions[q] * dim + c]);
+      }
+      fn(base + c, g);
+    }
+  }
+}
+
+template <typename T, typename Fn>
+Status LaunchApply(const GpuDevice& d, const Fn& fn, int64_t dim,
+                   const DedupResult& dd, const T* grad) {
+  if (dd.num_unique <= 0 || dim <= 0) return Status::Ok();
+  constexpr int kThreads = 256;
+  int tx = 1;
+  while (tx < kThreads && tx < dim) tx *= 2;
+  const int ty = kThreads / tx;
+  int64_t blocks = (dd.num_unique + ty - 1) / ty;
+  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t{1} << 20));
+  ApplyKernel<T, Fn><<<static_cast<unsigned int>(blocks), dim3(tx, ty), 0,
+                       cu::StreamOf(d)>>>(fn, dd.rows, dd.offsets,
+                                          dd.positions, grad, dd.num_unique,
+                                          dim);
+  SOK_LAUNCH_RETURN_IF_ERROR("sparse optimizer ApplyKernel");
+  return Status::Ok();
+}
+
+Status MissingSlot(const char* rule, const char* slot) {
+  return Status::Error(std::string("GPU ") + rule + " update needs slot '" +
+                       slot + "' (got nullptr)");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+template <typename Index>
+Status Dedup(const GpuDevice& d, const Index* indices, int64_t k,
+             int64_t num_rows, DedupResult* out) {
+  *out = DedupResult();
+  if (k < 0 || num_rows < 0) {
+    return Status::InvalidArgument("negative index count or row count");
+  }
+  if (k == 0) return Status::Ok();
+  using Key = typename std::make_unsigned<Index>::type;
+  const cudaStream_t stream = cu::StreamOf(d);
+
+  Key* keys_in = nullptr;
+  Key* keys_out = nullptr;
+  int64_t* pos_in = nullptr;
+  int64_t* pos_out = nullptr;
+  int64_t* seg = nullptr;
+  int64_t* offsets = nullptr;
+  int64_t* rows = nullptr;
+  int64_t* info = nullptr;  // {bad position, bad value, U}
+  SOK_RETURN_IF_ERROR(cu::Scratch<Key>(d, k, &keys_in, "dedup keys"));
+  SOK_RETURN_IF_ERROR(cu::Scratch<Key>(d, k, &keys_out, "dedup sorted keys"));
+  SOK_RETURN_IF_ERROR(cu::Scratch<int64_t>(d, k, &pos_in, "dedup positions"));
+  SOK_RETURN_IF_ERROR(
+      cu::Scratch<int64_t>(d, k, &pos_out, "dedup sorted positions"));
+  SOK_RETURN_IF_ERROR(cu::Scratch<int64_t>(d, k, &seg, "dedup run ids"));
+  SOK_RETURN_IF_ERROR(cu::Scratch<int64_t>(d, k + 1, &offsets, "dedup offsets"));
+  SOK_RETURN_IF_ERROR(cu::Scratch<int64_t>(d, k, &rows, "dedup rows"));
+  SOK_RETURN_IF_ERROR(cu::Scratch<int64_t>(d, 3, &info, "dedup result"));
+
+  // Sort only the bits that a valid row can have.
+  int end_bit = cu::BitsFor(num_rows > 0 ? static_cast<uint64_t>(num_rows - 1)
+                                         : uint64_t{0});
+  end_bit = std::min<int>(end_bit, static_cast<int>(sizeof(Key) * 8));
+
+  // cub temp storage: one buffer big enough for the sort and the scan.
+  size_t sort_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in, keys_out,
+                                      pos_in, pos_out, k, 0, end_bit, stream),
+      "cub::DeviceRadixSort::SortPairs (size query)");
+  size_t scan_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveSum(nullptr, scan_bytes, seg, seg, k, stream),
+      "cub::DeviceScan::InclusiveSum (size query)");
+  const size_t temp_bytes = std::max<size_t>(1, std::max(sort_bytes, scan_bytes));
+  uint8_t* temp = nullptr;
+  SOK_RETURN_IF_ERROR(cu::Scratch<uint8_t>(
+      d, static_cast<int64_t>(temp_bytes), &temp, "dedup cub temp storage"));
+
+  // info[0] = all ones (no invalid index yet); info[1], info[2] are written
+  // by ScatterRunsKernel.
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(info, 0xFF, 3 * sizeof(int64_t), stream),
+      "cudaMemsetAsync (dedup result)");
+  const int blocks = cu::BlocksFor(k);
+  PrepareKeysKernel<Index, Key><<<blocks, 256, 0, stream>>>(
+      indices, k, num_rows, keys_in, pos_in,
+      reinterpret_cast<unsigned long long*>(info));
+  SOK_LAUNCH_RETURN_IF_ERROR("sparse optimizer PrepareKeysKernel");
+
+  size_t bytes = temp_bytes;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, pos_in,
+                                      pos_out, k, 0, end_bit, stream),
+      "cub::DeviceRadixSort::SortPairs");
+  HeadFlagsKernel<Key><<<blocks, 256, 0, stream>>>(keys_out, k, seg);
+  SOK_LAUNCH_RETURN_IF_ERROR("sparse optimizer HeadFlagsKernel");
+  bytes = temp_bytes;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveSum(temp, bytes, seg, seg, k, stream),
+      "cub::DeviceScan::InclusiveSum");
+  ScatterRunsKernel<Index, Key><<<blocks, 256, 0, stream>>>(
+      keys_out, seg, k, indices, offsets, rows, info);
+  SOK_LAUNCH_RETURN_IF_ERROR("sparse optimizer ScatterRunsKernel");
+
+  int64_t host[3] = {0, 0, 0};
+  SOK_RETURN_IF_ERROR(cu::CopyToHostSync(d, host, info, sizeof(host),
+                                         "sparse optimizer dedup result"));
+  out->bad_position = host[0] < 0 ? -1 : host[0];
+  out->bad_value = host[1];
+  out->num_unique = out->bad_position >= 0 ? 0 : host[2];
+  if (out->bad_position < 0 && (out->num_unique < 1 || out->num_unique > k)) {
+    return Status::Error("sparse optimizer dedup: bad unique count " +
+                         std::to_string(out->num_unique) + " for " +
+                         std::to_string(k) + " indices");
+  }
+  out->rows = rows;
+  out->offsets = offsets;
+  out->positions = pos_out;
+  return Status::Ok();
+}
+
+template <typename T>
+Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
+                 T* s2, T* s3, int64_t dim, const DedupResult& dedup,
+                 const T* grad) {
+  if (dim < 0 || dedup.num_unique < 0) {
+    return Status::InvalidArgument("negative size");
+  }
+  if (dedup.bad_position >= 0) {
+    return Status::Error("ApplyRule called with an invalid index");
+  }
+  if (dedup.num_unique == 0 || dim == 0) return Status::Ok();
+  if (var == nullptr) return MissingSlot("sparse optimizer", "var");
+  if (dedup.rows == nullptr || dedup.offsets == nullptr ||
+      dedup.positions == nullptr || grad == nullptr) {
+    return Status::Error("ApplyRule: missing dedup result or grad");
+  }
+  const T lr = static_cast<T>(h.lr);
+  switch (rule) {
+    case Rule::kSgd: {
+      SgdFn<T> fn{var, lr};
+      return LaunchApply<T>(d, fn, dim, dedup, grad);
+    }
+    case Rule::kMomentum: {
+      if (s1 == nullptr) return MissingSlot("Momentum", "m");
+      MomentumFn<T> fn{var, s1, lr, static_cast<T>(h.momentum), h.nesterov};
+      return LaunchApply<T>(d, fn, dim, dedup, grad);
+    }
+    case Rule::kAdagrad: {
+      if (s1 == nullptr) return MissingSlot("Adagrad", "accumulator");
+      AdagradFn<T> fn{var, s1, lr, static_cast<T>(h.epsilon)};
+      return LaunchApply<T>(d, fn, dim, dedup, grad);
+    }
+    case Rule::kAdam: {
+      if (s1 == nullptr) return MissingSlot("Adam", "m");
+      if (s2 == nullptr) return MissingSlot("Adam", "v");
+      // Same host expressions as ApplyAdam.
+      const T beta_1 = static_cast<T>(h.beta_1);
+      const T beta_2 = static_cast<T>(h.beta_2);
+      const T step = static_cast<T>(h.step);
+      const T beta_1_power = std::pow(beta_1, step);
+      const T beta_2_power = std::pow(beta_2, step);
+      const T alpha =
+          lr * std::sqrt(T(1) - beta_2_power) / (T(1) - beta_1_power);
+      AdamFn<T> fn{var,
+                   s1,
+                   s2,
+                   s3,
+                   lr,
+                   static_cast<T>(h.epsilon),
+                   alpha,
+                   T(1) - beta_1,
+                   T(1) - beta_2,
+                   h.apply_weight_decay ? static_cast<T>(h.weight_decay) : T(0),
+                   h.apply_weight_decay};
+      return LaunchApply<T>(d, fn, dim, dedup, grad);
+    }
+    case Rule::kFtrl: {
+      if (s1 == nullptr) return MissingSlot("Ftrl", "accumulator");
+      if (s2 == nullptr) return MissingSlot("Ftrl", "linear");
+      // Same host expressions as ApplyFtrl.
+      const T l2 = static_cast<T>(h.l2);
+      const T beta = static_cast<T>(h.beta);
+      const T l2_reg = l2 + beta / (T(2) * lr);
+      const T two_l2_reg = T(2) * l2_reg;
+      const T two_shrink = T(2) * static_cast<T>(h.l2_shrinkage);
+      const T neg_power = -static_cast<T>(h.lr_power);
+      FtrlFn<T> fn{var,        s1,         s2,        lr, static_cast<T>(h.l1),
+                   two_l2_reg, two_shrink, neg_power};
+      return LaunchApply<T>(d, fn, dim, dedup, grad);
+    }
+    case Rule::kRmsprop: {
+      if (s1 == nullptr) return MissingSlot("RMSprop", "velocity");
+      const T rho = static_cast<T>(h.rho);
+      RmspropFn<T> fn{var, s1, s2, s3, lr, rho, T(1) - rho,
+                      static_cast<T>(h.momentum), static_cast<T>(h.epsilon)};
+      return LaunchApply<T>(d, fn, dim, dedup, grad);
+    }
+  }
+  return Status::Error("unknown sparse optimizer rule " +
+                       std::to_string(static_cast<int>(rule)));
+}
+
+Status CopyDevice(const GpuDevice& d, void* dst, const void* src,
+                  int64_t bytes) {
+  if (bytes < 0) return Status::InvalidArgument("negative copy size");
+  if (bytes == 0 || dst == src) return Status::Ok();
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
+                      cudaMemcpyDeviceToDevice, cu::StreamOf(d)),
+      "cudaMemcpyAsync (copy-on-write of a variable)");
+  return Status::Ok();
+}
+
+#define SOK_INSTANTIATE_INDEX(Index)                                         \
+  template Status Dedup<Index>(const GpuDevice&, const Index*, int64_t,     \
+                               int64_t, DedupResult*);
+SOK_INSTANTIATE_INDEX(int32_t)
+SOK_INSTANTIATE_INDEX(int64_t)
+#undef SOK_INSTANTIATE_INDEX
+
+#define SOK_INSTANTIATE(T)                                                  \
+  template Status ApplyRule<T>(const GpuDevice&, Rule, const Hyper&, T*, T*, \
+                               T*, T*, int64_t, const DedupResult&,         \
+                               const T*);
+SOK_INSTANTIATE(float)
+SOK_INSTANTIATE(double)
+#undef SOK_INSTANTIATE
+
+}  // namespace gpu
+}  // namespace sparse_opt
+}  // namespace sok

@@ -1,0 +1,178 @@
+// SokPooledLookup: a pooled lookup straight from a whole (unsharded) table,
+// CPU and GPU kernels over core/pooled_lookup.h.
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "core/pooled_lookup.h"
+#include "tf/cpu_parallel.h"
+#include "tf/gpu_device.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/lib/core/errors.h"
+
+namespace sok {
+namespace {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::TensorShapeUtils;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+namespace errors = ::tensorflow::errors;
+
+REGISTER_OP("SokPooledLookup")
+    .Input("table: T")
+    .Input("ids: Tid")
+    .Input("row_splits: int64")
+    .Input("weights: T")
+    .Output("out: T")
+    .Attr("T: {float, double}")
+    .Attr("Tid: {int32, int64}")
+    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("table_name: string = ''")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle table, ids, splits, weights;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &table));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &weights));
+      DimensionHandle batch;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &batch));
+      c->set_output(0, c->Matrix(batch, c->Dim(table, 1)));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Pools rows of a whole table per bag, reading the table directly.
+
+out[b] = combine(weights[i] * table[ids[i]] for i in
+                 [row_splits[b], row_splits[b + 1]) with ids[i] != -1);
+combiners as SokSegmentCombine (-1 is padding and counts for nothing).
+
+table: [vocab_size, dim].
+ids: [nnz] ids in [0, vocab_size), or -1 for padding.
+row_splits: [batch + 1], non-decreasing, from 0 to nnz.
+weights: [nnz], or [0] for all-one weights.
+out: [batch, dim].
+table_name: the table's name, for error messages.
+)doc");
+
+template <typename Device, typename T, typename Tid>
+class SokPooledLookupOp : public OpKernel {
+ public:
+  explicit SokPooledLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    const Status s = lookup::ParseCombiner(combiner, &combiner_);
+    OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& table = ctx->input(0);
+    const Tensor& ids = ctx->input(1);
+    const Tensor& splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const std::string where = "sok_keras: table '" + table_name_ + "': ";
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(table.shape()),
+                errors::InvalidArgument(where, "the table must be a matrix, "
+                                        "got shape ",
+                                        table.shape().DebugString(), "."));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()),
+                errors::InvalidArgument(where, "ids must be a vector, got "
+                                        "shape ", ids.shape().DebugString(),
+                                        "."));
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(splits.shape()) &&
+                    splits.NumElements() >= 1,
+                errors::InvalidArgument(where, "row_splits must be a "
+                                        "non-empty vector, got shape ",
+                                        splits.shape().DebugString(), "."));
+    const int64_t nnz = ids.NumElements();
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(weights.shape()) &&
+                    (weights.NumElements() == 0 ||
+                     weights.NumElements() == nnz),
+                errors::InvalidArgument(
+                    where, "weights must be empty or have one entry per id (",
+                    nnz, "), got shape ", weights.shape().DebugString(), "."));
+    const int64_t batch = splits.NumElements() - 1;
+    const int64_t vocab = table.dim_size(0);
+    const int64_t dim = table.dim_size(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   ctx->allocate_output(0, TensorShape({batch, dim}), &out));
+    lookup::PooledLookupError error;
+    Status status = Run(ctx, table, vocab, dim, ids, nnz, splits, batch,
+                        weights, out, &error);
+    OP_REQUIRES(ctx, status.ok(), errors::Internal(where, status.message()));
+    OP_REQUIRES(ctx, error.bad_bag < 0,
+                errors::InvalidArgument(
+                    where, "row_splits are inconsistent at row ",
+                    error.bad_bag, " (they must rise from 0 to the number of "
+                    "ids, ", nnz, ")."));
+    OP_REQUIRES(ctx, error.position < 0,
+                errors::InvalidArgument(
+                    where, "id ", error.value, " at position ",
+                    error.position, " is out of range [0, ", vocab,
+                    ") (-1 is padding)."));
+  }
+
+ private:
+  Status Run(OpKernelContext* ctx, const Tensor& table, int64_t vocab,
+             int64_t dim, const Tensor& ids, int64_t nnz,
+             const Tensor& splits, int64_t batch, const Tensor& weights,
+             Tensor* out, lookup::PooledLookupError* error) {
+    const T* w = weights.NumElements() == 0 ? nullptr
+                                            : weights.flat<T>().data();
+    if constexpr (std::is_same<Device, CpuDevice>::value) {
+      CpuDevice d{CpuParallelFor(ctx)};
+      return lookup::PooledLookupFunctor<CpuDevice, T, Tid>()(
+          d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
+          splits.flat<int64_t>().data(), batch, w, combiner_,
+          out->flat<T>().data(), error);
+    } else {
+#ifdef SOK_WITH_CUDA
+      GpuScratch scratch(ctx);
+      GpuDevice d = MakeGpuDevice(ctx, &scratch);
+      return lookup::PooledLookupFunctor<GpuDevice, T, Tid>()(
+          d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
+          splits.flat<int64_t>().data(), batch, w, combiner_,
+          out->flat<T>().data(), error);
+#else
+      return Status::Error("built without CUDA");
+#endif
+    }
+  }
+
+  lookup::Combiner combiner_ = lookup::Combiner::kSum;
+  std::string table_name_;
+};
+
+#define REGISTER_POOLED(DEVICE_TYPE, DEV, T, Tid)                   \
+  REGISTER_KERNEL_BUILDER(Name("SokPooledLookup")                   \
+                              .Device(DEVICE_TYPE)                  \
+                              .TypeConstraint<T>("T")               \
+                              .TypeConstraint<Tid>("Tid"),          \
+                          SokPooledLookupOp<DEV, T, Tid>);
+REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, float, int32_t)
+REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, float, int64_t)
+REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, double, int32_t)
+REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, double, int64_t)
+#ifdef SOK_WITH_CUDA
+REGISTER_POOLED(::tensorflow::DEVICE_GPU, GpuDevice, float, int32_t)
+REGISTER_POOLED(::tensorflow::DEVICE_GPU, GpuDevice, float, int64_t)
+REGISTER_POOLED(::tensorflow::DEVICE_GPU, GpuDevice, double, int32_t)
+REGISTER_POOLED(::tensorflow::DEVICE_GPU, GpuDevice, double, int64_t)
+#endif
+#undef REGISTER_POOLED
+
+}  // namespace
+}  // namespace sok

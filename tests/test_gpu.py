@@ -1,0 +1,320 @@
+"""GPU kernels and GPU training, skipped where TensorFlow sees no GPU.
+
+Every CUDA kernel is checked against its CPU kernel on random inputs
+(duplicates, empty rows, padding, every dtype the op takes); lookups and
+gradients against `tf.nn.embedding_lookup_sparse` on the GPU; `model.fit`
+against `keras.layers.Embedding` on the GPU. GPU results must also be
+deterministic: the same inputs give bitwise the same outputs.
+
+That every op has a GPU kernel registered is checked in
+`tests/test_ops_loading.py`, without a GPU.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+from sok_keras import bucket_ops
+from sok_keras import lookup_ops
+from sok_keras._ops import ops
+from sok_keras.optimizers import sparse_kernels
+
+GPUS = tf.config.list_physical_devices("GPU")
+pytestmark = pytest.mark.skipif(not GPUS, reason="no GPU visible")
+
+CPU, GPU = "/CPU:0", "/GPU:0"
+
+
+def _on(device, fn, *args):
+    with tf.device(device):
+        out = fn(*args)
+    return tf.nest.map_structure(
+        lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+
+
+def _both(fn, *args):
+    """(cpu result, gpu result, gpu again) of fn(*args)."""
+    return _on(CPU, fn, *args), _on(GPU, fn, *args), _on(GPU, fn, *args)
+
+
+def _assert_same(cpu, gpu, gpu2, rtol=0.0, atol=0.0):
+    for a, b, c in zip(tf.nest.flatten(cpu), tf.nest.flatten(gpu),
+                       tf.nest.flatten(gpu2)):
+        np.testing.assert_array_equal(b, c)  # deterministic on the GPU
+        if rtol == 0 and atol == 0:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def _ids(rng, nnz, vocab, dtype):
+    # Zipf-like: many duplicates, some singletons.
+    hot = rng.integers(0, min(vocab, 7), nnz)
+    cold = rng.integers(0, vocab, nnz)
+    return np.where(rng.random(nnz) < 0.5, hot, cold).astype(dtype)
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("num_ranks,owner", [(1, -1), (3, -1), (3, 2)])
+@pytest.mark.parametrize("nnz", [0, 1, 1000, 70_000])
+def test_dedup_bucketize_matches_cpu(id_dtype, num_ranks, owner, nnz):
+    rng = np.random.default_rng(1000 + nnz + num_ranks)
+    ids = tf.constant(_ids(rng, nnz, 5000, id_dtype))
+
+    def f(ids):
+        return tuple(lookup_ops.dedup_bucketize(
+            tf.identity(ids), num_ranks=num_ranks, vocab_size=5000,
+            owner=owner, table_name="t"))
+
+    _assert_same(*_both(f, ids))
+
+
+def test_dedup_bucketize_invalid_id_on_gpu():
+    ids = tf.constant([3, 7, 9000, -4], tf.int64)
+    with tf.device(GPU):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="table 'tbl'.*id 9000 at position 2"):
+            lookup_ops.dedup_bucketize(tf.identity(ids), 2, 5000,
+                                       table_name="tbl")
+        out = lookup_ops.dedup_bucketize(tf.identity(ids), 2, 5000,
+                                         table_name="tbl",
+                                         raise_on_error=False)
+    assert out.error.numpy().tolist() == [2, 9000]
+    assert out.unique_ids.shape[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seg_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim", [1, 16, 129])
+def test_segment_combine_and_grad_match_cpu(dtype, seg_dtype, combiner,
+                                            weighted, dim):
+    rng = np.random.default_rng(7 + dim)
+    num_rows, nnz, batch = 300, 4000, 700  # some segments stay empty
+    rows = tf.constant(rng.normal(size=(num_rows, dim)).astype(dtype))
+    inverse = tf.constant(rng.integers(0, num_rows, nnz).astype(np.int32))
+    segs = tf.constant(rng.integers(0, batch, nnz).astype(seg_dtype))
+    w = (rng.uniform(0.1, 2.0, nnz) if combiner != "sum" or not weighted
+         else rng.uniform(-1.0, 2.0, nnz)).astype(dtype)
+    weights = tf.constant(w) if weighted else None
+    grad = tf.constant(rng.normal(size=(batch, dim)).astype(dtype))
+
+    def f(rows, grad):
+        fwd = lookup_ops.segment_combine(rows, inverse, segs, weights, batch,
+                                         combiner)
+        bwd = ops().sok_segment_combine_grad(
+            grad=grad, inverse=inverse, segment_ids=segs,
+            weights=weights if weights is not None else tf.zeros([0], dtype),
+            num_unique=tf.constant(num_rows, tf.int64), combiner=combiner)
+        return fwd, bwd
+
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    _assert_same(*_both(f, rows, grad), rtol=tol, atol=tol)
+
+
+def test_segment_combine_bad_index_on_gpu():
+    rows = tf.ones([4, 2])
+    with tf.device(GPU):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            lookup_ops.segment_combine(
+                tf.identity(rows), tf.constant([0, 9], tf.int32),
+                tf.constant([0, 0], tf.int64), None, 2, "sum")
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.int64, tf.int32,
+                                   tf.float64])
+def test_bucket_pad_unpad_match_cpu(dtype):
+    counts = tf.constant([[3, 0, 5], [1, 2, 2], [0, 0, 7]], tf.int64)
+    rng = np.random.default_rng(3)
+    x = tf.cast(tf.constant(rng.integers(-50, 50, (8, 3))), dtype)
+
+    def f(x):
+        padded, e = bucket_ops.bucket_pad(tf.identity(x), counts, 0)
+        back = bucket_ops.bucket_unpad(padded, counts, e, 0)
+        return padded, e, back
+
+    cpu, gpu, gpu2 = _both(f, x)
+    _assert_same(cpu, gpu, gpu2)
+    np.testing.assert_array_equal(gpu[2][:3], x.numpy()[:3])
+
+
+def _slots(n, shape, dtype, rng):
+    return [tf.Variable(rng.uniform(0.1, 1.0, shape).astype(dtype))
+            for _ in range(n)]
+
+
+RULES = {
+    "sgd": (0, lambda v, s, i, g: sparse_kernels.sparse_sgd(v, i, g, 0.1)),
+    "momentum": (1, lambda v, s, i, g: sparse_kernels.sparse_momentum(
+        v, s[0], i, g, 0.1, 0.9, nesterov=True)),
+    "adagrad": (1, lambda v, s, i, g: sparse_kernels.sparse_adagrad(
+        v, s[0], i, g, 0.1, 1e-7)),
+    "adam": (2, lambda v, s, i, g: sparse_kernels.sparse_adam(
+        v, s[0], s[1], i, g, 0.01, 3)),
+    "amsgrad": (3, lambda v, s, i, g: sparse_kernels.sparse_adam(
+        v, s[0], s[1], i, g, 0.01, 3, vhat=s[2])),
+    "adamw": (2, lambda v, s, i, g: sparse_kernels.sparse_adamw(
+        v, s[0], s[1], i, g, 0.01, 3, weight_decay=0.004)),
+    "ftrl": (2, lambda v, s, i, g: sparse_kernels.sparse_ftrl(
+        v, s[0], s[1], i, g, 0.05, l1_regularization_strength=0.01,
+        l2_regularization_strength=0.01)),
+    "rmsprop": (3, lambda v, s, i, g: sparse_kernels.sparse_rmsprop(
+        v, s[0], i, g, 0.01, 0.9, 0.5, 1e-7, momentum_slot=s[1],
+        average_gradient=s[2])),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_sparse_optimizer_matches_cpu(rule, dtype, index_dtype):
+    nslots, apply = RULES[rule]
+    rows, dim, k = 500, 24, 3000
+    results = []
+    for device in (CPU, GPU, GPU):
+        rng = np.random.default_rng(11)  # the same start on every device
+        with tf.device(device):
+            var = tf.Variable(rng.normal(size=(rows, dim)).astype(dtype))
+            slots = _slots(nslots, (rows, dim), dtype, rng)
+            idx = tf.constant(_ids(rng, k, rows, index_dtype))
+            grad = tf.constant(rng.normal(size=(k, dim)).astype(dtype))
+            for _ in range(3):
+                apply(var, slots, idx, grad)
+        results.append([var.numpy()] + [s.numpy() for s in slots])
+    tol = 2e-6 if dtype == np.float32 else 1e-12
+    if rule == "ftrl":  # pow() is not correctly rounded on either device,
+        # and Ftrl's cancellations amplify a 1-ulp difference.
+        tol = 1e-3 if dtype == np.float32 else 1e-9
+    _assert_same(*results, rtol=tol, atol=tol)
+
+
+def test_sparse_optimizer_bad_index_on_gpu_writes_nothing():
+    with tf.device(GPU):
+        var = tf.Variable(tf.ones([5, 2]))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="7"):
+            sparse_kernels.sparse_sgd(var, tf.constant([1, 7], tf.int64),
+                                      tf.ones([2, 2]), 1.0)
+    np.testing.assert_array_equal(var.numpy(), np.ones([5, 2]))
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_lookup_and_gradient_match_tf_on_gpu(combiner):
+    rng = np.random.default_rng(5)
+    vocab, dim, batch = 2000, 32, 257
+    table = rng.normal(size=(vocab, dim)).astype(np.float32)
+    lengths = rng.integers(0, 6, batch)
+    ids = tf.RaggedTensor.from_row_lengths(
+        _ids(rng, int(lengths.sum()), vocab, np.int64), lengths)
+    with tf.device(GPU):
+        v = sok.Variable(table)
+        ref = tf.Variable(table)
+        with tf.GradientTape(persistent=True) as tape:
+            out = sok.lookup_sparse(v, ids, combiners=combiner)
+            want = tf.nn.embedding_lookup_sparse(
+                ref, ids.to_sparse(), None, combiner=combiner)
+            loss, loss_ref = (tf.reduce_sum(out * out),
+                              tf.reduce_sum(want * want))
+        g = tape.gradient(loss, v)
+        g_ref = tape.gradient(loss_ref, ref)
+    assert "GPU" in v.value.device
+    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-5,
+                               atol=1e-5)
+    dense = tf.math.unsorted_segment_sum(g.values, g.indices, vocab)
+    dense_ref = tf.math.unsorted_segment_sum(g_ref.values, g_ref.indices,
+                                             vocab)
+    np.testing.assert_allclose(dense.numpy(), dense_ref.numpy(), rtol=1e-5,
+                               atol=1e-5)
+
+
+def _fit_model(embedding, ids_shape):
+    ids = keras.Input(shape=ids_shape, dtype="int64")
+    x = keras.layers.Flatten()(embedding(ids))
+    out = keras.layers.Dense(1)(x)
+    return keras.Model(ids, out)
+
+
+def test_fit_on_gpu_matches_keras_embedding():
+    """model.fit with a sok table on the GPU equals keras.layers.Embedding
+    (SGD, the one optimizer whose Keras sparse update is exact)."""
+    rng = np.random.default_rng(9)
+    vocab, dim, batch = 5000, 8, 64
+    table = rng.normal(size=(vocab, dim)).astype(np.float32) * 0.1
+    x = _ids(rng, batch * 8 * 3, vocab, np.int64).reshape(-1, 3)
+    y = rng.normal(size=(x.shape[0], 1)).astype(np.float32)
+    histories, tables = [], []
+    for kind in ("keras", "sok"):
+        keras.utils.clear_session()
+        keras.utils.set_random_seed(1)
+        if kind == "keras":
+            emb = keras.layers.Embedding(vocab, dim)
+            opt = keras.optimizers.SGD(0.05)
+        else:
+            emb = sok.layers.DistributedEmbedding(vocab, dim, combiner=None)
+            opt = sok.optimizers.OptimizerWrapper(keras.optimizers.SGD(0.05))
+        model = _fit_model(emb, (3,))
+        emb.embeddings.assign(table)
+        model.compile(optimizer=opt, loss="mse")
+        h = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                      verbose=0)
+        histories.append(h.history["loss"])
+        tables.append(keras.ops.convert_to_numpy(emb.embeddings.value))
+        if kind == "sok":
+            assert "GPU" in emb.embeddings.value.device
+    np.testing.assert_allclose(histories[1], histories[0], rtol=1e-5)
+    np.testing.assert_allclose(tables[1], tables[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_fit_adam_on_gpu_runs_everything_on_the_gpu(pooled):
+    """OptimizerWrapper(Adam) under fit: the table and its slots stay on the
+    GPU and training lowers the loss."""
+    rng = np.random.default_rng(4)
+    vocab = 3000
+    x = _ids(rng, 256 * 4, vocab, np.int64).reshape(-1, 4)
+    y = (x[:, :1] % 2).astype(np.float32)
+    emb = sok.layers.DistributedEmbedding(
+        vocab, 8, combiner="sum" if pooled else None)
+    model = _fit_model(emb, (4,))
+    model.compile(
+        optimizer=sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(0.01)),
+        loss="mse")
+    h = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert h.history["loss"][-1] < h.history["loss"][0]
+    for var in model.optimizer.variables + [emb.embeddings]:
+        if getattr(var, "shape", ()) and var.shape[0] == vocab:
+            assert "GPU" in var.value.device, var.path
+
+
+def test_nccl_communicator_with_one_rank():
+    """The NCCL communicator (one GPU, one rank): every collective, in
+    eager and in a tf.function, and its health."""
+    from sok_keras import comm_nccl
+
+    uid = comm_nccl.NcclCommunicator.new_unique_id()
+    comm = comm_nccl.NcclCommunicator(0, 1, uid, timeout=60)
+    x = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
+    np.testing.assert_array_equal(comm.all_reduce(x, "k").numpy(), x.numpy())
+    np.testing.assert_array_equal(
+        comm.all_reduce(tf.constant([3, 5], tf.int64), "k", op="max").numpy(),
+        [3, 5])
+    np.testing.assert_array_equal(comm.all_gather(x, "g").numpy(), x.numpy())
+    np.testing.assert_array_equal(comm.broadcast(x, "b").numpy(), x.numpy())
+    counts = tf.constant([[4]], tf.int64)
+    np.testing.assert_array_equal(comm.exchange(x, counts, "e").numpy(),
+                                  x.numpy())
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = comm.exchange(x * 2.0, counts, "e2")
+            loss = tf.reduce_sum(comm.all_reduce(y, "r2"))
+        return loss, tape.gradient(loss, x)
+
+    loss, grad = step(x)
+    assert float(loss) == 2.0 * float(tf.reduce_sum(x))
+    np.testing.assert_array_equal(grad.numpy(), np.full((4, 3), 2.0))
+    assert comm.health() == ""
