@@ -182,6 +182,12 @@ def main():
             super().__init__(**kw)
             self.emb = emb
 
+        def build(self, input_shape):
+            if isinstance(self.emb, keras.layers.Embedding):
+                self.emb.build(input_shape)
+            else:
+                self.emb.build((None, H))
+
         def call(self, x):
             if isinstance(self.emb, keras.layers.Embedding):
                 return keras.ops.reshape(

@@ -178,6 +178,26 @@ class Communicator:
     def _exchange(self, x, counts_matrix, site):
         raise NotImplementedError
 
+    def agree(self, what, value, timeout):
+        """Eagerly sums the int `value` of every rank within `timeout` s.
+
+        A barrier with a deadline, for decisions every rank must take
+        alike (has every rank entered `model.save`? did any fail?).
+
+        Args:
+            what: names the agreement (same on every rank).
+            value: a Python int.
+            timeout: seconds to wait for every rank.
+
+        Returns:
+            The sum over ranks, as a Python int.
+
+        Raises:
+            tf.errors.DeadlineExceededError: if a rank did not take part
+                in time.
+        """
+        raise NotImplementedError
+
     def _check_counts(self, counts_matrix):
         c = tf.cast(tf.convert_to_tensor(counts_matrix), tf.int64)
         n = self._num_ranks
@@ -300,6 +320,9 @@ class LocalCommunicator(Communicator):
 
     def _exchange(self, x, counts_matrix, site):
         return tf.identity(x)
+
+    def agree(self, what, value, timeout):
+        return int(value)
 
 
 class CollectiveCommunicator(Communicator):
@@ -506,6 +529,19 @@ class CollectiveCommunicator(Communicator):
         padded, ik, size = self._flat_bucket(x, site)
         out = self._guarded(f"broadcast:{key}", padded, lambda t: run(t, ik))
         return tf.reshape(out[:size], tf.shape(x))
+
+    def agree(self, what, value, timeout):
+        if self.aborted is not None:
+            raise tf.errors.DeadlineExceededError(None, None, self.aborted)
+        ik = self._instance_key(f"agree:{what}")
+        with tf.device("/CPU:0"):
+            out = tf.raw_ops.CollectiveReduceV2(
+                input=tf.constant([int(value)], tf.int64),
+                group_size=self._num_ranks, group_key=self.group_key,
+                instance_key=ik, ordering_token=[], merge_op="Add",
+                final_op="Id", communication_hint="auto",
+                timeout_seconds=float(timeout))
+        return int(out.numpy()[0])
 
     def _exchange(self, x, c, site):
         x, back = _to_wire(x, "exchange")

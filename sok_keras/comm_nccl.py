@@ -24,6 +24,7 @@ import os
 import tensorflow as tf
 
 from sok_keras._ops import ops
+from sok_keras._ops import register_gradient_once
 from sok_keras.comm import Communicator
 from sok_keras.comm import _OPS
 
@@ -131,7 +132,8 @@ class NcclCommunicator(Communicator):
                 f"all_gather needs a tensor of rank >= 1, got shape {x.shape}")
         x, back = self._wire(x)
         with tf.device(self.device):
-            return back(ops().sok_nccl_all_gather(x=x, handle=self._h()))
+            return back(ops().sok_nccl_all_gather(
+                x=x, handle=self._h(), num_ranks=self._num_ranks, key=key))
 
     def broadcast(self, x, key, root=0):
         if not 0 <= root < self._num_ranks:
@@ -150,3 +152,29 @@ class NcclCommunicator(Communicator):
                 x=x, send_counts=c[self._rank, :], recv_counts=c[:, self._rank],
                 handle=self._h())
         return back(y)
+
+
+@register_gradient_once("SokNcclAllReduce")
+def _all_reduce_grad(op, dy):
+    """A sum's gradient is the sum of the gradients (max/min: none)."""
+    reduction = op.get_attr("reduction")
+    if isinstance(reduction, bytes):
+        reduction = reduction.decode()
+    if reduction != "sum":
+        raise LookupError(
+            f"sok_keras: NCCL all_reduce '{reduction}' has no gradient.")
+    return [ops().sok_nccl_all_reduce(x=dy, handle=op.inputs[1],
+                                      reduction="sum"), None]
+
+
+@register_gradient_once("SokNcclAllGather")
+def _all_gather_grad(op, dy):
+    """Each rank's slice of the summed gradient (a reduce-scatter)."""
+    x = op.inputs[0]
+    summed = ops().sok_nccl_all_reduce(x=dy, handle=op.inputs[1],
+                                       reduction="sum")
+    k = tf.shape(x)[0]
+    from sok_keras import world
+
+    me = world.rank()
+    return [summed[me * k:(me + 1) * k], None]

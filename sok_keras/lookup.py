@@ -26,6 +26,7 @@ import tensorflow as tf
 from sok_keras import lookup_ops
 from sok_keras import world
 from sok_keras._ops import ops
+from sok_keras._ops import register_gradient_once
 from sok_keras.variable import Variable
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
@@ -560,33 +561,55 @@ def _pooled_whole_table(param, ids, weights, combiner, name):
     if values.dtype not in (tf.int32, tf.int64):
         values = tf.cast(values, tf.int64)
     w = tf.zeros([0], dtype) if w is None else tf.cast(w, dtype)
-    local_shape = tf.constant(param.value.shape.as_list(), tf.int64)
-    vocab = param.vocabulary_size
-
-    @tf.custom_gradient
-    def pooled(table):
-        out = ops().sok_pooled_lookup(
-            table=table, ids=values, row_splits=splits, weights=w,
-            combiner=combiner, table_name=name)
-
-        def grad(dy):
-            feat = normalize_ids(ids, weights, name)
-            d = lookup_ops.dedup_bucketize(
-                feat.values, num_ranks=1, vocab_size=vocab, table_name=name)
-            fw = (tf.zeros([0], dy.dtype) if feat.weights is None
-                  else tf.cast(feat.weights, dy.dtype))
-            rows_grad = ops().sok_segment_combine_grad(
-                grad=dy, inverse=d.inverse, segment_ids=feat.segment_ids,
-                weights=fw,
-                num_unique=tf.shape(d.local_rows, out_type=tf.int64)[0],
-                combiner=combiner)
-            return tf.IndexedSlices(rows_grad, d.local_rows, local_shape)
-
-        return out, grad
-
-    out = pooled(tf.convert_to_tensor(param.value))
+    # The table goes in as the variable itself (read by the op's input), so
+    # the gradient registered for SokPooledLookup reaches it as the
+    # tf.IndexedSlices it returns, never densified.
+    out = ops().sok_pooled_lookup(
+        table=param.value, ids=values, row_splits=splits, weights=w,
+        combiner=combiner, table_name=name)
     out.set_shape([None, param.global_shape[1]])
     return out
+
+
+@register_gradient_once("SokPooledLookup")
+def _pooled_lookup_grad(op, dy):
+    """The table's gradient as a `tf.IndexedSlices` over distinct rows:
+    padding dropped, ids deduplicated (`SokDedupBucketize`), the pooled
+    gradient spread back and summed per row (`SokSegmentCombineGrad`)."""
+    table, values, splits, weights = op.inputs
+    combiner = op.get_attr("combiner")
+    if isinstance(combiner, bytes):
+        combiner = combiner.decode()
+    name = op.get_attr("table_name")
+    if isinstance(name, bytes):
+        name = name.decode()
+    segments = tf.ragged.row_splits_to_segment_ids(splits)
+    keep = tf.not_equal(values, -1)
+    kept = tf.boolean_mask(values, keep)
+    segments = tf.boolean_mask(segments, keep)
+    if weights.shape.rank is not None and weights.shape[0] == 0:
+        w = tf.zeros([0], dy.dtype)
+    else:
+        w = tf.cond(tf.size(weights) > 0,
+                    lambda: tf.boolean_mask(weights, keep),
+                    lambda: tf.zeros([0], weights.dtype))
+    vocab = tf.shape(table, out_type=tf.int64)[0]
+    # The forward validated every id; the static row count (when known)
+    # keeps the dedup's sort keys short.
+    rows = table.shape[0] if table.shape[0] is not None else _INT64_MAX
+    d = lookup_ops.dedup_bucketize(kept, num_ranks=1, vocab_size=rows,
+                                   table_name=name)
+    rows_grad = ops().sok_segment_combine_grad(
+        grad=dy, inverse=d.inverse, segment_ids=segments,
+        weights=tf.cast(w, dy.dtype),
+        num_unique=tf.shape(d.local_rows, out_type=tf.int64)[0],
+        combiner=combiner)
+    dense_shape = tf.stack([vocab, tf.shape(table, out_type=tf.int64)[1]])
+    return [tf.IndexedSlices(rows_grad, d.local_rows, dense_shape), None,
+            None, None]
+
+
+_INT64_MAX = 2 ** 63 - 1
 
 
 def _ragged_weights(ids, weights, name):

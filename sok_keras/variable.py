@@ -1,5 +1,6 @@
 """`sok_keras.Variable`: an embedding table sharded across the ranks."""
 
+import contextlib
 import re
 
 import keras
@@ -284,6 +285,8 @@ class Variable(keras.Variable):
 
         With several ranks this is a collective: every rank must call it.
         """
+        if getattr(self, "_sok_gathered", None) is not None:
+            return self._sok_gathered  # see gathered_for_saving
         if self._sok_num_ranks == 1:
             return keras.ops.convert_to_numpy(self.value)
         comm = world.communicator()
@@ -370,3 +373,23 @@ def filter_variables(variables):
 
 # The seed's name.
 split_embedding_variable_from_others = filter_variables
+
+
+@contextlib.contextmanager
+def gathered_for_saving(tables):
+    """Gathers every table in `tables` and each of its slots once (a
+    collective: every rank, same order), and makes `read_global` return
+    those arrays inside the block, so that writing a file afterwards needs
+    no communication (one rank can write while the others wait, and a
+    write that fails cannot leave a peer inside a collective)."""
+    done = []
+    try:
+        for table in tables:
+            for var in [table] + [table._sok_slots[k]
+                                  for k in sorted(table._sok_slots)]:
+                var._sok_gathered = var.read_global()
+                done.append(var)
+        yield
+    finally:
+        for var in done:
+            var._sok_gathered = None

@@ -352,9 +352,11 @@ def _pin_gpu(world):
             tf.config.set_visible_devices([mine], "GPU")
         except RuntimeError:  # TensorFlow already started: leave it
             pass
-    logical = tf.config.list_logical_devices("GPU")
-    if logical:
-        world.gpu = logical[0].name
+    # (Physical devices only: listing logical ones would start TensorFlow's
+    # runtime before the collectives are configured.)
+    visible = tf.config.get_visible_devices("GPU")
+    if visible:
+        world.gpu = visible[0].name
 
 
 def _gpu_fingerprint(world):
@@ -533,6 +535,10 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
         else:
             _pin_gpu(world)
         _choose_communicator(world, backend)
+        if world.num_ranks > 1:
+            from sok_keras import saving
+
+            saving.install()
         world.initialized = True
         _WORLD = world
         logging.getLogger("sok_keras").info("sok_keras initialized: %r", world)
@@ -564,6 +570,21 @@ def world():
     """Returns the `World` (a description from the environment, not
     initialized, if `init()` has not run)."""
     return _current()
+
+
+def control_communicator():
+    """The communicator for small host-side agreements (`agree`): the
+    gRPC collective communicator when there are several ranks (also under
+    the NCCL backend), the local one otherwise."""
+    if _WORLD is not None and _WORLD.collective is not None:
+        return _WORLD.collective
+    return communicator()
+
+
+def timeout():
+    """Seconds a collective may wait for its peers (`SOK_COMM_TIMEOUT`)."""
+    w = _current()
+    return w.timeout
 
 
 def communicator():

@@ -127,3 +127,49 @@ def test_argument_errors():
         sok.lookup_sparse([v, v], [tf.constant([[1]])])
     with pytest.raises(TypeError, match="sok_keras.Variable"):
         sok.lookup_sparse(tf.Variable(np.zeros((5, 2))), tf.constant([[1]]))
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_one_rank_pooled_gradient_stays_sparse_in_tf_function(combiner,
+                                                              weighted):
+    """The one-rank pooled path (SokPooledLookup, straight from the table)
+    gives the table an IndexedSlices gradient over distinct rows, also in a
+    graph (a densified gradient would cost a pass over the whole table),
+    and the values of tf.nn.embedding_lookup_sparse."""
+    rng = np.random.default_rng(21)
+    table = rng.normal(size=(50, 4)).astype(np.float32)
+    v, ref = sok.Variable(table), tf.Variable(table)
+    ids = tf.constant([[1, 2, -1], [3, 3, 5], [-1, -1, -1]], tf.int64)
+    w = tf.constant(rng.uniform(0.5, 2.0, (3, 3)).astype(np.float32))
+    sp = tf.sparse.from_dense(ids + 1)
+    sp = tf.SparseTensor(sp.indices, sp.values - 1, sp.dense_shape)
+    sp_w = tf.SparseTensor(sp.indices, tf.gather_nd(w, sp.indices),
+                           sp.dense_shape)
+
+    @tf.function
+    def step():
+        with tf.GradientTape(persistent=True) as tape:
+            out = sok.lookup_sparse(v, ids, w if weighted else None,
+                                    combiners=combiner)
+            want = tf.nn.embedding_lookup_sparse(
+                ref, sp, sp_w if weighted else None, combiner=combiner)
+            loss = tf.reduce_sum(out * out)
+            loss_ref = tf.reduce_sum(want * want)
+        return (out, want, tape.gradient(loss, v),
+                tf.convert_to_tensor(tape.gradient(loss_ref, ref)))
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Converting sparse IndexedSlices"
+        out, want, g, g_ref = step()
+    assert isinstance(g, tf.IndexedSlices)
+    assert sorted(g.indices.numpy().tolist()) == [1, 2, 3, 5]
+    # (TF's output stops at the last non-empty row; ours has every row.)
+    np.testing.assert_allclose(out.numpy()[:2], want.numpy(), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_array_equal(out.numpy()[2], np.zeros(4))
+    dense = tf.math.unsorted_segment_sum(g.values, g.indices, 50)
+    np.testing.assert_allclose(dense.numpy(), g_ref.numpy(), rtol=1e-5,
+                               atol=1e-6)

@@ -28,7 +28,8 @@ def test_there_are_notebooks():
 def test_notebook_runs(path, tmp_path):
     script = tmp_path / "nb.py"
     script.write_text(_script(path))
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]), TF_CPP_MIN_LOG_LEVEL="2",
                MPLBACKEND="Agg")
     for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS"):
         env.pop(var, None)

@@ -52,6 +52,9 @@ class DotInteraction(keras.layers.Layer):
         flat = keras.ops.reshape(dots, (-1, k * k))
         return keras.ops.take(flat, rows * k + cols, axis=1)
 
+    def compute_mask(self, inputs, mask=None):
+        return None  # every feature has one id: nothing to mask
+
     def compute_output_shape(self, input_shape):
         k = input_shape[1]
         return (input_shape[0], k * (k - 1) // 2)

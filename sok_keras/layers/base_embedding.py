@@ -117,6 +117,17 @@ class BaseEmbedding(keras.layers.Layer):
             pooling=self.pooling)
         return tf.cast(out, self.compute_dtype)
 
+    def compute_mask(self, inputs, mask=None):
+        """Unpooled lookups of dense ids: `ids != -1`, so that mask-aware
+        layers (`GlobalAveragePooling1D`, attention, RNNs) skip padding.
+        Pooled outputs, and ragged or sparse ids, have no mask."""
+        if self.combiner is not None or isinstance(
+                inputs, (tf.RaggedTensor, tf.SparseTensor)):
+            return None
+        if len(getattr(inputs, "shape", ())) != 2:
+            return None
+        return keras.ops.not_equal(inputs, -1)
+
     def compute_output_shape(self, inputs_shape, weights_shape=None):
         input_shape = tuple(inputs_shape)
         if self.combiner is not None:

@@ -46,7 +46,9 @@ def test_dlrm_fit_matches_keras_embedding():
     losses, got_table, _ = _train("sok", x, y, table=table)
     assert len(losses) == 25
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    np.testing.assert_allclose(got_table, ref_table, rtol=1e-5, atol=1e-7)
+    # On a GPU, Keras' own gradient sums (atomics) run in no fixed order.
+    atol = 1e-6 if tf.config.list_physical_devices("GPU") else 1e-7
+    np.testing.assert_allclose(got_table, ref_table, rtol=1e-5, atol=atol)
     # Training moved the table: the comparison is not between two copies
     # of the initial values.
     assert np.abs(got_table - table).max() > 1e-4

@@ -211,3 +211,20 @@ def test_models_with_sok_layers_never_use_xla():
         {"t": {"vocabulary_size": 5, "embedding_dim": 2}},
         {"f": {"table": "t"}})
     assert coll.supports_jit is False
+
+
+def test_unpooled_lookup_masks_padding_for_mask_aware_layers():
+    table = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
+    ids = np.array([[1, 2, -1], [3, -1, -1]])
+    inp = keras.Input((3,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(10, 2, combiner=None)
+    out = keras.layers.GlobalAveragePooling1D()(emb(inp))
+    model = keras.Model(inp, out)
+    emb.embeddings.assign(table)
+    got = model.predict(ids, verbose=0)
+    np.testing.assert_allclose(got, [(table[1] + table[2]) / 2, table[3]])
+    mask = emb.compute_mask(tf.constant(ids))
+    assert mask.numpy().tolist() == [[True, True, False],
+                                     [True, False, False]]
+    pooled = sok.layers.DistributedEmbedding(10, 2, combiner="sum")
+    assert pooled.compute_mask(tf.constant(ids)) is None

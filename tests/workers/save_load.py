@@ -27,7 +27,7 @@ if action == "save":
     model.fit(sok.shard_batches(ds), epochs=1, verbose=0)
     # Every rank saves (the table is gathered collectively); rank 0's file
     # is the one kept.
-    model.save(path if RANK == 0 else f"{path}.rank{RANK}.keras")
+    model.save(path)
 else:
     model = keras.models.load_model(path)
 emb = model.get_layer("embedding").embeddings

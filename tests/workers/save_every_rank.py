@@ -1,0 +1,87 @@
+"""The README's save pattern: every rank calls model.save on one path,
+repeatedly; rank 0 checks each file (a valid zip, the right rows). Then a
+save that fails on one rank: every rank raises, the file is unchanged.
+With the argument "rank0-only", only rank 0 saves (the common mistake)."""
+
+import os
+import sys
+import time
+import zipfile
+
+import sok_keras as sok
+
+sok.init()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from _worker import RANK, write_result  # noqa: E402
+
+mode = sys.argv[1]
+folder = sys.argv[2]
+path = os.path.join(folder, "model.keras")
+keras.utils.set_random_seed(0)
+ids = keras.Input((4,), dtype="int64")
+emb = sok.layers.DistributedEmbedding(20_000, 16, combiner="sum", name="emb")
+out = keras.layers.Dense(1)(emb(ids))
+model = keras.Model(ids, out)
+model.compile(
+    optimizer=sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(0.01)),
+    loss="mse")
+rng = np.random.default_rng(RANK)
+x = rng.integers(0, 20_000, (64, 4))
+y = rng.normal(size=(64, 1)).astype(np.float32)
+result = {}
+if mode == "rank0-only":
+    if RANK == 0:
+        t0 = time.monotonic()
+        try:
+            model.save(path)
+            result["error"] = None
+        except RuntimeError as e:
+            result["error"] = str(e)
+        result["elapsed"] = time.monotonic() - t0
+    else:
+        time.sleep(float(os.environ["SOK_SAVE_TIMEOUT"]) + 10)
+    write_result(result)
+    sys.exit(0)
+
+checks = []
+for i in range(int(os.environ.get("SAVES", "10"))):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    table = emb.embeddings.read_global()
+    model.save(path)
+    bad = None
+    if RANK == 0:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    # Every rank loads (its own rows) and compares them with what it saved.
+    loaded = keras.saving.load_model(path, compile=False)
+    got = keras.ops.convert_to_numpy(loaded.get_layer("emb").embeddings.value)
+    checks.append(bad is None and bool(
+        np.array_equal(got, table[RANK::sok.num_ranks()])))
+leftovers = [n for n in os.listdir(folder) if "sok-tmp" in n]
+
+# A failing save: the writer (rank 0) fails half-way; nothing may change.
+before = open(path, "rb").read() if RANK == 0 else None
+from sok_keras import saving  # noqa: E402
+
+original = saving._ORIGINAL_SAVE
+
+
+def failing(self, filepath, *args, **kwargs):
+    with open(filepath, "wb") as f:  # a partial file, then the failure
+        f.write(b"PK partial")
+    raise OSError("disk full (injected)")
+
+
+saving._ORIGINAL_SAVE = failing
+try:
+    model.save(path)
+    failure = "no error"
+except Exception as e:  # noqa: BLE001 - the message is checked
+    failure = f"{type(e).__name__}: {e}"
+saving._ORIGINAL_SAVE = original
+unchanged = RANK != 0 or open(path, "rb").read() == before
+write_result({"checks": checks, "leftovers": leftovers, "failure": failure,
+              "unchanged": unchanged,
+              "after": [n for n in os.listdir(folder) if "sok-tmp" in n]})
