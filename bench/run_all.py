@@ -228,8 +228,8 @@ def _gpu_section(g):
         "tensor: the 124 ms); that is fixed since (the gradient is now "
         "registered on `SokPooledLookup`, tested sparse on the CPU) but not "
         "yet re-measured on the GPU.", "",
-        f"Command (on the GPU machine): `source .gpu/small/device_setup.sh "
-        f"&& bash bench/run_gpu.sh all`; the logs are in bench/results/gpu/.",
+        "Command (on the GPU machine): `source .gpu/small/device_setup.sh "
+        "&& bash bench/run_gpu.sh all`; the logs are in bench/results/gpu/.",
         "",
     ]
     return lines

@@ -7,7 +7,18 @@ ordinary Keras model with `sok.layers.DistributedEmbedding` /
 Run it as N processes with `sokrun -np N python train.py`.
 """
 
-from sok_keras import _ops
+try:
+    import tensorflow as _tf  # noqa: F401
+except ImportError as _e:
+    raise ImportError(
+        "sok_keras needs TensorFlow 2.21, which is not installed (the "
+        "package leaves the choice of build to an extra). From a sok_keras "
+        "checkout: `pip install --no-build-isolation '.[cpu]'` (tensorflow-"
+        "cpu) or `'.[gpu]'` (tensorflow with CUDA, and NCCL); or install "
+        "TensorFlow yourself: `pip install tensorflow-cpu~=2.21.0` or "
+        "`pip install tensorflow~=2.21.0 nvidia-nccl-cu12`.") from _e
+
+from sok_keras import _ops  # noqa: E402
 from sok_keras import callbacks
 from sok_keras import data
 from sok_keras import layers
@@ -47,6 +58,12 @@ def Init(global_batch_size=None, **kwargs):
 # Load the op library now: a library built for another TensorFlow fails
 # at import with a clear ImportError rather than at the first lookup.
 _ops.ops()
+
+# model.compile(optimizer="adam") on a model with sok tables wraps the
+# optimizer in OptimizerWrapper (with a log line) instead of training wrongly.
+from sok_keras.optimizers import auto_wrap as _auto_wrap  # noqa: E402
+
+_auto_wrap.install()
 
 __all__ = [
     "__version__",

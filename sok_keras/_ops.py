@@ -34,8 +34,10 @@ def _check_versions():
             "sok_keras's op library was built against TensorFlow "
             f"{_build_info.TF_VERSION}, but TensorFlow {tf.__version__} is "
             "installed. Rebuild sok_keras against the installed TensorFlow "
-            "(pip install --no-build-isolation --force-reinstall sok_keras) "
-            f"or install TensorFlow {_build_info.TF_VERSION}."
+            "(in the sok_keras checkout: `pip install --no-build-isolation "
+            "--force-reinstall .`, or `make build`) or install TensorFlow "
+            f"{_build_info.TF_VERSION} (`pip install "
+            f"tensorflow-cpu=={_build_info.TF_VERSION}`)."
         )
 
 

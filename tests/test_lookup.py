@@ -173,3 +173,21 @@ def test_one_rank_pooled_gradient_stays_sparse_in_tf_function(combiner,
     dense = tf.math.unsorted_segment_sum(g.values, g.indices, 50)
     np.testing.assert_allclose(dense.numpy(), g_ref.numpy(), rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["sum", None])
+def test_ragged_weights_must_share_the_ids_row_splits(combiner):
+    """Weights with other row splits would be applied, in flat order, to
+    the wrong samples: refused."""
+    v = sok.Variable(np.ones((10, 2), np.float32))
+    ids = tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)
+    good = tf.ragged.constant([[1.0, 2.0], [3.0]])
+    bad = tf.ragged.constant([[1.0], [2.0, 3.0]])
+    layer = sok.layers.DistributedEmbedding(10, 2, combiner=combiner)
+    layer(ids, good)  # builds, and matching splits are fine
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="row splits of the ids"):
+        layer(ids, bad)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="row splits of the ids"):
+        sok.lookup_sparse(v, ids, bad, combiners="sum")

@@ -71,3 +71,19 @@ def test_every_op_has_a_gpu_kernel_when_built_with_cuda():
         if name not in HOST_ONLY_OPS and "GPU" not in devices:
             missing.append(name)
     assert not missing, f"ops without a GPU kernel: {missing}"
+
+
+def test_missing_tensorflow_names_the_extras():
+    """`pip install .` installs no TensorFlow (it comes from an extra):
+    importing sok_keras then says how to get it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['tensorflow'] = None\n"
+            "try:\n    import sok_keras\n"
+            "except ImportError as e:\n    print(e)\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert "'.[cpu]'" in out and "'.[gpu]'" in out, out
+    assert "tensorflow-cpu~=2.21.0" in out, out

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
 #include "core/lookup.h"
 
@@ -44,22 +45,11 @@ constexpr int kThreads = 256;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 // ----------------------------------------------------------------------------
-// IEEE arithmetic without contraction (the CPU build uses no FMA).
-
-__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double Add(double a, double b) {
-  return __dadd_rn(a, b);
-}
-__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double Mul(double a, double b) {
-  return __dmul_rn(a, b);
-}
-__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double Div(double a, double b) {
-  return __ddiv_rn(a, b);
-}
-__device__ __forceinline__ float Sqrt(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double Sqrt(double a) { return __dsqrt_rn(a); }
+// IEEE arithmetic without contraction (core/gpu_math.cuh).
+using ::sok::gpu::Add;
+using ::sok::gpu::Mul;
+using ::sok::gpu::Div;
+using ::sok::gpu::Sqrt;
 
 // The number of keys[0, n) that are < value (keys non-decreasing).
 template <typename Tkey>

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
 #include "core/pooled_lookup.h"
 
@@ -16,14 +17,8 @@ namespace sok {
 namespace lookup {
 namespace {
 
-__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double Add(double a, double b) {
-  return __dadd_rn(a, b);
-}
-__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double Mul(double a, double b) {
-  return __dmul_rn(a, b);
-}
+using ::sok::gpu::Add;
+using ::sok::gpu::Mul;
 
 struct DeviceError {
   unsigned long long position;  // first bad id position (nnz: none)

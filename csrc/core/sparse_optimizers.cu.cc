@@ -25,6 +25,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
 #include "core/sparse_optimizers.h"
 
@@ -93,26 +94,13 @@ __global__ void ScatterRunsKernel(const Key* __restrict__ keys,
 }
 
 // ---------------------------------------------------------------------------
-// Rounding-exact arithmetic (never contracted into FMA).
+// Rounding-exact arithmetic, never contracted into FMA (core/gpu_math.cuh).
+using ::sok::gpu::Add;
+using ::sok::gpu::Sub;
+using ::sok::gpu::Mul;
+using ::sok::gpu::Div;
+using ::sok::gpu::Sqrt;
 
-__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double Add(double a, double b) {
-  return __dadd_rn(a, b);
-}
-__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double Sub(double a, double b) {
-  return __dsub_rn(a, b);
-}
-__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double Mul(double a, double b) {
-  return __dmul_rn(a, b);
-}
-__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double Div(double a, double b) {
-  return __ddiv_rn(a, b);
-}
-__device__ __forceinline__ float Sqrt(float a) { return __fsqrt_rn(a); }
-__device__ __forceinline__ double Sqrt(double a) { return __dsqrt_rn(a); }
 // pow() as in Ftrl, as close to the host's std::pow as we can get: the
 // common lr_power = -0.5 (pow(x, 0.5)) through the correctly rounded sqrt for
 // positive finite x (glibc's pow/powf are correctly rounded there in

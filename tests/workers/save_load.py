@@ -11,7 +11,7 @@ sok.init()
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _worker import RANK, write_result  # noqa: E402
+from _worker import write_result  # noqa: E402
 
 from tests.training_setup import make_model_and_data  # noqa: E402
 
