@@ -93,6 +93,25 @@ def reduce_across_ranks(grads, variables):
     return out
 
 
+def _all_finite(grads):
+    """Whether every gradient of every rank is finite (a bool tensor, the
+    same on every rank)."""
+    flags = []
+    for g in grads:
+        if g is None:
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        flags.append(tf.reduce_all(tf.math.is_finite(
+            tf.cast(tf.convert_to_tensor(values), tf.float32))))
+    finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+    if world.num_ranks() > 1:
+        votes = world.communicator().all_reduce(
+            tf.reshape(tf.cast(finite, tf.int32), [1]),
+            key="sok_optimizer/finite", op="min")
+        finite = tf.equal(votes[0], 1)
+    return finite
+
+
 def _as_slices(g, v):
     if isinstance(g, tf.IndexedSlices):
         return g
@@ -296,6 +315,11 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     Args:
         inner_optimizer: a `keras.optimizers.Optimizer` instance.
         name: optional name.
+        skip_nonfinite: bool, default False. If True, a step in which any
+            gradient (a table's or a dense weight's, on any rank) is NaN or
+            infinite is skipped on every rank: tables, slots and dense
+            weights stay as they were, and `skipped_steps` counts it (as
+            `LossScaleOptimizer` skips overflowing steps).
 
     Example:
 
@@ -305,7 +329,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     ...     loss="binary_crossentropy")
     """
 
-    def __init__(self, inner_optimizer, name=None, **kwargs):
+    def __init__(self, inner_optimizer, name=None, skip_nonfinite=False,
+                 **kwargs):
         for arg, default in _UNSUPPORTED_BASE_ARGS.items():
             if arg in kwargs:
                 value = kwargs.pop(arg)
@@ -329,14 +354,23 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             raise ValueError("OptimizerWrapper cannot wrap another one.")
         sparse_rules.rule_for(inner_optimizer)  # fail early
         _check_supported(inner_optimizer)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(
+                "`skip_nonfinite` must be a bool. Received: "
+                f"skip_nonfinite={skip_nonfinite!r}.")
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
+        self.skip_nonfinite = skip_nonfinite
 
     def build(self, var_list):
         dense = [v for v in var_list if not is_sok_variable(v)]
         self.inner_optimizer.build(dense)
         create_table_slots(self.inner_optimizer, var_list)
         super().build(var_list)
+        if self.skip_nonfinite:  # (so that older files still load)
+            self.skipped_steps = self.add_variable(
+                shape=(), dtype="int64", initializer="zeros",
+                name="skipped_steps")
         broadcast_variables(dense, key="sok_optimizer/broadcast")
 
     @property
@@ -358,8 +392,24 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables
-        apply_with_tables(self.inner_optimizer, grads, variables,
-                          self.inner_optimizer.apply)
+
+        def update():
+            apply_with_tables(self.inner_optimizer, grads, variables,
+                              self.inner_optimizer.apply)
+
+        if not self.skip_nonfinite:
+            update()
+            return
+        finite = _all_finite(grads)
+
+        def skip():
+            self.skipped_steps.assign_add(1)
+
+        if tf.executing_eagerly():
+            update() if bool(finite) else skip()
+        else:
+            tf.cond(finite, lambda: update() or tf.constant(True),
+                    lambda: skip() or tf.constant(False))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise NotImplementedError(
@@ -376,6 +426,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(
                 self.inner_optimizer),
+            "skip_nonfinite": self.skip_nonfinite,
         }
 
     @classmethod

@@ -431,3 +431,41 @@ def test_clipping_mixed_dtypes(clip):
     np.testing.assert_allclose(_np(d), [-3.0 * scale, -4.0 * scale],
                                rtol=1e-6)
     assert _np(t64).dtype == np.float64
+
+
+def test_skip_nonfinite_leaves_tables_slots_and_weights_untouched():
+    import keras as _keras
+
+    ids = _keras.Input((3,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(50, 4, combiner="sum")
+    model = _keras.Model(ids, _keras.layers.Dense(1)(emb(ids)))
+    opt = sok.optimizers.OptimizerWrapper(_keras.optimizers.Adam(0.01),
+                                          skip_nonfinite=True)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.array([[1, 2, 3], [4, 5, 6]])
+    y = np.ones((2, 1), np.float32)
+    model.train_on_batch(x, y)
+    before = [np.array(v.numpy()) for v in
+              [emb.embeddings] + list(emb.embeddings.slots.values())
+              + model.layers[-1].weights]
+    model.train_on_batch(x, np.full((2, 1), np.inf, np.float32))
+    after = [np.array(v.numpy()) for v in
+             [emb.embeddings] + list(emb.embeddings.slots.values())
+             + model.layers[-1].weights]
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert int(opt.skipped_steps.numpy()) == 1
+    assert opt.get_config()["skip_nonfinite"] is True
+    clone = sok.optimizers.OptimizerWrapper.from_config(opt.get_config())
+    assert clone.skip_nonfinite is True
+    with pytest.raises(TypeError, match="skip_nonfinite"):
+        sok.optimizers.OptimizerWrapper(_keras.optimizers.SGD(),
+                                        skip_nonfinite="yes")
+
+
+def test_skip_nonfinite_on_two_ranks_skips_everywhere():
+    from tests.multiprocess import run_workers
+    from tests.multiprocess import worker_path
+
+    for r in run_workers(worker_path("skip_nonfinite"), 2, timeout=120):
+        assert r == {**r, "unchanged": True, "skipped": 1, "moved": True}
