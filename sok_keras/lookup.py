@@ -571,6 +571,9 @@ def _pooled_whole_table(param, ids, weights, combiner, name):
     return out
 
 
+_INT64_MAX = 2 ** 63 - 1
+
+
 @register_gradient_once("SokPooledLookup")
 def _pooled_lookup_grad(op, dy):
     """The table's gradient as a `tf.IndexedSlices` over distinct rows:
@@ -593,10 +596,15 @@ def _pooled_lookup_grad(op, dy):
         w = tf.cond(tf.size(weights) > 0,
                     lambda: tf.boolean_mask(weights, keep),
                     lambda: tf.zeros([0], weights.dtype))
-    vocab = tf.shape(table, out_type=tf.int64)[0]
-    # The forward validated every id; the static row count (when known)
-    # keeps the dedup's sort keys short.
-    rows = table.shape[0] if table.shape[0] is not None else _INT64_MAX
+    # The static shape (a table's shard shape is known) keeps the backward
+    # from reading the table tensor, and keeps the dedup's sort keys short;
+    # the forward validated every id.
+    if table.shape.is_fully_defined():
+        dense_shape = tf.constant(table.shape.as_list(), tf.int64)
+        rows = table.shape[0]
+    else:
+        dense_shape = tf.shape(table, out_type=tf.int64)
+        rows = _INT64_MAX
     d = lookup_ops.dedup_bucketize(kept, num_ranks=1, vocab_size=rows,
                                    table_name=name)
     rows_grad = ops().sok_segment_combine_grad(
@@ -604,12 +612,8 @@ def _pooled_lookup_grad(op, dy):
         weights=tf.cast(w, dy.dtype),
         num_unique=tf.shape(d.local_rows, out_type=tf.int64)[0],
         combiner=combiner)
-    dense_shape = tf.stack([vocab, tf.shape(table, out_type=tf.int64)[1]])
     return [tf.IndexedSlices(rows_grad, d.local_rows, dense_shape), None,
             None, None]
-
-
-_INT64_MAX = 2 ** 63 - 1
 
 
 def _ragged_weights(ids, weights, name):
