@@ -459,35 +459,17 @@ void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
   RunParallel(parallel_for, num_segments, cost, [&](int64_t begin,
                                                     int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      T* o = out + b * dim;
-      std::fill(o, o + dim, T(0));
-      T weight_sum = 0;
-      T square_sum = 0;
+      RowPooler<T> pooler(out + b * dim, dim);
       for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
         const int64_t i = identity ? k : order[k];
         const T* row = rows + static_cast<int64_t>(inverse[i]) * dim;
         if (weights == nullptr) {
-          for (int64_t d = 0; d < dim; ++d) o[d] += row[d];
-          weight_sum += T(1);
+          pooler.Add(row);
         } else {
-          const T w = weights[i];
-          for (int64_t d = 0; d < dim; ++d) o[d] += w * row[d];
-          weight_sum += w;
-          square_sum += w * w;
+          pooler.Add(row, weights[i]);
         }
       }
-      if (weights == nullptr) square_sum = weight_sum;
-      T denominator = 1;
-      if (combiner == Combiner::kMean) {
-        denominator = weight_sum;
-      } else if (combiner == Combiner::kSqrtn) {
-        denominator = std::sqrt(square_sum);
-      } else {
-        continue;
-      }
-      for (int64_t d = 0; d < dim; ++d) {
-        o[d] = denominator == T(0) ? T(0) : o[d] / denominator;
-      }
+      pooler.Finish(combiner);
     }
   });
 }

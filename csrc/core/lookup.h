@@ -9,6 +9,7 @@
 #ifndef SOK_KERAS_CORE_LOOKUP_H_
 #define SOK_KERAS_CORE_LOOKUP_H_
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -61,6 +62,48 @@ LookupStatus DedupBucketize(const Tid* ids, int64_t nnz, int64_t num_ranks,
                             int32_t* inverse, DedupResult* result);
 
 enum class Combiner { kSum, kMean, kSqrtn };
+
+// Pools rows into out[0, dim) one at a time (in the caller's order), then
+// divides by the combiner's denominator: mean, the sum of the weights;
+// sqrtn, the square root of the sum of squared weights; a zero denominator
+// gives zeros. The one CPU pooling step of SegmentCombine and the one-rank
+// pooled lookup.
+template <typename T>
+class RowPooler {
+ public:
+  RowPooler(T* out, int64_t dim) : out_(out), dim_(dim) {
+    for (int64_t c = 0; c < dim_; ++c) out_[c] = T(0);
+  }
+  void Add(const T* row) {
+    for (int64_t c = 0; c < dim_; ++c) out_[c] += row[c];
+    weight_sum_ += T(1);
+    square_sum_ += T(1);
+  }
+  void Add(const T* row, T weight) {
+    for (int64_t c = 0; c < dim_; ++c) out_[c] += weight * row[c];
+    weight_sum_ += weight;
+    square_sum_ += weight * weight;
+  }
+  void Finish(Combiner combiner) {
+    T denominator;
+    if (combiner == Combiner::kMean) {
+      denominator = weight_sum_;
+    } else if (combiner == Combiner::kSqrtn) {
+      denominator = std::sqrt(square_sum_);
+    } else {
+      return;
+    }
+    for (int64_t c = 0; c < dim_; ++c) {
+      out_[c] = denominator == T(0) ? T(0) : out_[c] / denominator;
+    }
+  }
+
+ private:
+  T* out_;
+  int64_t dim_;
+  T weight_sum_ = 0;
+  T square_sum_ = 0;
+};
 
 // Parses "sum", "mean" or "sqrtn".
 LookupStatus ParseCombiner(const std::string& name, Combiner* combiner);

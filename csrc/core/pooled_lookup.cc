@@ -37,36 +37,17 @@ Status PooledLookupFunctor<Device, T, Tid>::operator()(
   const int64_t cost = (nnz / std::max<int64_t>(batch, 1) + 1) * (dim * 2 + 8);
   d.parallel_for(batch, cost, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
-      T* o = out + b * dim;
-      std::fill(o, o + dim, T(0));
-      T weight_sum = 0;
-      T square_sum = 0;
+      RowPooler<T> pooler(out + b * dim, dim);
       for (int64_t i = splits[b]; i < splits[b + 1]; ++i) {
         const int64_t id = static_cast<int64_t>(ids[i]);
         if (id == -1) continue;
-        const T* row = table + id * dim;
         if (weights == nullptr) {
-          for (int64_t c = 0; c < dim; ++c) o[c] += row[c];
-          weight_sum += T(1);
+          pooler.Add(table + id * dim);
         } else {
-          const T w = weights[i];
-          for (int64_t c = 0; c < dim; ++c) o[c] += w * row[c];
-          weight_sum += w;
-          square_sum += w * w;
+          pooler.Add(table + id * dim, weights[i]);
         }
       }
-      if (weights == nullptr) square_sum = weight_sum;
-      T denominator;
-      if (combiner == Combiner::kMean) {
-        denominator = weight_sum;
-      } else if (combiner == Combiner::kSqrtn) {
-        denominator = std::sqrt(square_sum);
-      } else {
-        continue;
-      }
-      for (int64_t c = 0; c < dim; ++c) {
-        o[c] = denominator == T(0) ? T(0) : o[c] / denominator;
-      }
+      pooler.Finish(combiner);
     }
   });
   return Status::Ok();
