@@ -176,6 +176,36 @@ def main():
         name: _time(tf.function(fn), sync, args.steps * 3)[0]
         for name, fn in stages.items()}
 
+    # The pooled training step's pieces on their own: forward + backward
+    # (the table's IndexedSlices gradient), and the sparse Adam update of
+    # that gradient.
+    up = tf.ones([B * F, D], tf.float32)
+
+    @tf.function
+    def fwd_bwd():
+        with tf.GradientTape() as tape:
+            out = sok.lookup_sparse(table, bags, combiners="sum")
+            loss = tf.reduce_sum(out * up)
+        g = tape.gradient(loss, table.value)
+        return g.values, g.indices
+
+    grad_values, grad_indices = fwd_bwd()
+    result["pooled_grad_unique_rows"] = int(grad_indices.shape[0])
+    result["sok_forward_backward_ms"] = _time(fwd_bwd, sync, args.steps)[0]
+    slots = [tf.Variable(tf.zeros([V, D])), tf.Variable(tf.zeros([V, D]))]
+    from sok_keras.optimizers import sparse_kernels
+
+    def adam():
+        sparse_kernels.sparse_adam(table.value, slots[0], slots[1],
+                                   grad_indices, grad_values, 1e-3, 1, 0.9,
+                                   0.999, 1e-7)
+        return slots[0]
+
+    adam_fn = tf.function(adam)
+    result["sok_sparse_adam_ms"] = _time(
+        adam_fn, lambda r: sync(slots[0].value()), args.steps)[0]
+    slots.clear()  # frees the two tables' worth of slots
+
     # 3. Training step, pooled features.
     class PooledFeatures(keras.layers.Layer):
         def __init__(self, emb, **kw):
@@ -251,6 +281,8 @@ def main():
     keys = ["copy_GBps", "torch_embedding_bag_ms", "sok_forward_ms",
             "hbm_floor_ms", "forward_over_floor", "forward_vs_torch",
             "sok_forward_host_syncs", "forward_stages_ms",
+            "sok_forward_backward_ms", "pooled_grad_unique_rows",
+            "sok_sparse_adam_ms",
             "pooled_keras_step_ms",
             "pooled_sok_step_ms", "pooled_speedup_vs_keras",
             "unpooled_keras_step_ms", "unpooled_sok_step_ms",

@@ -571,6 +571,37 @@ def _pooled_whole_table(param, ids, weights, combiner, name):
     return out
 
 
+def _unpooled_whole_table(param, ids, weights, name):
+    """One rank, no pooling, dense ids: every id's row (zeros for the -1
+    padding), times its weight, from `SokPooledLookup` over one-id bags:
+    one kernel and no dedup in the forward, and the same `tf.IndexedSlices`
+    gradient over distinct rows as the pooled path. Returns None where this
+    path does not apply (ragged or sparse ids, other dtypes)."""
+    dtype = param.value.dtype
+    if dtype not in (tf.float32, tf.float64):
+        return None
+    if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+        return None
+    ids = tf.convert_to_tensor(ids)
+    _check_int(ids, name)
+    if ids.shape.rank not in (1, 2):
+        return None  # normalize_ids raises the error
+    flat = tf.reshape(ids, [-1])
+    if flat.dtype not in (tf.int32, tf.int64):
+        flat = tf.cast(flat, tf.int64)
+    n = tf.shape(flat, out_type=tf.int64)[0]
+    w = (tf.zeros([0], dtype) if weights is None
+         else tf.cast(tf.reshape(tf.convert_to_tensor(weights), [-1]), dtype))
+    out = ops().sok_pooled_lookup(
+        table=param.value, ids=flat, row_splits=tf.range(n + 1), weights=w,
+        combiner="sum", table_name=name)
+    dim = param.global_shape[1]
+    out = tf.reshape(out, tf.concat(
+        [tf.shape(ids, out_type=tf.int64), [dim]], 0))
+    out.set_shape(ids.shape.concatenate([dim]))
+    return out
+
+
 _INT64_MAX = 2 ** 63 - 1
 
 
@@ -642,8 +673,11 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
         raise ValueError(
             f"{name}: `pooling` must be one of {POOLING_MODES}. Received: "
             f"pooling={pooling!r}.")
-    if combiner is not None and param.num_ranks == 1:
-        whole = _pooled_whole_table(param, ids, weights, combiner, name)
+    if param.num_ranks == 1:
+        if combiner is None:
+            whole = _unpooled_whole_table(param, ids, weights, name)
+        else:
+            whole = _pooled_whole_table(param, ids, weights, combiner, name)
         if whole is not None:
             return whole
     feat = normalize_ids(ids, weights, name)

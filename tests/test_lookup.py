@@ -191,3 +191,53 @@ def test_ragged_weights_must_share_the_ids_row_splits(combiner):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="row splits of the ids"):
         sok.lookup_sparse(v, ids, bad, combiners="sum")
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_one_rank_unpooled_dense_ids(weighted):
+    """Unpooled dense ids on one rank (SokPooledLookup over one-id bags):
+    each position's row times its weight, zeros at -1 padding, bad ids
+    named; the gradient is an IndexedSlices over distinct rows equal to
+    tf.gather's, also in a graph."""
+    rng = np.random.default_rng(5)
+    table = rng.normal(size=(30, 6)).astype(np.float32)
+    v, ref = sok.Variable(table, name="unpooled_t"), tf.Variable(table)
+    ids = tf.constant([[4, 4, -1, 7], [0, 29, 4, -1], [-1, -1, -1, -1]],
+                      tf.int64)
+    w = tf.constant(rng.uniform(0.5, 2.0, (3, 4)).astype(np.float32))
+    keep = tf.cast(ids >= 0, tf.float32)[..., None]
+    scale = (w[..., None] if weighted else 1.0) * keep
+    up = tf.constant(rng.normal(size=(3, 4, 6)).astype(np.float32))
+
+    @tf.function
+    def step():
+        with tf.GradientTape(persistent=True) as tape:
+            out = sok.lookup.lookup_one(v, ids, w if weighted else None,
+                                        combiner=None)
+            want = tf.gather(ref, tf.maximum(ids, 0)) * scale
+            loss = tf.reduce_sum(out * up)
+            loss_ref = tf.reduce_sum(want * up)
+        return (out, want, tape.gradient(loss, v),
+                tf.convert_to_tensor(tape.gradient(loss_ref, ref)))
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Converting sparse IndexedSlices"
+        out, want, g, g_ref = step()
+    assert out.shape == (3, 4, 6)
+    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-6)
+    assert isinstance(g, tf.IndexedSlices)
+    assert sorted(g.indices.numpy().tolist()) == [0, 4, 7, 29]
+    dense = tf.math.unsorted_segment_sum(g.values, g.indices, 30)
+    np.testing.assert_allclose(dense.numpy(), g_ref.numpy(), rtol=1e-5,
+                               atol=1e-6)
+    flat = sok.lookup.lookup_one(v, tf.constant([3, -1, 2]), combiner=None)
+    np.testing.assert_array_equal(flat.numpy(),
+                                  [table[3], np.zeros(6), table[2]])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"unpooled_t.*\b30\b"):
+        sok.lookup.lookup_one(v, tf.constant([[1, 30]]), combiner=None)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="one entry per id"):
+        sok.lookup.lookup_one(v, ids, tf.ones([3, 3]), combiner=None)

@@ -47,7 +47,11 @@ struct Loader<float, 4> {
   }
 };
 
-template <typename T, typename Tid, int VEC>
+// Ids of one bag are read UNROLL at a time and their rows loaded before any
+// of them is added, so each lane has UNROLL independent row loads in flight
+// (a bag of 8 ids costs one round trip to memory, not 8); the adds then run
+// in position order, as on the CPU.
+template <typename T, typename Tid, int VEC, int UNROLL>
 __global__ void PooledLookupKernel(const T* __restrict__ table,
                                    int64_t vocab_size, int64_t dim,
                                    const Tid* __restrict__ ids, int64_t nnz,
@@ -75,28 +79,54 @@ __global__ void PooledLookupKernel(const T* __restrict__ table,
       T weight_sum = 0;
       T square_sum = 0;
       const int64_t valid = dim - c0;
-#pragma unroll 4
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t id = static_cast<int64_t>(ids[i]);
-        if (id == -1) continue;
-        if (id < 0 || id >= vocab_size) {
-          if (c0 == lane * VEC) {
+      for (int64_t i0 = begin; i0 < end; i0 += UNROLL) {
+        int64_t row[UNROLL];
+        bool use[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int64_t i = i0 + u;
+          const int64_t id = i < end ? static_cast<int64_t>(__ldg(ids + i))
+                                     : int64_t{-1};
+          use[u] = id >= 0 && id < vocab_size;
+          if (!use[u] && id != -1 && c0 == lane * VEC) {
             atomicMin(&error->position, (unsigned long long)i);
           }
-          continue;
+          row[u] = use[u] ? id : 0;
         }
-        T v[VEC];
-        Loader<T, VEC>::Load(table + id * dim + c0, valid, v);
+        T v[UNROLL][VEC];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          if (use[u]) {
+            Loader<T, VEC>::Load(table + row[u] * dim + c0, valid, v[u]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) v[u][k] = T(0);
+          }
+        }
         if (weights == nullptr) {
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[k] = Add(acc[k], v[k]);
-          weight_sum = Add(weight_sum, T(1));
-        } else {
-          const T w = weights[i];
+          for (int u = 0; u < UNROLL; ++u) {
+            if (!use[u]) continue;
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) acc[k] = Add(acc[k], Mul(w, v[k]));
-          weight_sum = Add(weight_sum, w);
-          square_sum = Add(square_sum, Mul(w, w));
+            for (int k = 0; k < VEC; ++k) acc[k] = Add(acc[k], v[u][k]);
+            weight_sum = Add(weight_sum, T(1));
+          }
+        } else {
+          T w[UNROLL];
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+            w[u] = use[u] ? __ldg(weights + i0 + u) : T(0);
+          }
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+            if (!use[u]) continue;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              acc[k] = Add(acc[k], Mul(w[u], v[u][k]));
+            }
+            weight_sum = Add(weight_sum, w[u]);
+            square_sum = Add(square_sum, Mul(w[u], w[u]));
+          }
         }
       }
       if (weights == nullptr) square_sum = weight_sum;
@@ -138,7 +168,8 @@ Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
   while ((int64_t{1} << lanes_log2) < chunks && lanes_log2 < 5) ++lanes_log2;
   const int threads = 256;
   const int blocks = ::sok::gpu::BlocksFor(batch << lanes_log2, threads);
-  PooledLookupKernel<T, Tid, VEC><<<blocks, threads, 0, ::sok::gpu::StreamOf(d)>>>(
+  PooledLookupKernel<T, Tid, VEC, 8>
+      <<<blocks, threads, 0, ::sok::gpu::StreamOf(d)>>>(
       table, vocab_size, dim, ids, nnz, splits, batch, weights,
       static_cast<int>(combiner), lanes_log2, out, error);
   SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup");
