@@ -102,6 +102,9 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--small", action="store_true")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--forward-only", action="store_true",
+                   help="time only the forward lookup (for comparing "
+                   "SOK_POOLED_LOOKUP_UNROLL settings)")
     p.add_argument("--out", default=os.path.join(_common.RESULTS,
                                                  "gpu_step.json"))
     args = p.parse_args()
@@ -154,6 +157,13 @@ def main():
         _ops.build_info()["gpu_host_syncs"] - syncs0)
     result["sok_forward_ms"], result["sok_forward_rounds"] = _time(
         fwd, sync, args.steps * 3)
+
+    if args.forward_only:
+        result["unroll"] = os.environ.get("SOK_POOLED_LOOKUP_UNROLL", "8")
+        _common.finish(args.out, result, t0)
+        print("forward_only", result["unroll"], result["sok_forward_ms"],
+              result["sok_forward_rounds"])
+        return
 
     # Where the forward's time goes: each stage alone, on the same inputs.
     from sok_keras import lookup as sok_lookup
@@ -259,8 +269,12 @@ def main():
             first = time.perf_counter()
             model.train_on_batch(xt, yt)
             first = time.perf_counter() - first
+            copies0 = _ops.build_info()["variable_copy_bytes"]
             ms, rounds = _time(lambda: model.train_on_batch(xt, yt),
                                lambda r: float(r), args.steps)
+            if kind == "sok":  # copy-on-write of a table: should be 0
+                result[f"{name}_sok_variable_copy_bytes"] = (
+                    _ops.build_info()["variable_copy_bytes"] - copies0)
             result[f"{name}_{kind}_step_ms"] = ms
             result[f"{name}_{kind}_rounds"] = rounds
             result[f"{name}_{kind}_first_step_s"] = round(first, 2)
@@ -282,7 +296,8 @@ def main():
             "hbm_floor_ms", "forward_over_floor", "forward_vs_torch",
             "sok_forward_host_syncs", "forward_stages_ms",
             "sok_forward_backward_ms", "pooled_grad_unique_rows",
-            "sok_sparse_adam_ms",
+            "sok_sparse_adam_ms", "pooled_sok_variable_copy_bytes",
+            "unpooled_sok_variable_copy_bytes",
             "pooled_keras_step_ms",
             "pooled_sok_step_ms", "pooled_speedup_vs_keras",
             "unpooled_keras_step_ms", "unpooled_sok_step_ms",

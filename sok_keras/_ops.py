@@ -94,9 +94,13 @@ def build_info():
     """What the loaded op library holds.
 
     Returns:
-        A dict: `with_cuda` (whether it has CUDA kernels) and
+        A dict: `with_cuda` (whether it has CUDA kernels),
         `gpu_host_syncs` (blocking device-to-host copies its GPU kernels
-        have made in this process so far; docs/design.md lists them).
+        have made in this process so far; docs/design.md lists them) and
+        `variable_copy_bytes` (bytes the sparse optimizer updates copied
+        because a table's or slot's buffer was still shared with an earlier
+        read: copy-on-write; 0 in a well-formed training step).
     """
-    with_cuda, syncs = ops().sok_build_info()
-    return {"with_cuda": bool(with_cuda), "gpu_host_syncs": int(syncs)}
+    with_cuda, syncs, copies = ops().sok_build_info()
+    return {"with_cuda": bool(with_cuda), "gpu_host_syncs": int(syncs),
+            "variable_copy_bytes": int(copies)}

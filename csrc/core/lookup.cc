@@ -514,18 +514,55 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
   const int64_t cost = (nnz / std::max<int64_t>(num_rows, 1) + 1) *
                        (dim * 2 + 8);
   RunParallel(parallel_for, num_rows, cost, [&](int64_t begin, int64_t end) {
+    std::vector<T> partials;
+    std::vector<T> next;
     for (int64_t u = begin; u < end; ++u) {
       T* o = out + u * dim;
-      std::fill(o, o + dim, T(0));
-      for (int64_t k = offsets[u]; k < offsets[u + 1]; ++k) {
-        const int64_t i = identity ? k : order[k];
-        const T* g = source + static_cast<int64_t>(segment_ids[i]) * dim;
-        if (weights == nullptr) {
-          for (int64_t d = 0; d < dim; ++d) o[d] += g[d];
-        } else {
-          const T w = weights[i];
-          for (int64_t d = 0; d < dim; ++d) o[d] += g[d] * w;
+      const int64_t first = offsets[u];
+      const int64_t n = offsets[u + 1] - first;
+      // Sums terms [from, to) of row u left to right into acc[0, dim).
+      auto sum_terms = [&](int64_t from, int64_t to, T* acc) {
+        std::fill(acc, acc + dim, T(0));
+        for (int64_t k = first + from; k < first + to; ++k) {
+          const int64_t i = identity ? k : order[k];
+          const T* g = source + static_cast<int64_t>(segment_ids[i]) * dim;
+          if (weights == nullptr) {
+            for (int64_t d = 0; d < dim; ++d) acc[d] += g[d];
+          } else {
+            const T w = weights[i];
+            for (int64_t d = 0; d < dim; ++d) acc[d] += g[d] * w;
+          }
         }
+      };
+      if (n <= kGradChunk) {
+        sum_terms(0, n, o);
+        continue;
+      }
+      // The kGradChunk tree order (core/lookup.h), as on the GPU.
+      int64_t count = (n + kGradChunk - 1) / kGradChunk;
+      partials.assign(count * dim, T(0));
+      for (int64_t j = 0; j < count; ++j) {
+        sum_terms(j * kGradChunk, std::min(n, (j + 1) * kGradChunk),
+                  partials.data() + j * dim);
+      }
+      while (count > 1) {
+        const int64_t m = (count + kGradChunk - 1) / kGradChunk;
+        T* dst = o;
+        if (m > 1) {
+          next.assign(m * dim, T(0));
+          dst = next.data();
+        }
+        for (int64_t j = 0; j < m; ++j) {
+          T* acc = dst + j * dim;
+          std::fill(acc, acc + dim, T(0));
+          const int64_t stop = std::min(count, (j + 1) * kGradChunk);
+          for (int64_t k = j * kGradChunk; k < stop; ++k) {
+            const T* p = partials.data() + k * dim;
+            for (int64_t d = 0; d < dim; ++d) acc[d] += p[d];
+          }
+        }
+        if (m > 1) partials.swap(next);
+        count = m;
       }
     }
   });

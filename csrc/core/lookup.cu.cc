@@ -474,31 +474,143 @@ __global__ void DenominatorKernel(const T* weights, const int32_t* offsets,
   }
 }
 
+// The gradient's per-row sums in a fixed tree order (core/lookup.h,
+// kGradChunk): a row's terms (its positions in ascending order) are summed
+// in chunks of kGradChunk, left to right; a row with one chunk is summed
+// straight into `out`, otherwise its chunk sums are "partials", summed the
+// same way, level after level, until one chunk is left. A hot row (a Zipf
+// head id seen 10^5 times in a batch) is then summed by many threads, not
+// by one, and the result is still deterministic and equal to the CPU's.
+constexpr int64_t kChunk = kGradChunk;
+
+__device__ __forceinline__ int64_t ChunksOf(int64_t n) {
+  return (n + kChunk - 1) / kChunk;
+}
+
+// chunks[u]: the row's first-level chunks (at least 1: an empty row's one
+// chunk sums to zero); partials[u]: the same when there are several, else
+// 0. Entry num_rows is 0, so that exclusive scans end with the totals.
+__global__ void GradChunkCountsKernel(const int32_t* offsets,
+                                      int64_t num_rows, int64_t* chunks,
+                                      int64_t* partials) {
+  for (int64_t u = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       u <= num_rows; u += int64_t{gridDim.x} * blockDim.x) {
+    int64_t c = 0;
+    if (u < num_rows) {
+      c = ChunksOf(static_cast<int64_t>(offsets[u + 1]) - offsets[u]);
+      if (c < 1) c = 1;
+    }
+    chunks[u] = c;
+    partials[u] = c > 1 ? c : 0;
+  }
+}
+
+// The row whose slots [base[u], base[u + 1]) hold slot s.
+__device__ __forceinline__ int64_t RowOfSlot(const int64_t* base,
+                                             int64_t num_rows, int64_t s) {
+  return LowerBound(base, num_rows + 1, s + 1) - 1;
+}
+
 template <typename T, typename Tseg>
-__global__ void SegmentCombineGradKernel(
-    const T* grad, int64_t dim, const Tseg* segment_ids, const T* weights,
-    const T* denominator, const int32_t* offsets, const int32_t* order,
-    int64_t num_rows, T* out) {
-  for (int64_t u = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
-       u < num_rows; u += int64_t{gridDim.x} * blockDim.y) {
-    const int64_t begin = offsets[u];
-    const int64_t end = offsets[u + 1];
-    T* o = out + u * dim;
+__global__ void SegmentCombineGradChunkKernel(
+    const T* __restrict__ grad, int64_t dim, const Tseg* __restrict__ segment_ids,
+    const T* __restrict__ weights, const T* __restrict__ denominator,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ order,
+    int64_t num_rows, const int64_t* __restrict__ chunk_base,
+    const int64_t* __restrict__ partial_base, int64_t slots,
+    T* __restrict__ partial, T* __restrict__ out) {
+  const int64_t total = chunk_base[num_rows];
+  for (int64_t c = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
+       c < slots && c < total; c += int64_t{gridDim.x} * blockDim.y) {
+    const int64_t u = RowOfSlot(chunk_base, num_rows, c);
+    const int64_t j = c - chunk_base[u];
+    const bool single = chunk_base[u + 1] - chunk_base[u] == 1;
+    const int64_t begin = offsets[u] + j * kChunk;
+    const int64_t end = min(begin + kChunk, static_cast<int64_t>(offsets[u + 1]));
+    T* o = single ? out + u * dim : partial + (partial_base[u] + j) * dim;
     for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
       T acc = T(0);
-      for (int64_t k = begin; k < end; ++k) {
-        const int64_t i = order == nullptr ? k : order[k];
-        const int64_t s = static_cast<int64_t>(segment_ids[i]);
-        T g = grad[s * dim + e];
-        if (denominator != nullptr) {
-          const T den = denominator[s];
-          g = den == T(0) ? T(0) : Div(g, den);
+      for (int64_t k0 = begin; k0 < end; k0 += 8) {
+        T g[8];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const int64_t k = k0 + t;
+          g[t] = T(0);
+          if (k < end) {
+            const int64_t i = order == nullptr ? k : order[k];
+            const int64_t sg = static_cast<int64_t>(segment_ids[i]);
+            T x = grad[sg * dim + e];
+            if (denominator != nullptr) {
+              const T den = denominator[sg];
+              x = den == T(0) ? T(0) : Div(x, den);
+            }
+            g[t] = weights == nullptr ? x : Mul(x, weights[i]);
+          }
         }
-        acc = weights == nullptr ? Add(acc, g) : Add(acc, Mul(g, weights[i]));
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          if (k0 + t < end) acc = Add(acc, g[t]);
+        }
       }
       o[e] = acc;
     }
   }
+}
+
+// One level of the partials' reduction: rows with more than one partial
+// at this level (`level` chunkings of the row's length) sum them in chunks.
+template <typename T>
+__global__ void SegmentCombineGradReduceKernel(
+    int64_t dim, const int32_t* __restrict__ offsets, int64_t num_rows,
+    const int64_t* __restrict__ partial_base, int64_t slots, int level,
+    const T* __restrict__ in, T* __restrict__ next, T* __restrict__ out) {
+  const int64_t total = partial_base[num_rows];
+  for (int64_t s = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
+       s < slots && s < total; s += int64_t{gridDim.x} * blockDim.y) {
+    const int64_t u = RowOfSlot(partial_base, num_rows, s);
+    const int64_t j = s - partial_base[u];
+    int64_t n = static_cast<int64_t>(offsets[u + 1]) - offsets[u];
+    for (int l = 0; l < level; ++l) n = ChunksOf(n);
+    if (n <= 1) continue;  // finished at an earlier level
+    const int64_t m = ChunksOf(n);
+    if (j >= m) continue;
+    const int64_t begin = j * kChunk;
+    const int64_t end = min(begin + kChunk, n);
+    const T* p = in + partial_base[u] * dim;
+    T* o = m == 1 ? out + u * dim : next + (partial_base[u] + j) * dim;
+    for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
+      T acc = T(0);
+      for (int64_t k0 = begin; k0 < end; k0 += 8) {
+        T g[8];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          g[t] = k0 + t < end ? p[(k0 + t) * dim + e] : T(0);
+        }
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          if (k0 + t < end) acc = Add(acc, g[t]);
+        }
+      }
+      o[e] = acc;
+    }
+  }
+}
+
+// Exclusive prefix sums of in[0, n) into out[0, n) (int64).
+Status ExclusiveSum(const GpuDevice& d, const int64_t* in, int64_t* out,
+                    int64_t n) {
+  size_t temp_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, in, out,
+                                    static_cast<int>(n), StreamOf(d)),
+      "cub::DeviceScan::ExclusiveSum (size query)");
+  void* temp = nullptr;
+  SOK_RETURN_IF_ERROR(CubTemp(d, temp_bytes, &temp));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::ExclusiveSum(temp, temp_bytes, in, out,
+                                    static_cast<int>(n), StreamOf(d)),
+      "cub::DeviceScan::ExclusiveSum");
+  return Status::Ok();
 }
 
 }  // namespace
@@ -713,11 +825,47 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
   const int32_t* order = nullptr;
   SOK_RETURN_IF_ERROR(GroupPositions(d, inverse, nnz, num_rows,
                                      check.inverse_sorted, &offsets, &order));
-  const GroupShape shape = ShapeFor(num_rows, dim);
-  SegmentCombineGradKernel<T, Tseg><<<shape.blocks, shape.block, 0, stream>>>(
-      grad, dim, segment_ids, weights, denominator, offsets, order, num_rows,
-      out);
-  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradKernel");
+  // Chunk and partial slots per row (see kChunk), and their bases.
+  int64_t* counts = nullptr;
+  int64_t* chunk_base = nullptr;
+  int64_t* partial_base = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, 2 * (num_rows + 1), &counts, "grad chunks"));
+  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &chunk_base, "grad chunks"));
+  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &partial_base, "grad chunks"));
+  GradChunkCountsKernel<<<BlocksFor(num_rows + 1, kThreads), kThreads, 0,
+                          stream>>>(offsets, num_rows, counts,
+                                    counts + num_rows + 1);
+  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkCountsKernel");
+  SOK_RETURN_IF_ERROR(ExclusiveSum(d, counts, chunk_base, num_rows + 1));
+  SOK_RETURN_IF_ERROR(
+      ExclusiveSum(d, counts + num_rows + 1, partial_base, num_rows + 1));
+  // Bounds on the slot counts (known on the device only): every row has
+  // at most 1 + n / kChunk chunks, and only rows of more than kChunk
+  // terms have partials.
+  const int64_t chunk_slots = num_rows + nnz / kChunk + 1;
+  const int64_t partial_slots = 2 * (nnz / kChunk + 1);
+  T* partial[2] = {nullptr, nullptr};
+  if (nnz > kChunk) {
+    SOK_RETURN_IF_ERROR(
+        Scratch(d, 2 * partial_slots * dim, &partial[0], "grad partials"));
+    partial[1] = partial[0] + partial_slots * dim;
+  }
+  const GroupShape chunk_shape = ShapeFor(chunk_slots, dim);
+  SegmentCombineGradChunkKernel<T, Tseg>
+      <<<chunk_shape.blocks, chunk_shape.block, 0, stream>>>(
+          grad, dim, segment_ids, weights, denominator, offsets, order,
+          num_rows, chunk_base, partial_base, chunk_slots, partial[0], out);
+  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradChunkKernel");
+  // Level l reduces rows of more than kChunk^l terms; nnz bounds a row.
+  const GroupShape reduce_shape = ShapeFor(partial_slots, dim);
+  int64_t reach = kChunk;
+  for (int level = 1; reach < nnz; ++level, reach *= kChunk) {
+    SegmentCombineGradReduceKernel<T>
+        <<<reduce_shape.blocks, reduce_shape.block, 0, stream>>>(
+            dim, offsets, num_rows, partial_base, partial_slots, level,
+            partial[(level - 1) % 2], partial[level % 2], out);
+    SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradReduceKernel");
+  }
   return Status::Ok();
 }
 

@@ -126,8 +126,17 @@ void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
                     int64_t num_segments, Combiner combiner,
                     const ParallelFor& parallel_for, T* out);
 
+// The order of the gradient's per-row sums, the same on both devices: a
+// row's terms, in ascending position order, are summed left to right in
+// chunks of kGradChunk; a row of more terms than that then sums its chunk
+// sums the same way, level after level, until one chunk is left. (A row of
+// at most kGradChunk terms is a plain left-to-right sum.) On the GPU the
+// chunks of a hot row are summed in parallel.
+constexpr int64_t kGradChunk = 64;
+
 // The gradient of SegmentCombine with respect to `rows`, reduced per row:
 //   out[u] = sum over i with inverse[i] == u of scale_i * grad[segment_ids[i]]
+// (summed in the kGradChunk order above).
 // grad: [num_segments, dim], out: [num_rows, dim]. Indices must have been
 // validated.
 template <typename T, typename Tseg>

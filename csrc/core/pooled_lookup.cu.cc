@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
@@ -157,6 +158,18 @@ __global__ void InitError(DeviceError* e, int64_t nnz, int64_t batch) {
   e->bad_bag = static_cast<unsigned long long>(batch);
 }
 
+// Ids per batch of row loads: SOK_POOLED_LOOKUP_UNROLL (1, 4 or 8, the
+// default), read once; a tuning knob for bench/gpu_step.py. Results do not
+// depend on it.
+int Unroll() {
+  static const int unroll = [] {
+    const char* v = std::getenv("SOK_POOLED_LOOKUP_UNROLL");
+    const int u = v == nullptr ? 8 : std::atoi(v);
+    return u == 1 || u == 4 ? u : 8;
+  }();
+  return unroll;
+}
+
 template <typename T, typename Tid, int VEC>
 Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
               int64_t dim, const Tid* ids, int64_t nnz, const int64_t* splits,
@@ -168,10 +181,23 @@ Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
   while ((int64_t{1} << lanes_log2) < chunks && lanes_log2 < 5) ++lanes_log2;
   const int threads = 256;
   const int blocks = ::sok::gpu::BlocksFor(batch << lanes_log2, threads);
-  PooledLookupKernel<T, Tid, VEC, 8>
-      <<<blocks, threads, 0, ::sok::gpu::StreamOf(d)>>>(
-      table, vocab_size, dim, ids, nnz, splits, batch, weights,
-      static_cast<int>(combiner), lanes_log2, out, error);
+  const cudaStream_t stream = ::sok::gpu::StreamOf(d);
+  switch (Unroll()) {
+    case 1:
+      PooledLookupKernel<T, Tid, VEC, 1><<<blocks, threads, 0, stream>>>(
+          table, vocab_size, dim, ids, nnz, splits, batch, weights,
+          static_cast<int>(combiner), lanes_log2, out, error);
+      break;
+    case 4:
+      PooledLookupKernel<T, Tid, VEC, 4><<<blocks, threads, 0, stream>>>(
+          table, vocab_size, dim, ids, nnz, splits, batch, weights,
+          static_cast<int>(combiner), lanes_log2, out, error);
+      break;
+    default:
+      PooledLookupKernel<T, Tid, VEC, 8><<<blocks, threads, 0, stream>>>(
+          table, vocab_size, dim, ids, nnz, splits, batch, weights,
+          static_cast<int>(combiner), lanes_log2, out, error);
+  }
   SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup");
   return Status::Ok();
 }

@@ -20,6 +20,8 @@
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,11 @@
 #ifdef SOK_WITH_CUDA
 #include "tf/gpu_device.h"
 #endif
+
+namespace sok {
+// Bytes copied by copy-on-write (tf/build_info_ops.cc, SokBuildInfo).
+std::atomic<int64_t>& VariableCopyBytesCounter();
+}  // namespace sok
 
 namespace tensorflow {
 namespace {
@@ -226,6 +233,8 @@ template <typename T>
 absl::Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
   Tensor* t = var->tensor();
   if (t->RefCountIsOne()) return absl::OkStatus();
+  ::sok::VariableCopyBytesCounter().fetch_add(
+      static_cast<int64_t>(t->TotalBytes()));
   Tensor tmp;
   AllocatorAttributes attr;
   attr.set_gpu_compatible(true);
@@ -491,6 +500,8 @@ class SokSparseApplyBase : public OpKernel {
                                                Var* var) {
     Tensor* t = var->tensor();
     if (t->RefCountIsOne()) return absl::OkStatus();
+    ::sok::VariableCopyBytesCounter().fetch_add(
+        static_cast<int64_t>(t->TotalBytes()));
     Tensor tmp;
     TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &tmp));
     if (t->NumElements() > 0) {

@@ -588,3 +588,33 @@ def test_empty_indices_is_a_noop():
     var = tf.Variable(w0.copy())
     sk.sparse_sgd(var, np.zeros([0], np.int64), np.zeros([0, DIM], np.float32), 0.1)
     np.testing.assert_array_equal(var.numpy(), w0)
+
+
+def test_copy_on_write_is_counted_and_a_training_step_copies_nothing():
+    """`build_info()["variable_copy_bytes"]` counts the bytes an update
+    copies because the table's buffer is still shared with an earlier read
+    (that read keeps its values); a compiled train step of a sok model
+    copies nothing."""
+    import sok_keras as sok
+    from sok_keras import _ops
+
+    var = tf.Variable(np.ones((6, 4), np.float32))
+    before = _ops.build_info()["variable_copy_bytes"]
+    held = tf.identity(var.read_value())  # shares the buffer
+    sk.sparse_sgd(var, tf.constant([1]), tf.ones([1, 4]), 0.5)
+    assert _ops.build_info()["variable_copy_bytes"] - before == 6 * 4 * 4
+    np.testing.assert_array_equal(held.numpy(), np.ones((6, 4)))
+    assert var.numpy()[1].tolist() == [0.5] * 4
+
+    inp = keras.Input((3,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(100, 8, combiner="sum")(inp)
+    model = keras.Model(inp, keras.layers.Dense(1)(emb))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adam(1e-2)), loss="mse")
+    x = np.random.default_rng(0).integers(0, 100, (32, 3))
+    y = np.zeros((32, 1), np.float32)
+    model.train_on_batch(x, y)
+    before = _ops.build_info()["variable_copy_bytes"]
+    for _ in range(3):
+        model.train_on_batch(x, y)
+    assert _ops.build_info()["variable_copy_bytes"] == before
