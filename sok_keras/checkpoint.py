@@ -18,7 +18,7 @@ global id `r + k * N`), one entry after the other. The manifest lists, per
 file, its payload size, its block size and one CRC-32 per block (1 MiB),
 so a loader that reads some rows verifies exactly the blocks it reads.
 
-Dump: every rank checks in, writes its own shards (in 64 MiB chunks; a
+Dump: every rank checks in, writes its own shards (in 4 MiB chunks; a
 table never has to be gathered), rank 0 writes `dense.bin`; the ranks agree
 on the outcome; only then rank 0 writes `manifest.json` (temporary name,
 then a rename) and removes older `data-*` folders. A dump that fails or is
@@ -57,7 +57,7 @@ FORMAT = "sok_keras.checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 BLOCK_BYTES = 1 << 20
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 4 << 20
 MAX_MANIFEST_BYTES = 256 << 20
 _MAGIC = b"SOKCKPT1"
 _HEADER = struct.Struct("<8sIIQ")  # magic, version, block bytes, payload
@@ -809,9 +809,16 @@ def _assign(plan):
         var.assign(value)
         return
     target = var.value
+    if not hasattr(target, "scatter_update"):
+        var.assign(value)
+        return
+    # In place, chunk by chunk. (`target[a:b].assign` would copy the whole
+    # variable every time: the slice's read shares its buffer.)
     step = _rows_per_chunk(plan.dim * plan.dtype.itemsize)
     for a in range(0, plan.rows, step):
-        target[a:a + step].assign(value[a:a + step])
+        b = min(a + step, plan.rows)
+        target.scatter_update(tf.IndexedSlices(
+            value[a:b], tf.range(a, b, dtype=tf.int64)))
 
 
 def load(path, model_or_variables, optimizer=None):
