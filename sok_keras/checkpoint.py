@@ -274,7 +274,7 @@ def _write_shard_file(path, variables):
     return record
 
 
-def dump(path, model_or_variables, optimizer=None):
+def dump(path, model_or_variables, optimizer=None, metadata=None):
     """Writes a sharded checkpoint of a model or of variables.
 
     Every rank must call it. Each rank writes the rows of every table (and
@@ -293,6 +293,8 @@ def dump(path, model_or_variables, optimizer=None):
         optimizer: the optimizer whose state to save. Defaults to
             `model.optimizer` for a model; optimizer state is saved only if
             the optimizer is built.
+        metadata: optional JSON-serializable dict stored in the manifest
+            (`manifest["metadata"]`; rank 0's is kept), e.g. the epoch.
 
     Returns:
         The manifest (a dict).
@@ -305,6 +307,12 @@ def dump(path, model_or_variables, optimizer=None):
     path = os.fspath(path)
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
     opt_vars = _optimizer_variables(optimizer)
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise TypeError(
+                "sok_keras.dump: `metadata` must be a dict or None. "
+                f"Received: {type(metadata).__name__}.")
+        metadata = json.loads(json.dumps(metadata))  # JSON only
     n, rank = world.num_ranks(), world.rank()
     _enter("dump", path)
     # Every rank must describe the same tables.
@@ -349,7 +357,7 @@ def dump(path, model_or_variables, optimizer=None):
     if rank == 0:
         try:
             manifest = _commit(path, data_dir, data_name, tables, dense,
-                               opt_vars, optimizer, n)
+                               opt_vars, optimizer, n, metadata)
         except Exception as e:
             error = e
             _remove_tree(data_dir)
@@ -376,7 +384,7 @@ def _remove_tree(folder):
 
 
 def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
-            n):
+            n, metadata=None):
     """Rank 0: the manifest from every rank's record, written last."""
     files = {}
     for r in range(n):
@@ -409,6 +417,7 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
                            "dtype": _std_dtype(v)} for v in opt_vars],
         },
         "files": files,
+        "metadata": metadata,
     }
     manifest["manifest_crc32"] = _manifest_crc(manifest)
     tf.io.gfile.makedirs(path)

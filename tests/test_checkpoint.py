@@ -399,3 +399,62 @@ def test_dump_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         if k.startswith("dense/"):
             np.testing.assert_array_equal(st[k[len("dense/"):]], v)
     assert int(model.optimizer.iterations.numpy()) == 4
+
+
+# -- the model.fit callback (deliverable 4) ---------------------------------
+FIT_WORKER = worker_path("checkpoint_fit")
+
+
+def test_sharded_checkpoint_arguments():
+    for kwargs in ({"every_n_steps": 0}, {"keep": -1},
+                   {"every_n_epochs": 1.5}, {"every_n_steps": True}):
+        with pytest.raises(ValueError, match="positive integer"):
+            sok.callbacks.ShardedCheckpoint("/tmp/x", **kwargs)
+    cb = sok.callbacks.ShardedCheckpoint("/tmp/x")
+    assert cb.every_n_epochs == 1 and cb.every_n_steps is None
+
+
+def test_sharded_checkpoint_one_rank_keeps_last_k_and_restores(tmp_path):
+    model, (x, y) = _dlrm(steps=6)
+    cb = sok.callbacks.ShardedCheckpoint(str(tmp_path), every_n_steps=2,
+                                         keep=2)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[cb])
+    assert cb.checkpoints() == [4, 6]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000000004",
+                                            "ckpt-0000000006"]
+    saved = _state(model)
+    keras.utils.clear_session()
+    fresh, _ = _dlrm(steps=6)
+    meta = sok.callbacks.ShardedCheckpoint(str(tmp_path)).restore_latest(
+        fresh)
+    # The last step of the epoch: the next thing to do is epoch 1.
+    assert meta == {"step": 6, "epoch": 1, "batch_in_epoch": 0}
+    _assert_same(saved, _state(fresh))
+    empty = sok.callbacks.ShardedCheckpoint(str(tmp_path / "none"))
+    assert empty.restore_latest(fresh) is None
+
+
+def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
+    directory, out = str(tmp_path / "ckpts"), str(tmp_path)
+    run_workers(FIT_WORKER, 2, args=["uninterrupted", directory + "-u", out],
+                timeout=240)
+    job = launch(FIT_WORKER, 2, args=["killed", directory, out], timeout=120,
+                 env={"SOK_COMM_TIMEOUT": "10"})
+    assert job.returncode != 0, job.output
+    assert job.leftovers == []
+    # Killed at global step 9 (epoch 1, batch 3); checkpoints every 2
+    # steps, the last 2 kept.
+    assert sorted(os.listdir(directory)) == ["ckpt-0000000006",
+                                             "ckpt-0000000008"], job.output
+    r0, r1 = run_workers(FIT_WORKER, 2, args=["resume", directory, out],
+                         timeout=240)
+    assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2}
+    assert r0["iterations"] == 8 and r1["iterations"] == 8
+    assert r0["checkpoints"] == [10, 12]
+    expected = _npz(os.path.join(out, "final_uninterrupted.npz"))
+    got = _npz(os.path.join(out, "final_resume.npz"))
+    assert sorted(expected) == sorted(got)
+    for k in expected:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=1e-6,
+                                   err_msg=k)
