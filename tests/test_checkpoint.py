@@ -458,3 +458,18 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
     for k in expected:
         np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=1e-6,
                                    err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_other_dtypes_round_trip_bit_for_bit(tmp_path, dtype):
+    rng = np.random.default_rng(5)
+    value = rng.normal(size=(23, 3)).astype(np.float32)
+    table = sok.Variable(value, dtype=dtype, name="t")
+    sok.dump(str(tmp_path / "c"), [table])
+    other = sok.Variable(np.zeros((23, 3), np.float32), dtype=dtype,
+                         name="t")
+    sok.load(str(tmp_path / "c"), [other])
+    assert other.dtype == table.dtype
+    np.testing.assert_array_equal(
+        np.asarray(other.numpy()).view(np.uint8),
+        np.asarray(table.numpy()).view(np.uint8))
