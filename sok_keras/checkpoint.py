@@ -37,6 +37,7 @@ folder. See docs/checkpoints.md.
 """
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -82,6 +83,8 @@ def _is_local(path):
 
 def _dtype(name, where):
     """The NumPy dtype of a dtype name from a manifest (no object types)."""
+    if not isinstance(name, str):
+        raise CheckpointError(f"{where}: dtype {name!r} is not a name.")
     try:
         dt = tf.dtypes.as_dtype(name)
         np_dt = np.dtype(dt.as_numpy_dtype)
@@ -422,12 +425,19 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
     manifest["manifest_crc32"] = _manifest_crc(manifest)
     tf.io.gfile.makedirs(path)
     _write_json(_join(path, MANIFEST), manifest)  # the commit point
-    for name in tf.io.gfile.listdir(path):
-        name = name.rstrip("/")
-        if _DATA_RE.match(name) and name != data_name:
-            _remove_tree(_join(path, name))
-    for r in range(n):
-        tf.io.gfile.remove(_join(data_dir, f"rank-{r}.json"))
+    # Committed: from here on, cleaning up is best effort (a failure must
+    # not remove the folder the new manifest names).
+    try:
+        for name in tf.io.gfile.listdir(path):
+            name = name.rstrip("/")
+            if _DATA_RE.match(name) and name != data_name:
+                _remove_tree(_join(path, name))
+        for r in range(n):
+            tf.io.gfile.remove(_join(data_dir, f"rank-{r}.json"))
+    except tf.errors.OpError as e:
+        logging.getLogger("sok_keras").warning(
+            "sok_keras.dump('%s'): the checkpoint is complete, but removing "
+            "older files failed: %s", path, e)
     return manifest
 
 
