@@ -447,6 +447,8 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
     # steps, the last 2 kept.
     assert sorted(os.listdir(directory)) == ["ckpt-0000000006",
                                              "ckpt-0000000008"], job.output
+    copy = str(tmp_path / "ckpts-copy")
+    shutil.copytree(directory, copy)
     r0, r1 = run_workers(FIT_WORKER, 2, args=["resume", directory, out],
                          timeout=240)
     assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2}
@@ -458,6 +460,18 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
     for k in expected:
         np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=1e-6,
                                    err_msg=k)
+    # The same checkpoint resumed at 3 ranks (re-sharded): the same result
+    # (runs at different numbers of ranks agree to 1e-6, see
+    # tests/training_setup.py).
+    out3 = str(tmp_path / "three")
+    os.makedirs(out3)
+    results = run_workers(FIT_WORKER, 3, args=["resume", copy, out3],
+                          timeout=240)
+    assert all(r["iterations"] == 8 for r in results)
+    got3 = _npz(os.path.join(out3, "final_resume.npz"))
+    for k in expected:
+        np.testing.assert_allclose(got3[k], expected[k], rtol=0, atol=1e-6,
+                                   err_msg=f"{k} at 3 ranks")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
