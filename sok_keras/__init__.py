@@ -20,10 +20,14 @@ except ImportError as _e:
 
 from sok_keras import _ops  # noqa: E402
 from sok_keras import callbacks
+from sok_keras import checkpoint
 from sok_keras import data
 from sok_keras import layers
 from sok_keras import optimizers
 from sok_keras._version import __version__
+from sok_keras.checkpoint import CheckpointError
+from sok_keras.checkpoint import dump
+from sok_keras.checkpoint import load
 from sok_keras.data import shard_batches
 from sok_keras.layers import All2AllDenseEmbedding
 from sok_keras.layers import DistributedEmbedding
@@ -67,10 +71,13 @@ _auto_wrap.install()
 
 __all__ = [
     "__version__",
-    "All2AllDenseEmbedding", "DistributedEmbedding", "EmbeddingCollection",
+    "All2AllDenseEmbedding", "CheckpointError", "DistributedEmbedding",
+    "EmbeddingCollection",
     "Init",
     "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper", "Variable",
-    "all2all_dense_embedding", "callbacks", "data", "filter_variables",
-    "init", "layers", "lookup_sparse", "num_ranks", "optimizers", "rank",
+    "all2all_dense_embedding", "callbacks", "checkpoint", "data", "dump",
+    "filter_variables",
+    "init", "layers", "load", "lookup_sparse", "num_ranks", "optimizers",
+    "rank",
     "shard_batches", "split_embedding_variable_from_others",
 ]

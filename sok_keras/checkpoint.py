@@ -1,0 +1,915 @@
+"""Sharded checkpoints: `sok.dump` / `sok.load`, loadable at any number of
+ranks.
+
+A checkpoint is a folder (any `tf.io.gfile` path, shared by every rank):
+
+```
+path/
+  manifest.json        the commit point, written last by rank 0
+  data-<token>/        one folder per successful dump
+    t<i>-r<r>.bin      table i's rows held by saving rank r (+ its slots)
+    dense.bin          replicated weights and optimizer variables (rank 0)
+```
+
+Every `.bin` file is a 32-byte header (magic, format version, block size,
+payload size, header CRC) followed by the payload: raw little-endian rows
+in the rank's local order (row `k` of rank `r` of a distributed table is
+global id `r + k * N`), one entry after the other. The manifest lists, per
+file, its payload size, its block size and one CRC-32 per block (1 MiB),
+so a loader that reads some rows verifies exactly the blocks it reads.
+
+Dump: every rank checks in, writes its own shards (in 4 MiB chunks; a
+table never has to be gathered), rank 0 writes `dense.bin`; the ranks agree
+on the outcome; only then rank 0 writes `manifest.json` (temporary name,
+then a rename) and removes older `data-*` folders. A dump that fails or is
+killed leaves the previous manifest, and the folder it names, untouched;
+the new folder has no manifest and is never read.
+
+Load: every rank reads and checks the manifest (format, version, paths,
+tables / shapes / dtypes / slots / dense weights against the model, file
+sizes and headers) before allocating, then reads only the blocks holding
+rows it will own (in bounded chunks) into staging arrays, verifying their
+CRCs. The ranks agree; only if every rank succeeded is anything assigned
+(chunk by chunk), so either every rank loads everything or every rank
+raises and nothing changed. Nothing from a checkpoint is executed (JSON and
+raw arrays only), and manifest file names are plain names inside the
+folder. See docs/checkpoints.md.
+"""
+
+import json
+import logging
+import os
+import re
+import secrets
+import struct
+import sys
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from sok_keras import world
+from sok_keras.variable import DISTRIBUTED
+from sok_keras.variable import Variable
+from sok_keras.variable import parse_mode
+from sok_keras.variable import shard_rows
+
+FORMAT = "sok_keras.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BLOCK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20
+MAX_MANIFEST_BYTES = 256 << 20
+_MAGIC = b"SOKCKPT1"
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, block bytes, payload
+_HEADER_BYTES = 32  # _HEADER + its CRC-32, zero-padded
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_DATA_RE = re.compile(r"^data-[0-9a-f]{1,32}$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded as asked (the message
+    names the file, the table and what was expected)."""
+
+
+# -- small helpers ----------------------------------------------------------
+def _join(folder, name):
+    return folder.rstrip("/") + "/" + name
+
+
+def _is_local(path):
+    return "://" not in path
+
+
+def _dtype(name, where):
+    """The NumPy dtype of a dtype name from a manifest (no object types)."""
+    if not isinstance(name, str):
+        raise CheckpointError(f"{where}: dtype {name!r} is not a name.")
+    try:
+        dt = tf.dtypes.as_dtype(name)
+        np_dt = np.dtype(dt.as_numpy_dtype)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{where}: unknown dtype {name!r}.") from None
+    if np_dt.hasobject or np_dt.itemsize == 0:
+        raise CheckpointError(f"{where}: unsupported dtype {name!r}.")
+    return np_dt
+
+
+def _std_dtype(var):
+    return tf.dtypes.as_dtype(var.dtype).name
+
+
+def _agree(what, value, timeout=None):
+    return world.control_communicator().agree(
+        what, value, world.timeout() if timeout is None else timeout)
+
+
+def _failed_ranks(what, error):
+    """Every rank learns which ranks failed (an empty list if none)."""
+    n, rank = world.num_ranks(), world.rank()
+    if n <= 62:
+        mask = _agree(what, (1 << rank) if error is not None else 0)
+        return [r for r in range(n) if mask >> r & 1]
+    count = _agree(what, int(error is not None))
+    return ["?"] * count
+
+
+def _outcome(what, error, message):
+    """Raises on every rank if any rank failed: its own error where it
+    failed, `message` naming the failed ranks elsewhere."""
+    failed = _failed_ranks(what, error)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(
+            f"{message} failed on rank(s) {failed} (the error is in that "
+            "rank's output).")
+
+
+def _enter(what, path):
+    from sok_keras import saving
+
+    n = world.num_ranks()
+    try:
+        _agree(f"ckpt/{what}/enter", 1, saving.save_timeout())
+    except tf.errors.OpError as e:
+        raise CheckpointError(
+            f"sok_keras.{what}('{path}') must be called on every rank ({n} "
+            f"ranks), but not all of them called it within "
+            f"{saving.save_timeout():g} s (SOK_SAVE_TIMEOUT).") from e
+
+
+# -- what to save: tables, slots, dense weights, optimizer variables --------
+def _collect(model_or_variables, optimizer, fn):
+    """`(tables, dense, optimizer)`: sok tables (not slots) and the other
+    variables by path, in order."""
+    import keras
+
+    if isinstance(model_or_variables, keras.Model):
+        variables = list(model_or_variables.variables)
+        if optimizer is None:
+            optimizer = getattr(model_or_variables, "optimizer", None)
+    elif isinstance(model_or_variables, (list, tuple)):
+        variables = list(model_or_variables)
+    else:
+        raise TypeError(
+            f"sok_keras.{fn}: `model_or_variables` must be a keras.Model or "
+            "a list of variables. Received: "
+            f"{type(model_or_variables).__name__}.")
+    if optimizer is not None and not isinstance(
+            optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"sok_keras.{fn}: `optimizer` must be a keras optimizer or None. "
+            f"Received: {type(optimizer).__name__}.")
+    slot_ids = set()
+    for v in variables:
+        if isinstance(v, Variable):
+            slot_ids |= {id(s) for s in v.slots.values()}
+    tables, dense, seen = [], [], set()
+    for v in variables:
+        if id(v) in slot_ids or id(v) in seen:
+            continue
+        seen.add(id(v))
+        (tables if isinstance(v, Variable) else dense).append(v)
+    _check_unique([t.path for t in tables], "table", fn)
+    _check_unique([v.path for v in dense], "variable", fn)
+    return tables, dense, optimizer
+
+
+def _check_unique(names, what, fn):
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise CheckpointError(
+            f"sok_keras.{fn}: several {what}s share the path(s) {dup}; a "
+            "checkpoint keys them by path (give the layers distinct names).")
+
+
+def _optimizer_variables(optimizer):
+    if optimizer is None or not optimizer.built:
+        return []
+    out = [v for v in optimizer.variables if not isinstance(v, Variable)]
+    _check_unique([v.path for v in out], "optimizer variable", "dump")
+    return out
+
+
+def _slots_of(table, optimizer):
+    """The table's slots, by name (none when there is no optimizer)."""
+    if optimizer is None:
+        return {}
+    return {k: table.slots[k] for k in sorted(table.slots)}
+
+
+# -- writing ----------------------------------------------------------------
+class _BlockWriter:
+    """Writes a `.bin` file: header, then payload with a CRC per block."""
+
+    def __init__(self, path, payload_bytes, block_bytes):
+        self.path, self.tmp = path, path + ".tmp"
+        self.block, self.expected = block_bytes, payload_bytes
+        self.crcs, self.crc, self.filled, self.written = [], 0, 0, 0
+        self.f = tf.io.gfile.GFile(self.tmp, "wb")
+        head = _HEADER.pack(_MAGIC, FORMAT_VERSION, block_bytes,
+                            payload_bytes)
+        head += struct.pack("<I", zlib.crc32(head))
+        self.f.write(head.ljust(_HEADER_BYTES, b"\0"))
+
+    def write(self, array):
+        data = np.ascontiguousarray(array).tobytes()  # GFile takes bytes
+        self.f.write(data)
+        data = memoryview(data)
+        self.written += len(data)
+        pos = 0
+        while pos < len(data):
+            take = min(len(data) - pos, self.block - self.filled)
+            self.crc = zlib.crc32(data[pos:pos + take], self.crc)
+            self.filled += take
+            pos += take
+            if self.filled == self.block:
+                self.crcs.append(self.crc)
+                self.crc, self.filled = 0, 0
+
+    def close(self):
+        if self.filled:
+            self.crcs.append(self.crc)
+        self.f.close()
+        if self.written != self.expected:
+            raise CheckpointError(
+                f"'{self.path}': wrote {self.written} bytes, expected "
+                f"{self.expected}.")
+        tf.io.gfile.rename(self.tmp, self.path, overwrite=True)
+        return {"payload_bytes": self.written, "block_bytes": self.block,
+                "block_crc32": self.crcs}
+
+
+def _rows_per_chunk(row_bytes):
+    return max(1, CHUNK_BYTES // max(1, row_bytes))
+
+
+def _write_shard_file(path, variables):
+    """Writes `[(entry, variable)]`'s local values (in chunks of rows)."""
+    entries, offset = {}, 0
+    for name, var in variables:
+        shape = [int(s) for s in var.shape]
+        dt = np.dtype(tf.dtypes.as_dtype(var.dtype).as_numpy_dtype)
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        entries[name] = {"offset": offset, "nbytes": nbytes,
+                         "dtype": _std_dtype(var), "shape": shape}
+        offset += nbytes
+    w = _BlockWriter(path, offset, BLOCK_BYTES)
+    try:
+        for name, var in variables:
+            value = var.value if hasattr(var, "value") else var
+            shape = entries[name]["shape"]
+            if len(shape) >= 1 and shape[0] > 0:
+                row_bytes = entries[name]["nbytes"] // shape[0]
+                step = _rows_per_chunk(row_bytes)
+                for a in range(0, shape[0], step):
+                    w.write(np.asarray(value[a:a + step].numpy()))
+            elif entries[name]["nbytes"]:
+                w.write(np.asarray(tf.convert_to_tensor(value).numpy()))
+        record = w.close()
+    except BaseException:
+        w.f.close()
+        if tf.io.gfile.exists(w.tmp):
+            tf.io.gfile.remove(w.tmp)
+        raise
+    record["entries"] = entries
+    return record
+
+
+def dump(path, model_or_variables, optimizer=None, metadata=None):
+    """Writes a sharded checkpoint of a model or of variables.
+
+    Every rank must call it. Each rank writes the rows of every table (and
+    of its optimizer slots) that it holds, in bounded chunks; rank 0
+    writes the replicated weights and the optimizer's own variables (step
+    counts included) and, once every rank has succeeded, `manifest.json`
+    (atomically, last). A dump that fails on any rank raises on every rank
+    and leaves an earlier checkpoint at `path` as it was. The checkpoint
+    loads at any number of ranks with `sok_keras.load`. `path` is a folder
+    reachable by every rank (any `tf.io.gfile` path).
+
+    Args:
+        path: the checkpoint folder (created if needed).
+        model_or_variables: a `keras.Model` (its sok tables, their slots and
+            its other variables) or a list of variables.
+        optimizer: the optimizer whose state to save. Defaults to
+            `model.optimizer` for a model; optimizer state is saved only if
+            the optimizer is built.
+        metadata: optional JSON-serializable dict stored in the manifest
+            (`manifest["metadata"]`; rank 0's is kept), e.g. the epoch.
+
+    Returns:
+        The manifest (a dict).
+
+    Example:
+
+    >>> sok.dump("/ckpt/step_1000", model)   # on every rank
+    >>> sok.load("/ckpt/step_1000", model)   # at any number of ranks
+    """
+    path = os.fspath(path)
+    tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
+    opt_vars = _optimizer_variables(optimizer)
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise TypeError(
+                "sok_keras.dump: `metadata` must be a dict or None. "
+                f"Received: {type(metadata).__name__}.")
+        metadata = json.loads(json.dumps(metadata))  # JSON only
+    n, rank = world.num_ranks(), world.rank()
+    _enter("dump", path)
+    # Every rank must describe the same tables.
+    sig = zlib.crc32(json.dumps(
+        [[t.path, list(t.global_shape), t.mode, _std_dtype(t),
+          sorted(_slots_of(t, optimizer))] for t in tables]).encode())
+    total = _agree("ckpt/dump/tables", sig)
+    token = _agree("ckpt/dump/token",
+                   secrets.randbits(48) if rank == 0 else 0)
+    data_name = f"data-{token:012x}"
+    data_dir = _join(path, data_name)
+    error, record = None, {"rank": rank, "files": {}}
+    try:
+        if total != n * sig:
+            raise CheckpointError(
+                f"sok_keras.dump('{path}'): the ranks hold different tables "
+                "(paths, shapes, modes, dtypes or slots differ).")
+        tf.io.gfile.makedirs(data_dir)
+        for i, t in enumerate(tables):
+            if int(t.shape[0]) == 0:
+                continue
+            name = f"t{i}-r{rank}.bin"
+            entries = [("value", t)] + [
+                (f"slot/{k}", s) for k, s in _slots_of(t, optimizer).items()]
+            record["files"][name] = _write_shard_file(
+                _join(data_dir, name), entries)
+        if rank == 0 and (dense or opt_vars):
+            entries = [(f"model/{v.path}", v) for v in dense]
+            entries += [(f"optimizer/{v.path}", v) for v in opt_vars]
+            record["files"]["dense.bin"] = _write_shard_file(
+                _join(data_dir, "dense.bin"), entries)
+        _write_json(_join(data_dir, f"rank-{rank}.json"), record)
+    except Exception as e:  # reported to every rank below
+        error = e
+    try:
+        _outcome("ckpt/dump/written", error, f"sok_keras.dump('{path}')")
+    except BaseException:
+        if rank == 0:
+            _remove_tree(data_dir)
+        raise
+    error, manifest = None, None
+    if rank == 0:
+        try:
+            manifest = _commit(path, data_dir, data_name, tables, dense,
+                               opt_vars, optimizer, n, metadata)
+        except Exception as e:
+            error = e
+            _remove_tree(data_dir)
+    _outcome("ckpt/dump/committed", error,
+             f"sok_keras.dump('{path}'): writing the manifest")
+    if manifest is None:
+        manifest = _read_manifest(path)
+    return manifest
+
+
+def _write_json(path, obj):
+    tmp = path + ".tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        f.write(json.dumps(obj, sort_keys=True))
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def _remove_tree(folder):
+    try:
+        if tf.io.gfile.exists(folder):
+            tf.io.gfile.rmtree(folder)
+    except tf.errors.OpError:
+        pass
+
+
+def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
+            n, metadata=None):
+    """Rank 0: the manifest from every rank's record, written last."""
+    files = {}
+    for r in range(n):
+        rec_path = _join(data_dir, f"rank-{r}.json")
+        with tf.io.gfile.GFile(rec_path, "r") as f:
+            rec = json.loads(f.read())
+        files.update(rec["files"])
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "byteorder": sys.byteorder,
+        "world_size": n,
+        "data": data_name,
+        "tables": [{
+            "name": t.path,
+            "shape": list(t.global_shape),
+            "dtype": _std_dtype(t),
+            "mode": t.mode,
+            "slots": sorted(_slots_of(t, optimizer)),
+            "files": [f"t{i}-r{r}.bin" if f"t{i}-r{r}.bin" in files else None
+                      for r in range(n)],
+        } for i, t in enumerate(tables)],
+        "dense": [{"name": v.path, "shape": [int(s) for s in v.shape],
+                   "dtype": _std_dtype(v)} for v in dense],
+        "optimizer": None if not opt_vars else {
+            "class": type(optimizer).__name__,
+            "iterations": int(optimizer.iterations.numpy()),
+            "variables": [{"name": v.path,
+                           "shape": [int(s) for s in v.shape],
+                           "dtype": _std_dtype(v)} for v in opt_vars],
+        },
+        "files": files,
+        "metadata": metadata,
+    }
+    manifest["manifest_crc32"] = _manifest_crc(manifest)
+    tf.io.gfile.makedirs(path)
+    _write_json(_join(path, MANIFEST), manifest)  # the commit point
+    # Committed: from here on, cleaning up is best effort (a failure must
+    # not remove the folder the new manifest names).
+    try:
+        for name in tf.io.gfile.listdir(path):
+            name = name.rstrip("/")
+            if _DATA_RE.match(name) and name != data_name:
+                _remove_tree(_join(path, name))
+        for r in range(n):
+            tf.io.gfile.remove(_join(data_dir, f"rank-{r}.json"))
+    except tf.errors.OpError as e:
+        logging.getLogger("sok_keras").warning(
+            "sok_keras.dump('%s'): the checkpoint is complete, but removing "
+            "older files failed: %s", path, e)
+    return manifest
+
+
+def _manifest_crc(manifest):
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+# -- reading and checking ----------------------------------------------------
+def _read_manifest(path):
+    mpath = _join(path, MANIFEST)
+    if not tf.io.gfile.exists(mpath):
+        raise CheckpointError(
+            f"'{mpath}': no checkpoint manifest (not a sok_keras checkpoint, "
+            "or its dump did not finish).")
+    size = tf.io.gfile.stat(mpath).length
+    if size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(
+            f"'{mpath}': {size} bytes, larger than a manifest may be "
+            f"({MAX_MANIFEST_BYTES}).")
+    with tf.io.gfile.GFile(mpath, "rb") as f:
+        raw = f.read()
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"'{mpath}': not valid JSON ({e}).") from None
+    _check_manifest(manifest, mpath)
+    return manifest
+
+
+def _need(cond, mpath, what):
+    if not cond:
+        raise CheckpointError(f"'{mpath}': malformed manifest: {what}.")
+
+
+def _is_int(x, low=0):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _check_name(name, mpath, what):
+    if not (isinstance(name, str) and _NAME_RE.match(name)
+            and name not in (".", "..")):
+        raise CheckpointError(
+            f"'{mpath}': {what} {name!r} is not a plain file name inside the "
+            "checkpoint folder (no '/', '..' or absolute paths); refusing to "
+            "read it.")
+
+
+def _check_manifest(m, mpath):
+    _need(isinstance(m, dict), mpath, "not an object")
+    _need(m.get("format") == FORMAT, mpath,
+          f"'format' is {m.get('format')!r}, expected {FORMAT!r}")
+    version = m.get("format_version")
+    _need(_is_int(version, 1), mpath, "'format_version' is not an integer")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"'{mpath}': format version {version} is newer than this "
+            f"sok_keras reads (expected at most {FORMAT_VERSION}); upgrade "
+            "sok_keras to load it.")
+    _need(m.get("manifest_crc32") == _manifest_crc(m), mpath,
+          "its checksum does not match its content ('manifest_crc32')")
+    if m.get("byteorder") != sys.byteorder:
+        raise CheckpointError(
+            f"'{mpath}': written on a {m.get('byteorder')}-endian machine; "
+            f"this one is {sys.byteorder}-endian.")
+    _need(_is_int(m.get("world_size"), 1), mpath, "'world_size'")
+    n = m["world_size"]
+    data = m.get("data")
+    if not (isinstance(data, str) and _DATA_RE.match(data)):
+        _check_name(data, mpath, "data folder")
+        raise CheckpointError(
+            f"'{mpath}': data folder {data!r} is not of the form data-<hex>.")
+    files = m.get("files")
+    _need(isinstance(files, dict), mpath, "'files' is not an object")
+    for fname, rec in files.items():
+        _check_name(fname, mpath, "file")
+        where = f"file '{fname}'"
+        _need(isinstance(rec, dict), mpath, where)
+        _need(_is_int(rec.get("payload_bytes")), mpath,
+              f"{where}: 'payload_bytes'")
+        _need(_is_int(rec.get("block_bytes"), 1), mpath,
+              f"{where}: 'block_bytes'")
+        crcs = rec.get("block_crc32")
+        blocks = -(-rec["payload_bytes"] // rec["block_bytes"])
+        _need(isinstance(crcs, list) and len(crcs) == blocks
+              and all(_is_int(c) for c in crcs), mpath,
+              f"{where}: 'block_crc32' must hold {blocks} CRCs")
+        entries = rec.get("entries")
+        _need(isinstance(entries, dict), mpath, f"{where}: 'entries'")
+        for ename, e in entries.items():
+            w = f"{where}, entry '{ename}'"
+            _need(isinstance(e, dict) and _is_int(e.get("offset"))
+                  and _is_int(e.get("nbytes"))
+                  and isinstance(e.get("shape"), list)
+                  and all(_is_int(s) for s in e["shape"]), mpath, w)
+            dt = _dtype(e.get("dtype"), f"'{mpath}', {w}")
+            _need(int(np.prod(e["shape"], dtype=object)) * dt.itemsize
+                  == e["nbytes"], mpath, f"{w}: nbytes does not match shape")
+            _need(e["offset"] + e["nbytes"] <= rec["payload_bytes"], mpath,
+                  f"{w}: reaches past the payload")
+    tables = m.get("tables")
+    _need(isinstance(tables, list), mpath, "'tables'")
+    for t in tables:
+        _need(isinstance(t, dict) and isinstance(t.get("name"), str), mpath,
+              "a table without a name")
+        w = f"table '{t['name']}'"
+        _need(isinstance(t.get("shape"), list) and len(t["shape"]) == 2
+              and all(_is_int(s) for s in t["shape"]), mpath, f"{w}: shape")
+        _dtype(t.get("dtype"), f"'{mpath}', {w}")
+        try:
+            parse_mode(t.get("mode"), n, t["name"])
+        except ValueError as e:
+            raise CheckpointError(f"'{mpath}', {w}: {e}") from None
+        _need(isinstance(t.get("slots"), list)
+              and all(isinstance(s, str) for s in t["slots"]), mpath,
+              f"{w}: slots")
+        _need(isinstance(t.get("files"), list) and len(t["files"]) == n,
+              mpath, f"{w}: 'files' must list {n} entries (one per rank)")
+        for f in t["files"]:
+            if f is not None:
+                _check_name(f, mpath, f"{w}: file")
+                _need(f in files, mpath, f"{w}: file '{f}' not in 'files'")
+    for key in ("dense",):
+        _need(isinstance(m.get(key), list), mpath, f"'{key}'")
+    opt = m.get("optimizer")
+    _need(opt is None or (isinstance(opt, dict)
+                          and isinstance(opt.get("variables"), list)),
+          mpath, "'optimizer'")
+
+
+class _FileReader:
+    """Reads verified byte ranges of one `.bin` file."""
+
+    def __init__(self, folder, name, rec, table):
+        self.path = _join(folder, name)
+        self.rec, self.table = rec, table
+        self.f = None
+
+    def where(self):
+        return f"'{self.path}' (table '{self.table}')"
+
+    def check(self, root):
+        """Existence, no symlink escape, size and header: before any
+        allocation."""
+        if not tf.io.gfile.exists(self.path):
+            raise CheckpointError(
+                f"{self.where()}: shard file missing; expected "
+                f"{_HEADER_BYTES + self.rec['payload_bytes']} bytes.")
+        if _is_local(self.path):
+            real = os.path.realpath(self.path)
+            if os.path.commonpath([real, root]) != root:
+                raise CheckpointError(
+                    f"{self.where()}: resolves to '{real}', outside the "
+                    "checkpoint folder; refusing to read it.")
+        size = tf.io.gfile.stat(self.path).length
+        expected = _HEADER_BYTES + self.rec["payload_bytes"]
+        if size != expected:
+            raise CheckpointError(
+                f"{self.where()}: {size} bytes on disk, expected {expected} "
+                "(truncated or overwritten).")
+        self.f = tf.io.gfile.GFile(self.path, "rb")
+        head = self.f.read(_HEADER_BYTES)
+        magic, version, block, payload = _HEADER.unpack_from(head)
+        (crc,) = struct.unpack_from("<I", head, _HEADER.size)
+        if magic != _MAGIC or crc != zlib.crc32(head[:_HEADER.size]):
+            raise CheckpointError(
+                f"{self.where()}: not a sok_keras shard file, or its header "
+                "is corrupted.")
+        if version > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{self.where()}: format version {version} is newer than "
+                f"this sok_keras reads (expected at most {FORMAT_VERSION}).")
+        if (block, payload) != (self.rec["block_bytes"],
+                                self.rec["payload_bytes"]):
+            raise CheckpointError(
+                f"{self.where()}: its header says {payload} payload bytes in "
+                f"blocks of {block}, the manifest {self.rec['payload_bytes']}"
+                f" in blocks of {self.rec['block_bytes']}.")
+
+    def read(self, start, end):
+        """Payload bytes `[start, end)`, every block they touch verified."""
+        block = self.rec["block_bytes"]
+        payload = self.rec["payload_bytes"]
+        b0, b1 = start // block, -(-end // block)
+        self.f.seek(_HEADER_BYTES + b0 * block)
+        data = self.f.read(min(b1 * block, payload) - b0 * block)
+        view = memoryview(data)
+        for b in range(b0, b1):
+            lo = (b - b0) * block
+            got = zlib.crc32(view[lo:lo + block])
+            if got != self.rec["block_crc32"][b]:
+                raise CheckpointError(
+                    f"{self.where()}: checksum mismatch in block {b} (bytes "
+                    f"{b * block}..{min((b + 1) * block, payload)} of the "
+                    f"payload): CRC-32 {got:#010x}, expected "
+                    f"{self.rec['block_crc32'][b]:#010x}.")
+        return view[start - b0 * block:end - b0 * block]
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()
+
+
+def _old_ids(kind, n_old, r_old, lo, hi):
+    local = np.arange(lo, hi, dtype=np.int64)
+    return r_old + n_old * local if kind == DISTRIBUTED else local
+
+
+def _new_local(kind, target, n_new, r_new, ids):
+    """`(mask, local rows)` of the ids that this rank will own."""
+    if kind == DISTRIBUTED:
+        mask = ids % n_new == r_new
+        return mask, ids[mask] // n_new
+    if r_new != target:
+        return np.zeros(ids.shape, bool), ids[:0]
+    return np.ones(ids.shape, bool), ids
+
+
+class _Plan:
+    """One variable's destination: where its staged rows come from."""
+
+    def __init__(self, var, entry, dtype, sources, rows, dim):
+        self.var, self.entry, self.dtype = var, entry, dtype
+        self.sources, self.rows, self.dim = sources, rows, dim
+        self.staged = None
+
+
+def _fail(mpath, what):
+    raise CheckpointError(f"'{mpath}': {what}")
+
+
+def _plan(path, manifest, tables, dense, optimizer, opt_vars):
+    """Checks the checkpoint against what is being loaded; returns the
+    plans (nothing is allocated or read yet)."""
+    mpath = _join(path, MANIFEST)
+    n_old, n_new, r_new = manifest["world_size"], world.num_ranks(), \
+        world.rank()
+    folder = _join(path, manifest["data"])
+    root = os.path.realpath(folder) if _is_local(folder) else None
+    if root is not None and os.path.commonpath(
+            [root, os.path.realpath(path)]) != os.path.realpath(path):
+        _fail(mpath, f"data folder '{folder}' resolves outside the "
+              "checkpoint folder; refusing to read it.")
+    files = manifest["files"]
+    readers = {}
+
+    def reader(fname, table):
+        if fname not in readers:
+            readers[fname] = _FileReader(folder, fname, files[fname], table)
+        return readers[fname]
+
+    by_name = {t["name"]: t for t in manifest["tables"]}
+    names = [t.path for t in tables]
+    missing = [nm for nm in names if nm not in by_name]
+    extra = [nm for nm in by_name if nm not in names]
+    if missing or extra:
+        _fail(mpath, f"tables do not match: the checkpoint has "
+              f"{sorted(by_name)}, expected {sorted(names)} (missing "
+              f"{missing}, unexpected {extra}).")
+    plans = []
+    for t in tables:
+        m = by_name[t.path]
+        w = f"table '{t.path}'"
+        if tuple(m["shape"]) != tuple(t.global_shape):
+            _fail(mpath, f"{w} has shape {tuple(m['shape'])} (vocabulary "
+                  f"size, dim) in the checkpoint, expected "
+                  f"{tuple(t.global_shape)}.")
+        if m["dtype"] != _std_dtype(t):
+            _fail(mpath, f"{w} has dtype {m['dtype']} in the checkpoint, "
+                  f"expected {_std_dtype(t)}.")
+        slots = _slots_of(t, optimizer)
+        if optimizer is not None and sorted(slots) != sorted(m["slots"]):
+            _fail(mpath, f"{w} has optimizer slots {sorted(m['slots'])} in "
+                  f"the checkpoint, the optimizer {sorted(slots)}.")
+        kind_old, target_old = parse_mode(m["mode"], n_old, t.path)
+        rows, dim = int(t.shape[0]), int(t.global_shape[1])
+        expected = shard_rows(t.global_shape[0], t.sharding, t.target_rank,
+                              r_new, n_new)
+        if rows != expected:
+            _fail(mpath, f"{w}: this rank holds {rows} rows, expected "
+                  f"{expected}.")
+        dst = [("value", t)] + [(f"slot/{k}", s) for k, s in slots.items()]
+        for ename, var in dst:
+            dt = _dtype(m["dtype"], f"'{mpath}', {w}")
+            sources = []
+            for r_old in range(n_old):
+                old_rows = shard_rows(m["shape"][0], kind_old, target_old,
+                                      r_old, n_old)
+                fname = m["files"][r_old]
+                if old_rows == 0:
+                    continue
+                if fname is None:
+                    _fail(mpath, f"{w}: no file for rank {r_old}, which held "
+                          f"{old_rows} rows.")
+                e = files[fname]["entries"].get(ename)
+                if e is None:
+                    _fail(mpath, f"{w}: file '{fname}' has no entry "
+                          f"'{ename}'.")
+                if (e["shape"] != [old_rows, dim]
+                        or e["dtype"] != m["dtype"]):
+                    _fail(mpath, f"{w}: file '{fname}' entry '{ename}' is "
+                          f"{e['dtype']}{e['shape']}, expected "
+                          f"{m['dtype']}{[old_rows, dim]}.")
+                sources.append((reader(fname, t.path), e, kind_old, r_old))
+            plans.append(_Plan(var, ename, dt, sources, rows, dim))
+        for p in plans[-1 - len(slots):]:
+            p.layout = (t.sharding, t.target_rank)
+            p.old = (kind_old, target_old, n_old)
+    dense_files = [f for f in files if f == "dense.bin"]
+
+    def dense_plan(kind, want, have):
+        have = {d["name"]: d for d in have}
+        names = [v.path for v in want]
+        missing = [nm for nm in names if nm not in have]
+        extra = [nm for nm in have if nm not in names]
+        if missing or extra:
+            _fail(mpath, f"{kind} variables do not match: missing "
+                  f"{missing}, unexpected {extra}.")
+        for v in want:
+            d = have[v.path]
+            shape = [int(s) for s in v.shape]
+            if d["shape"] != shape or d["dtype"] != _std_dtype(v):
+                _fail(mpath, f"{kind} variable '{v.path}' is {d['dtype']}"
+                      f"{d['shape']} in the checkpoint, expected "
+                      f"{_std_dtype(v)}{shape}.")
+            ename = f"{kind}/{v.path}"
+            e = files["dense.bin"]["entries"].get(ename) if dense_files \
+                else None
+            if e is None or e["shape"] != shape or e["dtype"] != d["dtype"]:
+                _fail(mpath, f"'dense.bin' has no entry {ename!r} of "
+                      f"{d['dtype']}{shape}.")
+            p = _Plan(v, ename, _dtype(d["dtype"], mpath),
+                      [(reader("dense.bin", v.path), e, None, 0)], None, None)
+            plans.append(p)
+
+    dense_plan("model", dense, manifest["dense"])
+    if optimizer is not None:
+        if manifest["optimizer"] is None:
+            if opt_vars:
+                _fail(mpath, "holds no optimizer state, but an optimizer "
+                      f"({type(optimizer).__name__}) was given.")
+        else:
+            dense_plan("optimizer", opt_vars,
+                       manifest["optimizer"]["variables"])
+    return plans, readers, root
+
+
+def _stage(plan, r_new, n_new):
+    """Reads this rank's rows of `plan` into a new array (verified)."""
+    if plan.rows is None:  # a replicated variable: the whole entry
+        (rd, e, _, _), = plan.sources
+        buf = rd.read(e["offset"], e["offset"] + e["nbytes"])
+        plan.staged = np.frombuffer(buf, plan.dtype).reshape(
+            e["shape"]).copy()
+        return
+    kind_new, target_new = plan.layout
+    out = np.empty((plan.rows, plan.dim), plan.dtype)
+    filled = 0
+    row_bytes = plan.dim * plan.dtype.itemsize
+    step = _rows_per_chunk(row_bytes)
+    if plan.rows:
+        for rd, e, kind_old, r_old in plan.sources:
+            n_old = plan.old[2]
+            for lo in range(0, e["shape"][0], step):
+                hi = min(lo + step, e["shape"][0])
+                ids = _old_ids(kind_old, n_old, r_old, lo, hi)
+                mask, dst = _new_local(kind_new, target_new, n_new, r_new,
+                                       ids)
+                if not len(dst):
+                    continue
+                src = np.nonzero(mask)[0]
+                first, last = int(src[0]), int(src[-1]) + 1
+                buf = rd.read(e["offset"] + (lo + first) * row_bytes,
+                              e["offset"] + (lo + last) * row_bytes)
+                rows = np.frombuffer(buf, plan.dtype).reshape(-1, plan.dim)
+                out[dst] = rows[src - first]
+                filled += len(dst)
+    if filled != plan.rows:
+        raise CheckpointError(
+            f"table '{plan.var.path}' ({plan.entry}): found {filled} of the "
+            f"{plan.rows} rows this rank owns in the checkpoint.")
+    plan.staged = out
+
+
+def _assign(plan):
+    var, value = plan.var, plan.staged
+    if plan.rows is None or not plan.rows:
+        var.assign(value)
+        return
+    target = var.value
+    if not hasattr(target, "scatter_update"):
+        var.assign(value)
+        return
+    # In place, chunk by chunk. (`target[a:b].assign` would copy the whole
+    # variable every time: the slice's read shares its buffer.)
+    step = _rows_per_chunk(plan.dim * plan.dtype.itemsize)
+    for a in range(0, plan.rows, step):
+        b = min(a + step, plan.rows)
+        target.scatter_update(tf.IndexedSlices(
+            value[a:b], tf.range(a, b, dtype=tf.int64)))
+
+
+def load(path, model_or_variables, optimizer=None):
+    """Loads a checkpoint written by `sok_keras.dump`, at any number of ranks.
+
+    Every rank must call it. Each rank reads only the rows it owns under
+    the current sharding (re-sharding a checkpoint written at another
+    number of ranks), verifying the checksum of every block it reads.
+    Everything is checked on every rank — format version, file names,
+    tables, shapes, dtypes, slots and dense weights against the model, file
+    sizes (before anything is allocated) and checksums — and the ranks agree
+    before any variable is assigned: either every rank loads everything, or
+    every rank raises and nothing changed.
+
+    Args:
+        path: the checkpoint folder.
+        model_or_variables: a `keras.Model` or a list of variables, as given
+            to `dump` (same table paths, shapes and dtypes).
+        optimizer: the optimizer to restore. Defaults to `model.optimizer`
+            for a model. An optimizer that is not built yet is built first
+            (for the model's trainable variables), so its slots exist.
+
+    Returns:
+        The manifest (a dict).
+
+    Raises:
+        CheckpointError: naming the file, the table and what was expected,
+            on a missing shard, a checksum mismatch, a newer format version,
+            a mismatch with the model, or a malformed manifest.
+
+    Example:
+
+    >>> sok.dump("/ckpt/step_1000", model)   # e.g. on 2 ranks
+    >>> sok.load("/ckpt/step_1000", model)   # e.g. on 3 ranks
+    """
+    path = os.fspath(path)
+    tables, dense, optimizer = _collect(model_or_variables, optimizer, "load")
+    _enter("load", path)
+    if optimizer is not None and not optimizer.built:
+        import keras
+
+        from sok_keras.optimizers.wrapper import build_once
+
+        if isinstance(model_or_variables, keras.Model):
+            variables = model_or_variables.trainable_variables
+        else:
+            variables = [v for v in model_or_variables if v.trainable]
+        build_once(optimizer, variables)  # as Keras' first `apply` does
+    opt_vars = _optimizer_variables(optimizer)
+    n_new, r_new = world.num_ranks(), world.rank()
+    error, plans, readers = None, [], {}
+    try:
+        manifest = _read_manifest(path)
+        plans, readers, root = _plan(path, manifest, tables, dense, optimizer,
+                                     opt_vars)
+        for rd in readers.values():  # sizes and headers, before allocating
+            rd.check(root)
+        for p in plans:
+            _stage(p, r_new, n_new)
+    except Exception as e:  # reported to every rank below
+        error = e
+    finally:
+        for rd in readers.values():
+            rd.close()
+    _outcome("ckpt/load/read", error,
+             f"sok_keras.load('{path}'): nothing was loaded; loading")
+    error = None
+    try:
+        for p in plans:
+            _assign(p)
+            p.staged = None
+    except Exception as e:
+        error = e
+    _outcome("ckpt/load/assigned", error, f"sok_keras.load('{path}')")
+    return manifest

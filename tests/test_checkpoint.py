@@ -1,0 +1,489 @@
+"""sok.dump / sok.load: sharded checkpoints that re-shard
+(sok_keras/checkpoint.py)."""
+
+import json
+import os
+import shutil
+import struct
+import zlib
+
+import keras
+import numpy as np
+import pytest
+
+import sok_keras as sok
+from sok_keras import checkpoint
+from sok_keras.optimizers.wrapper import build_once
+from tests.multiprocess import launch
+from tests.multiprocess import run_workers
+from tests.multiprocess import worker_path
+from tests.training_setup import make_model_and_data
+
+WORKER = worker_path("checkpoint_train")
+
+
+# -- helpers -----------------------------------------------------------------
+def _dlrm(steps=2, batch=16):
+    model, opt, data = make_model_and_data("sok", "adam", steps, batch)
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(opt),
+                  loss="binary_crossentropy")
+    return model, data
+
+
+def _state(model, optimizer=None):
+    optimizer = optimizer or model.optimizer
+    out = {}
+    for v in model.variables:
+        if isinstance(v, sok.Variable):
+            out[v.path] = v.read_global().copy()
+            for k, s in v.slots.items():
+                out[f"{v.path}:{k}"] = s.read_global().copy()
+        else:
+            out[v.path] = np.array(v.numpy())
+    if optimizer is not None:
+        for v in optimizer.variables:
+            out[f"opt:{v.path}"] = np.array(v.numpy())
+    return out
+
+
+def _assert_same(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def _manifest(folder):
+    with open(os.path.join(folder, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _write_manifest(folder, m, fix_crc=True):
+    if fix_crc:
+        m["manifest_crc32"] = checkpoint._manifest_crc(m)
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+def _data_file(folder, name):
+    return os.path.join(folder, _manifest(folder)["data"], name)
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A one-rank DLRM trained 2 steps and dumped; a fresh model to load
+    into, and its state before loading."""
+    model, (x, y) = _dlrm()
+    model.fit(x, y, batch_size=16, verbose=0)
+    path = str(tmp_path / "ckpt")
+    sok.dump(path, model)
+    saved = _state(model)
+    keras.utils.clear_session()
+    fresh, _ = _dlrm()
+    build_once(fresh.optimizer, fresh.trainable_variables)
+    return path, saved, fresh, _state(fresh)
+
+
+def _load_fails(path, model, before, *needles):
+    with pytest.raises(sok.CheckpointError) as info:
+        sok.load(path, model)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+    _assert_same(before, _state(model))  # nothing partly loaded
+    return message
+
+
+# -- one rank ----------------------------------------------------------------
+def test_one_rank_round_trip(trained, tmp_path):
+    path, saved, fresh, _ = trained
+    manifest = sok.load(path, fresh)
+    assert manifest["world_size"] == 1
+    assert manifest["format_version"] == checkpoint.FORMAT_VERSION
+    assert manifest["optimizer"]["iterations"] == 2
+    loaded = _state(fresh)
+    _assert_same(saved, loaded)
+    assert sorted(fresh.get_layer("embedding").embeddings.slots) == ["m", "v"]
+    # Dumping again replaces the data folder; the old one is removed.
+    old = _manifest(path)["data"]
+    sok.dump(path, fresh)
+    new = _manifest(path)["data"]
+    assert new != old and not os.path.exists(os.path.join(path, old))
+    assert sorted(os.listdir(path)) == sorted(["manifest.json", new])
+
+
+def test_one_rank_continued_training_matches(tmp_path):
+    model, (x, y) = _dlrm(steps=4)
+    model.fit({k: v[:32] for k, v in x.items()}, y[:32], batch_size=16,
+              verbose=0, shuffle=False)
+    sok.dump(str(tmp_path / "c"), model)
+    rest = ({k: v[32:] for k, v in x.items()}, y[32:])
+    expected = model.fit(*rest, batch_size=16, verbose=0,
+                         shuffle=False).history["loss"]
+    keras.utils.clear_session()
+    fresh, _ = _dlrm(steps=4)
+    sok.load(str(tmp_path / "c"), fresh)  # builds the optimizer
+    got = fresh.fit(*rest, batch_size=16, verbose=0,
+                    shuffle=False).history["loss"]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_list_of_variables_and_config_mismatches(tmp_path):
+    path = str(tmp_path / "vars")
+    table = sok.Variable(np.arange(40, dtype=np.float32).reshape(10, 4),
+                         name="t")
+    dense = keras.Variable(np.ones((3,), np.float32), name="w")
+    sok.dump(path, [table, dense])
+    other = sok.Variable(np.zeros((10, 4), np.float32), name="t")
+    w2 = keras.Variable(np.zeros((3,), np.float32), name="w")
+    sok.load(path, [other, w2])
+    np.testing.assert_array_equal(other.numpy(), table.numpy())
+    np.testing.assert_array_equal(w2.numpy(), dense.numpy())
+    cases = [
+        (np.zeros((11, 4), np.float32), "float32", "(10, 4)"),  # vocabulary
+        (np.zeros((10, 5), np.float32), "float32", "(10, 4)"),  # dim
+        (np.zeros((10, 4), np.float64), "float64", "float32"),  # dtype
+    ]
+    for value, dtype, expected in cases:
+        bad = sok.Variable(value, dtype=dtype, name="t")
+        w3 = keras.Variable(np.zeros((3,), np.float32), name="w")
+        before = bad.numpy().copy()
+        with pytest.raises(sok.CheckpointError) as info:
+            sok.load(path, [bad, w3])
+        message = str(info.value)
+        assert "manifest.json" in message and "'t'" in message, message
+        assert f"expected {expected}" in message or expected in message, \
+            message
+        np.testing.assert_array_equal(bad.numpy(), before)
+        np.testing.assert_array_equal(w3.numpy(), np.zeros(3))
+    renamed = sok.Variable(np.zeros((10, 4), np.float32), name="u")
+    with pytest.raises(sok.CheckpointError, match="tables do not match"):
+        sok.load(path, [renamed, w2])
+
+
+def test_missing_shard(trained):
+    path, _, fresh, before = trained
+    os.remove(_data_file(path, "t0-r0.bin"))
+    _load_fails(path, fresh, before, "t0-r0.bin", "embedding/embeddings",
+                "missing")
+
+
+def test_corrupted_byte_is_a_checksum_error_and_nothing_is_loaded(trained):
+    path, _, fresh, before = trained
+    shard = _data_file(path, "t0-r0.bin")
+    with open(shard, "r+b") as f:  # the last byte: in the last slot, so
+        f.seek(-1, os.SEEK_END)     # the table's rows were read fine
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x10]))
+    _load_fails(path, fresh, before, "t0-r0.bin", "embedding/embeddings",
+                "checksum mismatch", "expected 0x")
+
+
+def test_corrupted_dense_file(trained):
+    path, _, fresh, before = trained
+    with open(_data_file(path, "dense.bin"), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    _load_fails(path, fresh, before, "dense.bin", "checksum mismatch")
+
+
+def test_newer_format_version(trained):
+    path, _, fresh, before = trained
+    m = _manifest(path)
+    m["format_version"] = checkpoint.FORMAT_VERSION + 1
+    _write_manifest(path, m)
+    _load_fails(path, fresh, before, "manifest.json",
+                f"format version {checkpoint.FORMAT_VERSION + 1}",
+                f"expected at most {checkpoint.FORMAT_VERSION}")
+
+
+def test_edited_manifest_fails_its_checksum(trained):
+    path, _, fresh, before = trained
+    m = _manifest(path)
+    m["tables"][0]["shape"][0] += 1
+    _write_manifest(path, m, fix_crc=False)
+    _load_fails(path, fresh, before, "manifest.json", "checksum")
+
+
+@pytest.mark.parametrize("bad", ["../t0-r0.bin", "/etc/passwd", "a/../../b",
+                                 ".."])
+def test_path_escape_in_manifest_is_refused(trained, bad):
+    path, _, fresh, before = trained
+    m = _manifest(path)
+    m["files"][bad] = m["files"].pop("t0-r0.bin")
+    m["tables"][0]["files"] = [bad]
+    _write_manifest(path, m)
+    _load_fails(path, fresh, before, repr(bad), "not a plain file name")
+
+
+def test_data_folder_escape_in_manifest_is_refused(trained):
+    path, _, fresh, before = trained
+    m = _manifest(path)
+    m["data"] = "../elsewhere"
+    _write_manifest(path, m)
+    _load_fails(path, fresh, before, "'../elsewhere'", "manifest.json")
+
+
+def test_symlink_out_of_the_folder_is_refused(trained, tmp_path):
+    path, _, fresh, before = trained
+    shard = _data_file(path, "t0-r0.bin")
+    outside = str(tmp_path / "outside.bin")
+    shutil.move(shard, outside)
+    os.symlink(outside, shard)
+    _load_fails(path, fresh, before, "t0-r0.bin", "outside the checkpoint")
+
+
+def test_truncated_file(trained):
+    path, _, fresh, before = trained
+    shard = _data_file(path, "t0-r0.bin")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    _load_fails(path, fresh, before, "t0-r0.bin", "embedding/embeddings",
+                f"{size // 2} bytes on disk, expected {size}")
+
+
+def test_size_field_that_lies_is_caught_before_allocating(trained):
+    path, _, fresh, before = trained
+    shard = _data_file(path, "t0-r0.bin")
+    with open(shard, "r+b") as f:  # a header claiming 1 TB, CRC fixed up
+        head = f.read(checkpoint._HEADER.size)
+        magic, version, block, _ = checkpoint._HEADER.unpack(head)
+        head = checkpoint._HEADER.pack(magic, version, block, 1 << 40)
+        f.seek(0)
+        f.write(head + struct.pack("<I", zlib.crc32(head)))
+    _load_fails(path, fresh, before, "t0-r0.bin", "header says 1099511627776")
+    # The same lie in the manifest (sizes, and as many CRCs as it needs):
+    # the file on disk is smaller, so nothing is read or allocated.
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    m = _manifest(path)
+    rec = m["files"]["t0-r0.bin"]
+    rec["payload_bytes"] = 1 << 40
+    rec["block_crc32"] = [0] * ((1 << 40) // rec["block_bytes"])
+    _write_manifest(path, m)
+    _load_fails(path, fresh, before, "t0-r0.bin",
+                f"expected {checkpoint._HEADER_BYTES + (1 << 40)}")
+
+
+def test_unknown_dtype_in_manifest(trained):
+    path, _, fresh, before = trained
+    m = _manifest(path)
+    m["tables"][0]["dtype"] = "object"
+    _write_manifest(path, m)
+    _load_fails(path, fresh, before, "embedding/embeddings", "'object'")
+
+
+def test_no_manifest_is_not_a_checkpoint(tmp_path):
+    model, _ = _dlrm()
+    with pytest.raises(sok.CheckpointError, match="no checkpoint manifest"):
+        sok.load(str(tmp_path / "nothing"), model)
+
+
+# -- several ranks -----------------------------------------------------------
+def _npz(path):
+    with np.load(path) as f:  # allow_pickle defaults to False
+        return {k: f[k] for k in f.files}
+
+
+def _check_resharded(out, saved_state, loaded, n, uninterrupted, names):
+    got = _npz(os.path.join(out, f"loaded{n}.npz"))
+    for k, v in saved_state.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=f"{k} at {n} ranks")
+    for name in names:
+        np.testing.assert_array_equal(
+            got[f"{name}/lookup"], saved_state[f"{name}/table"],
+            err_msg=f"lookup of every id of {name} at {n} ranks")
+    for r in loaded:
+        assert r["saved_world_size"] == 2
+        np.testing.assert_allclose(r["losses_after"], uninterrupted,
+                                   rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def dumped_on_two(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt2")
+    path, out = str(base / "ckpt"), str(base / "out")
+    os.makedirs(out)
+    results = run_workers(WORKER, 2, args=["dump", "dlrm", path, out],
+                          timeout=240)
+    assert results[0]["losses_after"] == results[1]["losses_after"]
+    return path, out, results[0]["losses_after"]
+
+
+def test_dump_on_two_ranks_load_on_one_and_three(dumped_on_two):
+    path, out, uninterrupted = dumped_on_two
+    saved = _npz(os.path.join(out, "saved.npz"))
+    assert {"embedding/slot/m", "embedding/slot/v"} <= set(saved)
+    m = _manifest(path)
+    assert m["world_size"] == 2
+    assert [f for f in m["tables"][0]["files"]] == ["t0-r0.bin", "t0-r1.bin"]
+    vocab = saved["embedding/table"].shape[0]
+    for n in (3, 1):
+        loaded = run_workers(WORKER, n, args=["load", "dlrm", path, out],
+                             timeout=240)
+        assert [r["local_rows"]["embedding"] for r in loaded] == [
+            len(range(r, vocab, n)) for r in range(n)]
+        assert all(r["iterations"] == 4 for r in loaded)
+        _check_resharded(out, saved, loaded, n, uninterrupted, ["embedding"])
+
+
+def test_error_on_one_rank_fails_every_rank_and_loads_nothing(
+        dumped_on_two, tmp_path):
+    path, _, _ = dumped_on_two
+    copy = str(tmp_path / "ckpt")
+    shutil.copytree(path, copy)
+    # Loading at 2 ranks, rank 0 reads only t0-r0.bin: corrupt t0-r1.bin.
+    shard = _data_file(copy, "t0-r1.bin")
+    with open(shard, "r+b") as f:
+        f.seek(checkpoint._HEADER_BYTES + 5)
+        b = f.read(1)
+        f.seek(checkpoint._HEADER_BYTES + 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    r0, r1 = run_workers(WORKER, 2, args=["load_error", "dlrm", copy,
+                                          str(tmp_path)], timeout=240)
+    assert "checksum mismatch" in r1["error"] and "t0-r1.bin" in r1["error"]
+    assert "failed on rank(s) [1]" in r0["error"], r0["error"]
+    assert "nothing was loaded" in r0["error"]
+    assert r0["unchanged"] and r1["unchanged"]
+
+
+def test_localized_tables_reshard(tmp_path):
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    os.makedirs(out)
+    # Saved with the localized table on rank 1 of 2; loaded with it on rank
+    # 2 of 3, and on the only rank.
+    dumped = run_workers(WORKER, 2, args=["dump", "localized", path, out, 1],
+                         timeout=240)
+    saved = _npz(os.path.join(out, "saved.npz"))
+    assert {"loc/slot/m", "dist/slot/v"} <= set(saved)
+    m = _manifest(path)
+    loc = [t for t in m["tables"] if t["name"] == "loc/embeddings"][0]
+    assert loc["mode"] == "localized:1" and loc["files"][0] is None
+    for n, target in ((3, 2), (1, 0)):
+        loaded = run_workers(
+            WORKER, n, args=["load", "localized", path, out, target],
+            timeout=240)
+        assert [r["local_rows"]["loc"] for r in loaded] == [
+            37 if r == target else 0 for r in range(n)]
+        _check_resharded(out, saved, loaded, n, dumped[0]["losses_after"],
+                         ["loc", "dist"])
+
+
+def test_dump_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    os.makedirs(out)
+    job = launch(WORKER, 2, args=["crash_dump", "dlrm", path, out],
+                 timeout=120, env={"SOK_COMM_TIMEOUT": "10"})
+    assert job.returncode != 0, job.output
+    assert job.leftovers == []
+    assert not any(r.get("second_dump_returned")
+                   for r in job.results.values()), job.output
+    m = _manifest(path)
+    data = sorted(d for d in os.listdir(path) if d.startswith("data-"))
+    # The killed dump's folder is there, unreferenced; the manifest still
+    # names the first dump's folder, which is whole.
+    assert len(data) == 2 and m["data"] in data, (data, job.output)
+    saved = _npz(os.path.join(out, "saved.npz"))
+    model, _ = _dlrm()
+    sok.load(path, model)
+    st = _state(model)
+    table = model.get_layer("embedding").embeddings
+    np.testing.assert_array_equal(st[table.path], saved["embedding/table"])
+    for k in ("m", "v"):
+        np.testing.assert_array_equal(st[f"{table.path}:{k}"],
+                                      saved[f"embedding/slot/{k}"])
+    for k, v in saved.items():
+        if k.startswith("dense/"):
+            np.testing.assert_array_equal(st[k[len("dense/"):]], v)
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
+# -- the model.fit callback (deliverable 4) ---------------------------------
+FIT_WORKER = worker_path("checkpoint_fit")
+
+
+def test_sharded_checkpoint_arguments():
+    for kwargs in ({"every_n_steps": 0}, {"keep": -1},
+                   {"every_n_epochs": 1.5}, {"every_n_steps": True}):
+        with pytest.raises(ValueError, match="positive integer"):
+            sok.callbacks.ShardedCheckpoint("/tmp/x", **kwargs)
+    cb = sok.callbacks.ShardedCheckpoint("/tmp/x")
+    assert cb.every_n_epochs == 1 and cb.every_n_steps is None
+
+
+def test_sharded_checkpoint_one_rank_keeps_last_k_and_restores(tmp_path):
+    model, (x, y) = _dlrm(steps=6)
+    cb = sok.callbacks.ShardedCheckpoint(str(tmp_path), every_n_steps=2,
+                                         keep=2)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[cb])
+    assert cb.checkpoints() == [4, 6]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000000004",
+                                            "ckpt-0000000006"]
+    saved = _state(model)
+    keras.utils.clear_session()
+    fresh, _ = _dlrm(steps=6)
+    meta = sok.callbacks.ShardedCheckpoint(str(tmp_path)).restore_latest(
+        fresh)
+    # The last step of the epoch: the next thing to do is epoch 1.
+    assert meta == {"step": 6, "epoch": 1, "batch_in_epoch": 0}
+    _assert_same(saved, _state(fresh))
+    empty = sok.callbacks.ShardedCheckpoint(str(tmp_path / "none"))
+    assert empty.restore_latest(fresh) is None
+
+
+def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
+    directory, out = str(tmp_path / "ckpts"), str(tmp_path)
+    run_workers(FIT_WORKER, 2, args=["uninterrupted", directory + "-u", out],
+                timeout=240)
+    job = launch(FIT_WORKER, 2, args=["killed", directory, out], timeout=120,
+                 env={"SOK_COMM_TIMEOUT": "10"})
+    assert job.returncode != 0, job.output
+    assert job.leftovers == []
+    # Killed at global step 9 (epoch 1, batch 3); checkpoints every 2
+    # steps, the last 2 kept.
+    assert sorted(os.listdir(directory)) == ["ckpt-0000000006",
+                                             "ckpt-0000000008"], job.output
+    copy = str(tmp_path / "ckpts-copy")
+    shutil.copytree(directory, copy)
+    r0, r1 = run_workers(FIT_WORKER, 2, args=["resume", directory, out],
+                         timeout=240)
+    assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2}
+    assert r0["iterations"] == 8 and r1["iterations"] == 8
+    assert r0["checkpoints"] == [10, 12]
+    expected = _npz(os.path.join(out, "final_uninterrupted.npz"))
+    got = _npz(os.path.join(out, "final_resume.npz"))
+    assert sorted(expected) == sorted(got)
+    for k in expected:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=1e-6,
+                                   err_msg=k)
+    # The same checkpoint resumed at 3 ranks (re-sharded): the same result
+    # (runs at different numbers of ranks agree to 1e-6, see
+    # tests/training_setup.py).
+    out3 = str(tmp_path / "three")
+    os.makedirs(out3)
+    results = run_workers(FIT_WORKER, 3, args=["resume", copy, out3],
+                          timeout=240)
+    assert all(r["iterations"] == 8 for r in results)
+    got3 = _npz(os.path.join(out3, "final_resume.npz"))
+    for k in expected:
+        np.testing.assert_allclose(got3[k], expected[k], rtol=0, atol=1e-6,
+                                   err_msg=f"{k} at 3 ranks")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_other_dtypes_round_trip_bit_for_bit(tmp_path, dtype):
+    rng = np.random.default_rng(5)
+    value = rng.normal(size=(23, 3)).astype(np.float32)
+    table = sok.Variable(value, dtype=dtype, name="t")
+    sok.dump(str(tmp_path / "c"), [table])
+    other = sok.Variable(np.zeros((23, 3), np.float32), dtype=dtype,
+                         name="t")
+    sok.load(str(tmp_path / "c"), [other])
+    assert other.dtype == table.dtype
+    np.testing.assert_array_equal(
+        np.asarray(other.numpy()).view(np.uint8),
+        np.asarray(table.numpy()).view(np.uint8))

@@ -1,0 +1,85 @@
+"""model.fit with sok.callbacks.ShardedCheckpoint, killed and resumed.
+
+argv: ACTION DIR OUT
+
+ACTION:
+  uninterrupted  fit 2 epochs of 6 steps; OUT/final.npz (rank 0);
+  killed         the same with ShardedCheckpoint(DIR, every_n_steps=2,
+                 keep=2); rank 1 dies (os._exit) before the 4th step of the
+                 second epoch (global step 10);
+  resume         ShardedCheckpoint(DIR, ...).restore_latest(model), then
+                 fit what is left (the rest of the interrupted epoch, then
+                 the remaining epochs) with the callback on; OUT/final.npz.
+"""
+
+import os
+import sys
+
+import sok_keras as sok
+
+sok.init()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from _worker import RANK, write_result  # noqa: E402
+
+from tests.training_setup import make_model_and_data  # noqa: E402
+
+action, directory, out = sys.argv[1:4]
+STEPS, EPOCHS, GLOBAL_BATCH = 6, 2, 48
+
+model, optimizer, (x, y) = make_model_and_data("sok", "adam", STEPS,
+                                               GLOBAL_BATCH)
+model.compile(optimizer=sok.optimizers.OptimizerWrapper(optimizer),
+              loss="binary_crossentropy")
+epoch_ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+    GLOBAL_BATCH, drop_remainder=True)
+
+
+def fit(ds, epochs, callbacks, initial_epoch=0):
+    model.fit(sok.shard_batches(ds), epochs=epochs, verbose=0,
+              initial_epoch=initial_epoch, callbacks=callbacks)
+
+
+def final_state():
+    table = model.get_layer("embedding").embeddings
+    st = {"table": table.read_global()}
+    for k in sorted(table.slots):
+        st[f"slot/{k}"] = table.slots[k].read_global()
+    for v in model.variables + model.optimizer.variables:
+        if not isinstance(v, sok.Variable):
+            st[v.path] = np.asarray(v.numpy())
+    if RANK == 0:
+        np.savez(os.path.join(out, f"final_{action}.npz"), **st)
+
+
+result = {}
+ckpt = sok.callbacks.ShardedCheckpoint(directory, every_n_steps=2, keep=2)
+if action == "uninterrupted":
+    fit(epoch_ds, EPOCHS, [])
+elif action == "killed":
+    class Die(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if RANK == 1 and self.epoch == 1 and batch == 3:
+                os._exit(9)  # killed mid-epoch
+
+    fit(epoch_ds, EPOCHS, [ckpt, Die()])
+elif action == "resume":
+    meta = ckpt.restore_latest(model)
+    result["meta"] = meta
+    result["iterations"] = int(model.optimizer.iterations.numpy())
+    epoch, done = meta["epoch"], meta["batch_in_epoch"]
+    if done:  # the rest of the interrupted epoch
+        fit(epoch_ds.skip(done), epoch + 1, [ckpt], initial_epoch=epoch)
+        epoch += 1
+    if epoch < EPOCHS:
+        fit(epoch_ds, EPOCHS, [ckpt], initial_epoch=epoch)
+    result["checkpoints"] = ckpt.checkpoints()
+else:
+    raise SystemExit(f"unknown action {action!r}")
+final_state()
+write_result(result)
