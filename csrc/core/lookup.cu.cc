@@ -505,6 +505,17 @@ __global__ void GradChunkCountsKernel(const int32_t* offsets,
   }
 }
 
+// slot_row[c] = u for each of row u's first-level chunks c.
+__global__ void GradChunkRowsKernel(const int64_t* chunk_base,
+                                    int64_t num_rows, int64_t* slot_row) {
+  for (int64_t u = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       u < num_rows; u += int64_t{gridDim.x} * blockDim.x) {
+    for (int64_t c = chunk_base[u]; c < chunk_base[u + 1]; ++c) {
+      slot_row[c] = u;
+    }
+  }
+}
+
 // The row whose slots [base[u], base[u + 1]) hold slot s.
 __device__ __forceinline__ int64_t RowOfSlot(const int64_t* base,
                                              int64_t num_rows, int64_t s) {
@@ -517,12 +528,13 @@ __global__ void SegmentCombineGradChunkKernel(
     const T* __restrict__ weights, const T* __restrict__ denominator,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ order,
     int64_t num_rows, const int64_t* __restrict__ chunk_base,
-    const int64_t* __restrict__ partial_base, int64_t slots,
+    const int64_t* __restrict__ partial_base,
+    const int64_t* __restrict__ slot_row, int64_t slots,
     T* __restrict__ partial, T* __restrict__ out) {
   const int64_t total = chunk_base[num_rows];
   for (int64_t c = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
        c < slots && c < total; c += int64_t{gridDim.x} * blockDim.y) {
-    const int64_t u = RowOfSlot(chunk_base, num_rows, c);
+    const int64_t u = slot_row[c];
     const int64_t j = c - chunk_base[u];
     const bool single = chunk_base[u + 1] - chunk_base[u] == 1;
     const int64_t begin = offsets[u] + j * kChunk;
@@ -850,11 +862,17 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
         Scratch(d, 2 * partial_slots * dim, &partial[0], "grad partials"));
     partial[1] = partial[0] + partial_slots * dim;
   }
+  int64_t* slot_row = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, chunk_slots, &slot_row, "grad chunk rows"));
+  GradChunkRowsKernel<<<BlocksFor(num_rows, kThreads), kThreads, 0, stream>>>(
+      chunk_base, num_rows, slot_row);
+  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkRowsKernel");
   const GroupShape chunk_shape = ShapeFor(chunk_slots, dim);
   SegmentCombineGradChunkKernel<T, Tseg>
       <<<chunk_shape.blocks, chunk_shape.block, 0, stream>>>(
           grad, dim, segment_ids, weights, denominator, offsets, order,
-          num_rows, chunk_base, partial_base, chunk_slots, partial[0], out);
+          num_rows, chunk_base, partial_base, slot_row, chunk_slots,
+          partial[0], out);
   SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradChunkKernel");
   // Level l reduces rows of more than kChunk^l terms; nnz bounds a row.
   const GroupShape reduce_shape = ShapeFor(partial_slots, dim);

@@ -1,0 +1,128 @@
+"""Where a sok step's GPU time goes: kernel times from TensorFlow's profiler.
+
+Profiles, on the GPU, (a) the one-rank pooled lookup's forward + backward
+and (b) the sparse Adam update of its gradient, on the inputs of
+bench/gpu_step.py (Zipf ids, batch x features x hotness into a vocab x dim
+fp32 table), then reads the profiler's XPlane files and prints, per phase,
+the GPU kernels and copies that took the most device time (summed over the
+profiled steps, divided by the step count).
+
+Usage (on the GPU machine): `python bench/gpu_profile.py [--out FILE]`.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_step  # noqa: E402  (zipf_ids)
+
+
+def _kernel_times(logdir):
+    """{event name: total device ms} over the GPU planes of the trace."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    totals = collections.Counter()
+    seen = []
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
+                          recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            seen.append((plane.name, [ln.name for ln in plane.lines][:8]))
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            names = {k: v.name for k, v in plane.event_metadata.items()}
+            for line in plane.lines:
+                # Kernel and memcpy lines carry the stream's events; skip the
+                # derived lines (TF op / step summaries) that repeat them.
+                if "stream" not in line.name.lower():
+                    continue
+                for ev in line.events:
+                    totals[names.get(ev.metadata_id, "?")] += (
+                        ev.duration_ps / 1e9)
+    if not totals:
+        print("no GPU stream events; planes and lines:", seen)
+    return totals
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16384)
+    p.add_argument("--features", type=int, default=26)
+    p.add_argument("--hotness", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=10_000_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=14)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import sok_keras as sok
+    from sok_keras.optimizers import sparse_kernels
+
+    B, F, H, V, D = (args.batch, args.features, args.hotness, args.vocab,
+                     args.dim)
+    ids = gpu_step.zipf_ids(B * F * H, V, seed=1)
+    init = keras.initializers.RandomUniform(-0.05, 0.05, seed=3)
+    table = sok.Variable(init, shape=(V, D), name="profile_table")
+    bags = tf.constant(ids.reshape(-1, H))
+    up = tf.ones([B * F, D])
+
+    @tf.function
+    def fwd_bwd():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(
+                sok.lookup_sparse(table, bags, combiners="sum") * up)
+        g = tape.gradient(loss, table.value)
+        return g.values, g.indices
+
+    values, indices = fwd_bwd()
+    m = tf.Variable(tf.zeros([V, D]))
+    v = tf.Variable(tf.zeros([V, D]))
+
+    @tf.function
+    def adam():
+        sparse_kernels.sparse_adam(table.value, m, v, indices, values, 1e-3,
+                                   1, 0.9, 0.999, 1e-7)
+        return tf.constant(0)
+
+    adam()
+    report = {"config": vars(args)}
+    for name, fn in (("forward_backward", fwd_bwd), ("sparse_adam", adam)):
+        logdir = tempfile.mkdtemp(prefix=f"sok_prof_{name}_")
+        tf.profiler.experimental.start(logdir)
+        for _ in range(args.steps):
+            out = fn()
+        np.asarray(tf.nest.flatten(out)[0])
+        tf.profiler.experimental.stop()
+        try:
+            totals = _kernel_times(logdir)
+        except Exception as e:  # the trace format is TF's to change
+            report[name] = {"error": repr(e)}
+            print(name, "could not read the trace:", repr(e))
+            continue
+        per_step = {k: round(t / args.steps, 4)
+                    for k, t in totals.most_common(args.top)}
+        report[name] = {"gpu_ms_per_step": round(
+            sum(totals.values()) / args.steps, 3), "top": per_step}
+        print(f"== {name}: {report[name]['gpu_ms_per_step']} ms of GPU "
+              "events per step")
+        for k, t in per_step.items():
+            print(f"  {t:8.3f} ms  {k[:110]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
