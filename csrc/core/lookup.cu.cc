@@ -26,6 +26,7 @@
 
 #include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
+#include "core/half.h"
 #include "core/lookup.h"
 
 namespace sok {
@@ -414,6 +415,8 @@ GroupShape ShapeFor(int64_t groups, int64_t dim) {
   return shape;
 }
 
+// T is the storage type; the arithmetic runs in A = AccOf<T> (core/half.h)
+// and each output element is rounded once, at its store.
 template <typename T, typename Tseg>
 __global__ void SegmentCombineKernel(const T* rows, int64_t dim,
                                      const int32_t* inverse,
@@ -422,23 +425,26 @@ __global__ void SegmentCombineKernel(const T* rows, int64_t dim,
                                      const int32_t* order,
                                      int64_t num_segments, int combiner,
                                      T* out) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   for (int64_t b = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
        b < num_segments; b += int64_t{gridDim.x} * blockDim.y) {
     const int64_t begin = offsets[b];
     const int64_t end = offsets[b + 1];
     T* o = out + b * dim;
     for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
-      T acc = T(0);
-      T weight_sum = T(0);
-      T square_sum = T(0);
+      A acc = A(0);
+      A weight_sum = A(0);
+      A square_sum = A(0);
       for (int64_t k = begin; k < end; ++k) {
         const int64_t i = order == nullptr ? k : order[k];
-        const T value = rows[static_cast<int64_t>(inverse[i]) * dim + e];
+        const A value =
+            S::Load(rows[static_cast<int64_t>(inverse[i]) * dim + e]);
         if (weights == nullptr) {
           acc = Add(acc, value);
-          weight_sum = Add(weight_sum, T(1));
+          weight_sum = Add(weight_sum, A(1));
         } else {
-          const T w = weights[i];
+          const A w = S::Load(weights[i]);
           acc = Add(acc, Mul(w, value));
           weight_sum = Add(weight_sum, w);
           square_sum = Add(square_sum, Mul(w, w));
@@ -446,28 +452,29 @@ __global__ void SegmentCombineKernel(const T* rows, int64_t dim,
       }
       if (weights == nullptr) square_sum = weight_sum;
       if (combiner != static_cast<int>(Combiner::kSum)) {
-        const T denominator = combiner == static_cast<int>(Combiner::kMean)
+        const A denominator = combiner == static_cast<int>(Combiner::kMean)
                                   ? weight_sum
                                   : Sqrt(square_sum);
-        acc = denominator == T(0) ? T(0) : Div(acc, denominator);
+        acc = denominator == A(0) ? A(0) : Div(acc, denominator);
       }
-      o[e] = acc;
+      o[e] = S::Store(acc);
     }
   }
 }
 
 // denominator[b] for mean (sum of weights) or sqrtn (sqrt of the sum of
-// squared weights), summed in ascending position order.
+// squared weights), summed in ascending position order, in A = AccOf<T>.
 template <typename T>
 __global__ void DenominatorKernel(const T* weights, const int32_t* offsets,
                                   const int32_t* order, int64_t num_segments,
-                                  bool sqrtn, T* denominator) {
+                                  bool sqrtn, AccOf<T>* denominator) {
+  using A = AccOf<T>;
   for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        b < num_segments; b += int64_t{gridDim.x} * blockDim.x) {
-    T den = T(0);
+    A den = A(0);
     for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
       const int64_t i = order == nullptr ? k : order[k];
-      const T w = weights == nullptr ? T(1) : weights[i];
+      const A w = weights == nullptr ? A(1) : Storage<T>::Load(weights[i]);
       den = Add(den, sqrtn ? Mul(w, w) : w);
     }
     denominator[b] = sqrtn ? Sqrt(den) : den;
@@ -477,26 +484,29 @@ __global__ void DenominatorKernel(const T* weights, const int32_t* offsets,
 template <typename T, typename Tseg>
 __global__ void SegmentCombineGradKernel(
     const T* grad, int64_t dim, const Tseg* segment_ids, const T* weights,
-    const T* denominator, const int32_t* offsets, const int32_t* order,
+    const AccOf<T>* denominator, const int32_t* offsets, const int32_t* order,
     int64_t num_rows, T* out) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   for (int64_t u = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
        u < num_rows; u += int64_t{gridDim.x} * blockDim.y) {
     const int64_t begin = offsets[u];
     const int64_t end = offsets[u + 1];
     T* o = out + u * dim;
     for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
-      T acc = T(0);
+      A acc = A(0);
       for (int64_t k = begin; k < end; ++k) {
         const int64_t i = order == nullptr ? k : order[k];
         const int64_t s = static_cast<int64_t>(segment_ids[i]);
-        T g = grad[s * dim + e];
+        A g = S::Load(grad[s * dim + e]);
         if (denominator != nullptr) {
-          const T den = denominator[s];
-          g = den == T(0) ? T(0) : Div(g, den);
+          const A den = denominator[s];
+          g = den == A(0) ? A(0) : Div(g, den);
         }
-        acc = weights == nullptr ? Add(acc, g) : Add(acc, Mul(g, weights[i]));
+        acc = weights == nullptr ? Add(acc, g)
+                                 : Add(acc, Mul(g, S::Load(weights[i])));
       }
-      o[e] = acc;
+      o[e] = S::Store(acc);
     }
   }
 }
@@ -694,7 +704,7 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
     return Status::Ok();
   }
   // nnz > 0 and valid segment ids imply num_segments >= 1.
-  T* denominator = nullptr;
+  AccOf<T>* denominator = nullptr;
   if (combiner != Combiner::kSum) {
     const int32_t* seg_offsets = nullptr;
     const int32_t* seg_order = nullptr;
@@ -749,6 +759,10 @@ SOK_INSTANTIATE_GPU_COMBINE(float, int32_t)
 SOK_INSTANTIATE_GPU_COMBINE(float, int64_t)
 SOK_INSTANTIATE_GPU_COMBINE(double, int32_t)
 SOK_INSTANTIATE_GPU_COMBINE(double, int64_t)
+SOK_INSTANTIATE_GPU_COMBINE(Half, int32_t)
+SOK_INSTANTIATE_GPU_COMBINE(Half, int64_t)
+SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int32_t)
+SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_GPU_COMBINE
 
 }  // namespace gpu
