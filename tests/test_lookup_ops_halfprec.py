@@ -225,3 +225,35 @@ def test_bucket_pad_round_trips_half_rows_exactly(dtype):
     received[4:6] = x[1:3]
     out = bucket_ops.bucket_unpad(tf.constant(received, dtype), counts, e, 0)
     _assert_bits_equal(out.numpy(), np.concatenate([x[0:3], x[1:3]]))
+
+
+TABLE_OPS = ("SokSegmentCombine", "SokSegmentCombineGrad", "SokBucketPad",
+             "SokBucketUnpad", "SokSparseApplySgd", "SokSparseApplyMomentum",
+             "SokSparseApplyAdagrad", "SokSparseApplyAdam",
+             "SokSparseApplyAdamW", "SokSparseApplyFtrl",
+             "SokSparseApplyRmsprop")
+
+
+@pytest.mark.parametrize("op", TABLE_OPS)
+def test_half_kernels_are_registered(op):
+    """CPU kernels for float16 and bfloat16 (and GPU ones in a CUDA build);
+    the optimizers' with float32 slots (Tacc)."""
+    from tensorflow.python.framework import kernels
+
+    from sok_keras import _ops
+
+    _ops.ops()  # loads the library
+    devices = ["CPU"] + (["GPU"] if _ops.build_info()["with_cuda"] else [])
+    found = {}
+    for k in kernels.get_registered_kernels_for_op(op).kernel:
+        c = {x.name: list(x.allowed_values.list.type) for x in k.constraint}
+        # No constraint on T (SokBucketPad on the CPU): every dtype.
+        for t in c.get("T", [d.as_datatype_enum for d in HALF_DTYPES]):
+            found.setdefault((k.device_type, t), []).append(c.get("Tacc"))
+    for device in devices:
+        for dtype in HALF_DTYPES:
+            key = (device, dtype.as_datatype_enum)
+            assert key in found, f"{op}: no {device} kernel for {dtype.name}"
+            if op.startswith("SokSparseApply"):
+                assert all(acc == [tf.float32.as_datatype_enum]
+                           for acc in found[key]), (op, device, found[key])
