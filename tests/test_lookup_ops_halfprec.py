@@ -257,3 +257,62 @@ def test_half_kernels_are_registered(op):
             if op.startswith("SokSparseApply"):
                 assert all(acc == [tf.float32.as_datatype_enum]
                            for acc in found[key]), (op, device, found[key])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.name)
+def test_every_16_bit_value_loads_and_stores_exactly(dtype):
+    # One position per segment: out = store(load(x)) for all 65536 bit
+    # patterns; NaNs stay NaN (quieted, with the sign kept).
+    np_dt = dtype.as_numpy_dtype
+    rows = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np_dt)
+    rows = rows.reshape(-1, 1)
+    n = rows.shape[0]
+    out = lookup_ops.segment_combine(
+        tf.constant(rows), np.arange(n, dtype=np.int32),
+        np.arange(n, dtype=np.int64), None, n, "sum").numpy()
+    values = rows.astype(F32)
+    nan = np.isnan(values)
+    # The sum starts from +0, and +0 + -0 is +0.
+    minus_zero = _bits(rows) == 0x8000
+    # float32 denormals (only bfloat16 has values below 2^-126): TensorFlow
+    # runs CPU kernels with denormals flushed to zero, so they may read 0.
+    denormal = (values != 0) & (np.abs(values) < np.finfo(F32).tiny)
+    exact = ~(nan | minus_zero | denormal)
+    np.testing.assert_array_equal(_bits(out)[exact], _bits(rows)[exact])
+    assert np.isnan(out.astype(F32)[nan]).all()
+    np.testing.assert_array_equal(_bits(out)[nan] & 0x8000,
+                                  _bits(rows)[nan] & 0x8000)
+    assert (_bits(out)[minus_zero] == 0).all()
+    got = out.astype(F32)[denormal]
+    assert ((got == values[denormal]) | (got == 0)).all()
+    assert denormal.sum() == (254 if dtype == tf.bfloat16 else 0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.name)
+def test_store_rounds_like_numpy_across_the_range(dtype):
+    # w * row is exact in float32 (8- or 11-bit significands), so each
+    # output is one rounding of a known float32: ties, subnormal results
+    # and overflow to infinity included. NumPy / ml_dtypes round to
+    # nearest even.
+    np_dt = dtype.as_numpy_dtype
+    rng = np.random.default_rng(9)
+    n = 20000
+    if dtype == tf.float16:
+        exp_w = rng.integers(-24, 16, n)
+        exp_r = rng.integers(-14, 16, n)
+    else:  # keep the float32 products normal (no flush-to-zero question)
+        exp_w = rng.integers(-60, 60, n)
+        exp_r = rng.integers(-60, 60, n)
+    w = (rng.uniform(1, 2, n) * 2.0 ** exp_w).astype(F32).astype(np_dt)
+    r = (rng.uniform(1, 2, n) * 2.0 ** exp_r).astype(F32).astype(np_dt)
+    r = np.where(rng.random(n) < 0.5, r, -r).astype(np_dt).reshape(-1, 1)
+    out = lookup_ops.segment_combine(
+        tf.constant(r), np.arange(n, dtype=np.int32),
+        np.arange(n, dtype=np.int64), tf.constant(w), n, "sum").numpy()
+    with np.errstate(over="ignore"):  # overflow to inf is intended
+        want = (w.astype(F32) * r[:, 0].astype(F32)).astype(np_dt)
+    want = want.reshape(-1, 1)
+    np.testing.assert_array_equal(_bits(out), _bits(want))
+    stored = np.abs(want.astype(F32))
+    if dtype == tf.float16:  # the sample reaches both ends of the range
+        assert np.isinf(stored).any() and (stored < 2.0 ** -14).any()
