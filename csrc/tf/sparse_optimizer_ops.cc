@@ -288,6 +288,8 @@ class SokSparseApplyBase : public OpKernel {
   // The accumulation type (float for half / bfloat16 tables).
   using A = ::sok::TfAccOf<T>;
   using B = Buffers<T, A>;
+  // The core/ storage type of the table (sok::Half for Eigen::half, ...).
+  using C = ::sok::CoreT<T>;
 
   SokSparseApplyBase(OpKernelConstruction* c, std::vector<std::string> names,
                      int num_scalars)
@@ -572,10 +574,11 @@ class SgdOp : public SokSparseApplyBase<Device, T, Index> {
  protected:
   using typename SokSparseApplyBase<Device, T, Index>::A;
   using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
   so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
                    const ApplyArgs& a) override {
-    return so::ApplySgd<::sok::CoreT<T>>(::sok::CorePtr(b.var), a.rows, a.dim, a.uniq_rows, g, a.n,
-                           this->Scalar(ctx, 0), a.pf);
+    return so::ApplySgd<C>(::sok::CorePtr(b.var), a.rows, a.dim, a.uniq_rows,
+                           g, a.n, this->Scalar(ctx, 0), a.pf);
   }
 #ifdef SOK_WITH_CUDA
   so::gpu::Rule GpuRule(OpKernelContext* ctx,
@@ -597,11 +600,13 @@ class MomentumOp : public SokSparseApplyBase<Device, T, Index> {
  protected:
   using typename SokSparseApplyBase<Device, T, Index>::A;
   using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
   so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
                    const ApplyArgs& a) override {
-    return so::ApplyMomentum<::sok::CoreT<T>>(::sok::CorePtr(b.var), b.slot[1], a.rows, a.dim, a.uniq_rows, g,
-                                a.n, this->Scalar(ctx, 0),
-                                this->Scalar(ctx, 1), nesterov_, a.pf);
+    return so::ApplyMomentum<C>(::sok::CorePtr(b.var), b.slot[1], a.rows,
+                                a.dim, a.uniq_rows, g, a.n,
+                                this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                                nesterov_, a.pf);
   }
 #ifdef SOK_WITH_CUDA
   so::gpu::Rule GpuRule(OpKernelContext* ctx,
@@ -626,9 +631,11 @@ class AdagradOp : public SokSparseApplyBase<Device, T, Index> {
  protected:
   using typename SokSparseApplyBase<Device, T, Index>::A;
   using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
   so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
                    const ApplyArgs& a) override {
-    return so::ApplyAdagrad<::sok::CoreT<T>>(::sok::CorePtr(b.var), b.slot[1], a.rows, a.dim, a.uniq_rows, g, a.n,
+    return so::ApplyAdagrad<C>(::sok::CorePtr(b.var), b.slot[1], a.rows,
+                               a.dim, a.uniq_rows, g, a.n,
                                this->Scalar(ctx, 0), this->Scalar(ctx, 1),
                                a.pf);
   }
@@ -658,10 +665,11 @@ class AdamOp : public SokSparseApplyBase<Device, T, Index> {
   }
   using typename SokSparseApplyBase<Device, T, Index>::A;
   using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
   so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
                    const ApplyArgs& a) override {
     const A wd = kWeightDecay ? this->Scalar(ctx, 5) : A(0);
-    return so::ApplyAdam<::sok::CoreT<T>>(
+    return so::ApplyAdam<C>(
         ::sok::CorePtr(b.var), b.slot[1], b.slot[2],
         amsgrad_ ? b.slot[3] : nullptr,
                             a.rows, a.dim, a.uniq_rows, g, a.n,
@@ -698,10 +706,12 @@ class FtrlOp : public SokSparseApplyBase<Device, T, Index> {
  protected:
   using typename SokSparseApplyBase<Device, T, Index>::A;
   using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
   so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
                    const ApplyArgs& a) override {
-    return so::ApplyFtrl<::sok::CoreT<T>>(::sok::CorePtr(b.var), b.slot[1], b.slot[2], a.rows, a.dim, a.uniq_rows, g,
-                            a.n, this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+    return so::ApplyFtrl<C>(::sok::CorePtr(b.var), b.slot[1], b.slot[2],
+                            a.rows, a.dim, a.uniq_rows, g, a.n,
+                            this->Scalar(ctx, 0), this->Scalar(ctx, 1),
                             this->Scalar(ctx, 2), this->Scalar(ctx, 3),
                             this->Scalar(ctx, 4), this->Scalar(ctx, 5), a.pf);
   }
@@ -738,9 +748,10 @@ class RmspropOp : public SokSparseApplyBase<Device, T, Index> {
   }
   using typename SokSparseApplyBase<Device, T, Index>::A;
   using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
   so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
                    const ApplyArgs& a) override {
-    return so::ApplyRmsprop<::sok::CoreT<T>>(
+    return so::ApplyRmsprop<C>(
         ::sok::CorePtr(b.var), b.slot[1], use_momentum_ ? b.slot[2] : nullptr,
         centered_ ? b.slot[3] : nullptr,
         a.rows, a.dim, a.uniq_rows, g, a.n, this->Scalar(ctx, 0),
