@@ -459,8 +459,10 @@ void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
                        (dim * 2 + 8);
   RunParallel(parallel_for, num_segments, cost, [&](int64_t begin,
                                                     int64_t end) {
+    // The float32 sums of a 16-bit table (unused for float and double).
+    std::vector<AccOf<T>> scratch(std::is_same<AccOf<T>, T>::value ? 0 : dim);
     for (int64_t b = begin; b < end; ++b) {
-      RowPooler<T> pooler(out + b * dim, dim);
+      RowPooler<T> pooler(out + b * dim, dim, scratch.data());
       for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
         const int64_t i = identity ? k : order[k];
         const T* row = rows + static_cast<int64_t>(inverse[i]) * dim;

@@ -77,9 +77,15 @@ class RowPooler {
  public:
   using Acc = AccOf<T>;
 
-  RowPooler(T* out, int64_t dim) : out_(out), dim_(dim) {
+  // `scratch` ([dim] of Acc, optional) holds the sums when Acc is not T, so
+  // that a loop over many outputs allocates once; by default the pooler
+  // owns a buffer.
+  RowPooler(T* out, int64_t dim, Acc* scratch = nullptr)
+      : out_(out), dim_(dim) {
     if constexpr (std::is_same<Acc, T>::value) {
       acc_ = out_;
+    } else if (scratch != nullptr) {
+      acc_ = scratch;
     } else {
       buffer_.resize(static_cast<size_t>(dim_));
       acc_ = buffer_.data();
