@@ -110,7 +110,9 @@ def segment_combine(
     inputs.
 
     Args:
-        rows: float32 or float64 tensor `[U, D]`, the unique rows.
+        rows: float16, bfloat16, float32 or float64 tensor `[U, D]`, the
+            unique rows. For float16/bfloat16 the pooling runs in float32
+            and each output element is rounded once (to nearest even).
         inverse: int32 tensor `[nnz]`, the row of each position.
         segment_ids: int32 or int64 tensor `[nnz]`, the output row of each
             position, in any order.

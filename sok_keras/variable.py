@@ -81,7 +81,10 @@ class Variable(keras.Variable):
             initializer (a name such as `"uniform"`, or an instance) used
             with `shape`, which fills only the local shard.
         mode: `"distributed"` (default) or `"localized:<rank>"`.
-        dtype: the table's dtype. Defaults to the dtype of
+        dtype: the table's dtype: `"float32"`, `"float64"`, `"float16"` or
+            `"bfloat16"` (stored in 16 bits, an initial array rounded to
+            nearest even; lookups and sparse updates compute in float32 and
+            its optimizer slots are float32). Defaults to the dtype of
             `initial_value` when it is floating point, else `"float32"`.
         name: the table's name.
         shape: `(rows, dim)`, required when `initial_value` is an

@@ -29,19 +29,21 @@ def _data(n, seed=7):
             "cc": cc}, y
 
 
-def build_model():
+def build_model(dtype=None):
+    """`dtype`: the layers' dtype (policy) for every table, or None."""
+    kw = {} if dtype is None else {"dtype": dtype}
     dist_in = keras.Input(shape=(4,), dtype="int64", name="dist")
     loc_in = keras.Input(shape=(3,), dtype="int64", name="loc")
     a2a_in = keras.Input(shape=(2, 2), dtype="int64", name="a2a")
     d = sok.layers.DistributedEmbedding(VOCABS["dist"], 4, combiner="mean",
-                                        name="dist_emb")(dist_in)
+                                        name="dist_emb", **kw)(dist_in)
     lo = sok.layers.LocalizedEmbedding(
         VOCABS["loc"], 3, combiner="sqrtn", rank=sok.num_ranks() - 1,
         pooling="owner",
-        name="loc_emb")(loc_in)
+        name="loc_emb", **kw)(loc_in)
     a = sok.layers.All2AllDenseEmbedding(
         48, 2, slot_num=2, nnz_per_slot=2, vocabulary_size=VOCABS["a2a"],
-        name="a2a_emb")(a2a_in)
+        name="a2a_emb", **kw)(a2a_in)
     coll_in = {
         "ca": keras.Input(shape=(2,), dtype="int64", name="ca"),
         "cb": keras.Input(shape=(3,), dtype="int64", name="cb"),
@@ -56,7 +58,7 @@ def build_model():
         features={"ca": {"table": "t1"},
                   "cb": {"table": "t2", "combiner": "mean"},
                   "cc": {"table": "t1", "combiner": None}},
-        name="coll")(coll_in)
+        name="coll", **kw)(coll_in)
     x = keras.layers.Concatenate()([
         d, lo, keras.layers.Flatten()(a), coll["ca"], coll["cb"],
         keras.layers.Flatten()(coll["cc"])])
@@ -74,10 +76,11 @@ def _tables(model):
     return tables
 
 
-def build_and_fit(steps, global_batch, num_ranks=None):
+def build_and_fit(steps, global_batch, num_ranks=None, dtype=None):
     """Builds, initializes tables from a fixed seed, trains; returns
-    per-step losses, the whole tables and the dense weights."""
-    model = build_model()
+    per-step losses, the whole tables (as float32) and the dense weights.
+    `dtype`: the tables' layers' dtype (e.g. "bfloat16"), or None."""
+    model = build_model(dtype)
     rng = np.random.default_rng(3)
     for _, table in sorted(_tables(model).items()):
         table.assign_global(rng.normal(
@@ -97,8 +100,12 @@ def build_and_fit(steps, global_batch, num_ranks=None):
     tables = _tables(model)
     return {
         "losses": losses,
-        "tables": {n: t.read_global().tolist()
+        "tables": {n: t.read_global().astype("float32").tolist()
                    for n, t in sorted(tables.items())},
+        "table_dtypes": {n: str(t.dtype) for n, t in tables.items()},
+        "slot_dtypes": {f"{n}.{k}": str(s.dtype)
+                        for n, t in tables.items()
+                        for k, s in t.slots.items()},
         "local_rows": {n: int(t.shape[0]) for n, t in tables.items()},
         "dense": [w.tolist() for w in model.get_layer("hidden").get_weights()],
     }

@@ -125,7 +125,7 @@ def test_segment_combine_bad_index_on_gpu():
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.int64, tf.int32,
-                                   tf.float64])
+                                   tf.float64, tf.float16, tf.bfloat16])
 def test_bucket_pad_unpad_match_cpu(dtype):
     counts = tf.constant([[3, 0, 5], [1, 2, 2], [0, 0, 7]], tf.int64)
     rng = np.random.default_rng(3)
@@ -198,6 +198,116 @@ def test_sparse_optimizer_bad_index_on_gpu_writes_nothing():
             sparse_kernels.sparse_sgd(var, tf.constant([1, 7], tf.int64),
                                       tf.ones([2, 2]), 1.0)
     np.testing.assert_array_equal(var.numpy(), np.ones([5, 2]))
+
+
+# ---------------------------------------------------------------------------
+# float16 / bfloat16 tables: the GPU equals the CPU bit for bit (both load
+# into float32, compute with the same correctly rounded operations in the
+# same order, and round once to nearest even at the store).
+
+HALF_DTYPES = [tf.float16, tf.bfloat16]
+
+
+def _assert_bits_equal(what, want, got):
+    """Bitwise equality of two 16-bit (or float32) arrays, with a message
+    that says how many elements differ and shows the first one."""
+    want, got = np.asarray(want), np.asarray(got)
+    assert want.dtype == got.dtype and want.shape == got.shape, (
+        f"{what}: {want.dtype}{want.shape} vs {got.dtype}{got.shape}")
+    view = np.uint16 if want.dtype.itemsize == 2 else np.uint32
+    diff = np.argwhere(want.view(view) != got.view(view))
+    if diff.size:
+        first = tuple(int(i) for i in diff[0])
+        raise AssertionError(
+            f"{what}: {len(diff)} of {want.size} elements differ bitwise; "
+            f"first at {first}: CPU {want[first]!r} "
+            f"(0x{int(want.view(view)[first]):x}) vs GPU {got[first]!r} "
+            f"(0x{int(got.view(view)[first]):x})")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim", [1, 16, 129])
+def test_half_segment_combine_and_grad_bitwise_equal_cpu(dtype, combiner,
+                                                         weighted, dim):
+    rng = np.random.default_rng(70 + dim)
+    num_rows, nnz, batch = 300, 4000, 700  # some segments stay empty
+    rows = tf.constant(rng.normal(size=(num_rows, dim)), dtype)
+    inverse = tf.constant(rng.integers(0, num_rows, nnz).astype(np.int32))
+    segs = tf.constant(rng.integers(0, batch, nnz).astype(np.int64))
+    weights = (tf.constant(rng.uniform(0.1, 2.0, nnz), dtype) if weighted
+               else None)
+    grad = tf.constant(rng.normal(size=(batch, dim)), dtype)
+
+    def f(rows, grad):
+        fwd = lookup_ops.segment_combine(rows, inverse, segs, weights, batch,
+                                         combiner)
+        bwd = ops().sok_segment_combine_grad(
+            grad=grad, inverse=inverse, segment_ids=segs,
+            weights=weights if weights is not None else tf.zeros([0], dtype),
+            num_unique=tf.constant(num_rows, tf.int64), combiner=combiner)
+        return fwd, bwd
+
+    cpu, gpu, gpu2 = _both(f, rows, grad)
+    for name, c, g, g2 in zip(("SokSegmentCombine", "SokSegmentCombineGrad"),
+                              cpu, gpu, gpu2):
+        assert c.dtype == dtype.as_numpy_dtype
+        _assert_bits_equal(f"{name} {dtype.name} GPU run 1 vs run 2", g, g2)
+        _assert_bits_equal(f"{name} {dtype.name} CPU vs GPU", c, g)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_half_sparse_optimizer_bitwise_equal_cpu(rule, dtype, index_dtype):
+    """A 16-bit table with float32 slots, three steps on each device."""
+    nslots, apply = RULES[rule]
+    rows, dim, k = 500, 24, 3000
+    results = []
+    for device in (CPU, GPU, GPU):
+        rng = np.random.default_rng(12)  # the same start on every device
+        with tf.device(device):
+            var = tf.Variable(tf.constant(rng.normal(size=(rows, dim)),
+                                          dtype))
+            slots = _slots(nslots, (rows, dim), np.float32, rng)
+            idx = tf.constant(_ids(rng, k, rows, index_dtype))
+            grad = tf.constant(rng.normal(size=(k, dim)), dtype)
+            for _ in range(3):
+                apply(var, slots, idx, grad)
+        assert var.dtype == dtype
+        results.append([var.numpy()] + [s.numpy() for s in slots])
+    names = ["table"] + [f"slot {i}" for i in range(nslots)]
+    for name, c, g, g2 in zip(names, *results):
+        _assert_bits_equal(f"{rule} {dtype.name} {name} GPU run 1 vs 2", g,
+                           g2)
+        _assert_bits_equal(f"{rule} {dtype.name} {name} CPU vs GPU", c, g)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fit_half_table_on_gpu(dtype):
+    """model.fit with a 16-bit table on the GPU: the table keeps its dtype,
+    its Adam slots are float32, all stay on the GPU, the loss falls."""
+    rng = np.random.default_rng(8)
+    vocab = 3000
+    x = _ids(rng, 256 * 4, vocab, np.int64).reshape(-1, 4)
+    y = (x[:, :1] % 2).astype(np.float32)
+    emb = sok.layers.DistributedEmbedding(vocab, 8, combiner="mean",
+                                          dtype=dtype)
+    ids = keras.Input(shape=(4,), dtype="int64")
+    out = keras.layers.Dense(1)(keras.layers.Activation(
+        "linear", dtype="float32")(emb(ids)))
+    model = keras.Model(ids, out)
+    model.compile(
+        optimizer=sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(0.01)),
+        loss="mse")
+    h = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert h.history["loss"][-1] < h.history["loss"][0]
+    assert emb.embeddings.dtype == dtype
+    assert "GPU" in emb.embeddings.value.device
+    for name, slot in emb.embeddings.slots.items():
+        assert slot.dtype == "float32", name
+        assert "GPU" in slot.value.device, name
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])

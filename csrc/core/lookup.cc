@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 namespace sok {
 namespace lookup {
@@ -458,8 +459,10 @@ void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
                        (dim * 2 + 8);
   RunParallel(parallel_for, num_segments, cost, [&](int64_t begin,
                                                     int64_t end) {
+    // The float32 sums of a 16-bit table (unused for float and double).
+    std::vector<AccOf<T>> scratch(std::is_same<AccOf<T>, T>::value ? 0 : dim);
     for (int64_t b = begin; b < end; ++b) {
-      RowPooler<T> pooler(out + b * dim, dim);
+      RowPooler<T> pooler(out + b * dim, dim, scratch.data());
       for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
         const int64_t i = identity ? k : order[k];
         const T* row = rows + static_cast<int64_t>(inverse[i]) * dim;
@@ -480,27 +483,40 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
                         int64_t num_segments, int64_t num_rows,
                         Combiner combiner, const ParallelFor& parallel_for,
                         T* out) {
+  using Acc = AccOf<T>;
+  using S = Storage<T>;
+  constexpr bool kWide = std::is_same<Acc, T>::value;
   // For mean and sqrtn, scale the incoming gradient by each segment's
   // denominator first (div_no_nan), as the forward divides after summing.
-  std::vector<T> scaled;
-  const T* source = grad;
-  if (combiner != Combiner::kSum) {
-    std::vector<T> denominator(num_segments, T(0));
-    for (int64_t i = 0; i < nnz; ++i) {
-      const T w = weights == nullptr ? T(1) : weights[i];
-      denominator[static_cast<int64_t>(segment_ids[i])] +=
-          combiner == Combiner::kMean ? w : w * w;
+  // The scaled gradient (and, for the 16-bit types, the loaded gradient)
+  // stays in Acc: one rounding, at the store of out.
+  std::vector<Acc> scaled;
+  const Acc* source = nullptr;
+  if constexpr (kWide) source = grad;
+  if (combiner != Combiner::kSum || !kWide) {
+    std::vector<Acc> denominator;
+    if (combiner != Combiner::kSum) {
+      denominator.assign(num_segments, Acc(0));
+      for (int64_t i = 0; i < nnz; ++i) {
+        const Acc w = weights == nullptr ? Acc(1) : S::Load(weights[i]);
+        denominator[static_cast<int64_t>(segment_ids[i])] +=
+            combiner == Combiner::kMean ? w : w * w;
+      }
     }
     scaled.resize(num_segments * dim);
     RunParallel(parallel_for, num_segments, dim * 4 + 8,
                 [&](int64_t begin, int64_t end) {
                   for (int64_t b = begin; b < end; ++b) {
-                    T den = denominator[b];
-                    if (combiner == Combiner::kSqrtn) den = std::sqrt(den);
                     const T* g = grad + b * dim;
-                    T* s = scaled.data() + b * dim;
+                    Acc* s = scaled.data() + b * dim;
+                    if (combiner == Combiner::kSum) {
+                      for (int64_t d = 0; d < dim; ++d) s[d] = S::Load(g[d]);
+                      continue;
+                    }
+                    Acc den = denominator[b];
+                    if (combiner == Combiner::kSqrtn) den = std::sqrt(den);
                     for (int64_t d = 0; d < dim; ++d) {
-                      s[d] = den == T(0) ? T(0) : g[d] / den;
+                      s[d] = den == Acc(0) ? Acc(0) : S::Load(g[d]) / den;
                     }
                   }
                 });
@@ -514,55 +530,65 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
   const int64_t cost = (nnz / std::max<int64_t>(num_rows, 1) + 1) *
                        (dim * 2 + 8);
   RunParallel(parallel_for, num_rows, cost, [&](int64_t begin, int64_t end) {
-    std::vector<T> partials;
-    std::vector<T> next;
+    std::vector<Acc> buffer(kWide ? 0 : dim);
+    std::vector<Acc> partials;
+    std::vector<Acc> next;
     for (int64_t u = begin; u < end; ++u) {
-      T* o = out + u * dim;
+      Acc* o;
+      if constexpr (kWide) {
+        o = out + u * dim;
+      } else {
+        o = buffer.data();
+      }
       const int64_t first = offsets[u];
       const int64_t n = offsets[u + 1] - first;
       // Sums terms [from, to) of row u left to right into acc[0, dim).
-      auto sum_terms = [&](int64_t from, int64_t to, T* acc) {
-        std::fill(acc, acc + dim, T(0));
+      auto sum_terms = [&](int64_t from, int64_t to, Acc* acc) {
+        std::fill(acc, acc + dim, Acc(0));
         for (int64_t k = first + from; k < first + to; ++k) {
           const int64_t i = identity ? k : order[k];
-          const T* g = source + static_cast<int64_t>(segment_ids[i]) * dim;
+          const Acc* g = source + static_cast<int64_t>(segment_ids[i]) * dim;
           if (weights == nullptr) {
             for (int64_t d = 0; d < dim; ++d) acc[d] += g[d];
           } else {
-            const T w = weights[i];
+            const Acc w = S::Load(weights[i]);
             for (int64_t d = 0; d < dim; ++d) acc[d] += g[d] * w;
           }
         }
       };
       if (n <= kGradChunk) {
         sum_terms(0, n, o);
-        continue;
-      }
-      // The kGradChunk tree order (core/lookup.h), as on the GPU.
-      int64_t count = (n + kGradChunk - 1) / kGradChunk;
-      partials.assign(count * dim, T(0));
-      for (int64_t j = 0; j < count; ++j) {
-        sum_terms(j * kGradChunk, std::min(n, (j + 1) * kGradChunk),
-                  partials.data() + j * dim);
-      }
-      while (count > 1) {
-        const int64_t m = (count + kGradChunk - 1) / kGradChunk;
-        T* dst = o;
-        if (m > 1) {
-          next.assign(m * dim, T(0));
-          dst = next.data();
+      } else {
+        // The kGradChunk tree order (core/lookup.h), as on the GPU.
+        int64_t count = (n + kGradChunk - 1) / kGradChunk;
+        partials.assign(count * dim, Acc(0));
+        for (int64_t j = 0; j < count; ++j) {
+          sum_terms(j * kGradChunk, std::min(n, (j + 1) * kGradChunk),
+                    partials.data() + j * dim);
         }
-        for (int64_t j = 0; j < m; ++j) {
-          T* acc = dst + j * dim;
-          std::fill(acc, acc + dim, T(0));
-          const int64_t stop = std::min(count, (j + 1) * kGradChunk);
-          for (int64_t k = j * kGradChunk; k < stop; ++k) {
-            const T* p = partials.data() + k * dim;
-            for (int64_t d = 0; d < dim; ++d) acc[d] += p[d];
+        while (count > 1) {
+          const int64_t m = (count + kGradChunk - 1) / kGradChunk;
+          Acc* dst = o;
+          if (m > 1) {
+            next.assign(m * dim, Acc(0));
+            dst = next.data();
           }
+          for (int64_t j = 0; j < m; ++j) {
+            Acc* acc = dst + j * dim;
+            std::fill(acc, acc + dim, Acc(0));
+            const int64_t stop = std::min(count, (j + 1) * kGradChunk);
+            for (int64_t k = j * kGradChunk; k < stop; ++k) {
+              const Acc* p = partials.data() + k * dim;
+              for (int64_t d = 0; d < dim; ++d) acc[d] += p[d];
+            }
+          }
+          if (m > 1) partials.swap(next);
+          count = m;
         }
-        if (m > 1) partials.swap(next);
-        count = m;
+      }
+      if constexpr (!kWide) {
+        T* stored = out + u * dim;
+        for (int64_t d = 0; d < dim; ++d) stored[d] = S::Store(o[d]);
       }
     }
   });
@@ -613,6 +639,10 @@ SOK_INSTANTIATE_COMBINE(float, int32_t)
 SOK_INSTANTIATE_COMBINE(float, int64_t)
 SOK_INSTANTIATE_COMBINE(double, int32_t)
 SOK_INSTANTIATE_COMBINE(double, int64_t)
+SOK_INSTANTIATE_COMBINE(Half, int32_t)
+SOK_INSTANTIATE_COMBINE(Half, int64_t)
+SOK_INSTANTIATE_COMBINE(BFloat16, int32_t)
+SOK_INSTANTIATE_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_COMBINE
 
 }  // namespace lookup

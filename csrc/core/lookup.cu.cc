@@ -22,10 +22,12 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
+#include "core/half.h"
 #include "core/lookup.h"
 
 namespace sok {
@@ -414,6 +416,8 @@ GroupShape ShapeFor(int64_t groups, int64_t dim) {
   return shape;
 }
 
+// T is the storage type; the arithmetic runs in A = AccOf<T> (core/half.h)
+// and each output element is rounded once, at its store.
 template <typename T, typename Tseg>
 __global__ void SegmentCombineKernel(const T* rows, int64_t dim,
                                      const int32_t* inverse,
@@ -422,23 +426,26 @@ __global__ void SegmentCombineKernel(const T* rows, int64_t dim,
                                      const int32_t* order,
                                      int64_t num_segments, int combiner,
                                      T* out) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   for (int64_t b = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
        b < num_segments; b += int64_t{gridDim.x} * blockDim.y) {
     const int64_t begin = offsets[b];
     const int64_t end = offsets[b + 1];
     T* o = out + b * dim;
     for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
-      T acc = T(0);
-      T weight_sum = T(0);
-      T square_sum = T(0);
+      A acc = A(0);
+      A weight_sum = A(0);
+      A square_sum = A(0);
       for (int64_t k = begin; k < end; ++k) {
         const int64_t i = order == nullptr ? k : order[k];
-        const T value = rows[static_cast<int64_t>(inverse[i]) * dim + e];
+        const A value =
+            S::Load(rows[static_cast<int64_t>(inverse[i]) * dim + e]);
         if (weights == nullptr) {
           acc = Add(acc, value);
-          weight_sum = Add(weight_sum, T(1));
+          weight_sum = Add(weight_sum, A(1));
         } else {
-          const T w = weights[i];
+          const A w = S::Load(weights[i]);
           acc = Add(acc, Mul(w, value));
           weight_sum = Add(weight_sum, w);
           square_sum = Add(square_sum, Mul(w, w));
@@ -446,28 +453,29 @@ __global__ void SegmentCombineKernel(const T* rows, int64_t dim,
       }
       if (weights == nullptr) square_sum = weight_sum;
       if (combiner != static_cast<int>(Combiner::kSum)) {
-        const T denominator = combiner == static_cast<int>(Combiner::kMean)
+        const A denominator = combiner == static_cast<int>(Combiner::kMean)
                                   ? weight_sum
                                   : Sqrt(square_sum);
-        acc = denominator == T(0) ? T(0) : Div(acc, denominator);
+        acc = denominator == A(0) ? A(0) : Div(acc, denominator);
       }
-      o[e] = acc;
+      o[e] = S::Store(acc);
     }
   }
 }
 
 // denominator[b] for mean (sum of weights) or sqrtn (sqrt of the sum of
-// squared weights), summed in ascending position order.
+// squared weights), summed in ascending position order, in A = AccOf<T>.
 template <typename T>
 __global__ void DenominatorKernel(const T* weights, const int32_t* offsets,
                                   const int32_t* order, int64_t num_segments,
-                                  bool sqrtn, T* denominator) {
+                                  bool sqrtn, AccOf<T>* denominator) {
+  using A = AccOf<T>;
   for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        b < num_segments; b += int64_t{gridDim.x} * blockDim.x) {
-    T den = T(0);
+    A den = A(0);
     for (int64_t k = offsets[b]; k < offsets[b + 1]; ++k) {
       const int64_t i = order == nullptr ? k : order[k];
-      const T w = weights == nullptr ? T(1) : weights[i];
+      const A w = weights == nullptr ? A(1) : Storage<T>::Load(weights[i]);
       den = Add(den, sqrtn ? Mul(w, w) : w);
     }
     denominator[b] = sqrtn ? Sqrt(den) : den;
@@ -522,60 +530,122 @@ __device__ __forceinline__ int64_t RowOfSlot(const int64_t* base,
   return LowerBound(base, num_rows + 1, s + 1) - 1;
 }
 
-template <typename T, typename Tseg>
+// Lanes per chunk: enough for one pass over a row of `dim` in VEC-wide
+// pieces (a power of 2, at most a warp).
+int LanesLog2(int64_t dim, int vec) {
+  const int64_t pieces = (dim + vec - 1) / vec;
+  int lanes_log2 = 0;
+  while ((int64_t{1} << lanes_log2) < pieces && lanes_log2 < 5) ++lanes_log2;
+  return lanes_log2;
+}
+
+// Loads VEC consecutive values of a row as A (16-byte loads for float rows
+// of a width divisible by 4: the VEC == 4 instantiation is only used then).
+template <typename T, int VEC>
+struct GradLoader {
+  __device__ __forceinline__ static void Load(const T* p, int64_t valid,
+                                              AccOf<T>* v) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      v[k] = k < valid ? Storage<T>::Load(p[k]) : AccOf<T>(0);
+    }
+  }
+};
+
+template <>
+struct GradLoader<float, 4> {
+  __device__ __forceinline__ static void Load(const float* p, int64_t valid,
+                                              float* v) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(p));
+    v[0] = q.x;
+    v[1] = q.y;
+    v[2] = q.z;
+    v[3] = q.w;
+    (void)valid;
+  }
+};
+
+// First level: `lanes` threads per chunk, each owning VEC columns; the
+// chunk's terms (<= kChunk) are summed left to right in A = AccOf<T>. A
+// row of one chunk is stored (rounded once) into `out`; otherwise the sum
+// is a partial, kept in A.
+template <typename T, typename Tseg, int VEC>
 __global__ void SegmentCombineGradChunkKernel(
-    const T* __restrict__ grad, int64_t dim, const Tseg* __restrict__ segment_ids,
-    const T* __restrict__ weights, const T* __restrict__ denominator,
+    const T* __restrict__ grad, int64_t dim,
+    const Tseg* __restrict__ segment_ids, const T* __restrict__ weights,
+    const AccOf<T>* __restrict__ denominator,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ order,
     int64_t num_rows, const int64_t* __restrict__ chunk_base,
     const int64_t* __restrict__ partial_base,
-    const int64_t* __restrict__ slot_row, int64_t slots,
-    T* __restrict__ partial, T* __restrict__ out) {
+    const int64_t* __restrict__ slot_row, int64_t slots, int lanes_log2,
+    AccOf<T>* __restrict__ partial, T* __restrict__ out) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   const int64_t total = chunk_base[num_rows];
-  for (int64_t c = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
-       c < slots && c < total; c += int64_t{gridDim.x} * blockDim.y) {
+  const int64_t lanes = int64_t{1} << lanes_log2;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       t < slots * lanes; t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = t >> lanes_log2;
+    if (c >= total) break;  // later t only have larger c
+    const int64_t lane = t & (lanes - 1);
     const int64_t u = slot_row[c];
     const int64_t j = c - chunk_base[u];
     const bool single = chunk_base[u + 1] - chunk_base[u] == 1;
     const int64_t begin = offsets[u] + j * kChunk;
-    const int64_t end = min(begin + kChunk, static_cast<int64_t>(offsets[u + 1]));
-    T* o = single ? out + u * dim : partial + (partial_base[u] + j) * dim;
-    for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
-      T acc = T(0);
-      for (int64_t k0 = begin; k0 < end; k0 += 8) {
-        T g[8];
+    const int64_t end =
+        min(begin + kChunk, static_cast<int64_t>(offsets[u + 1]));
+    for (int64_t c0 = lane * VEC; c0 < dim; c0 += lanes * VEC) {
+      const int64_t valid = dim - c0;
+      A acc[VEC];
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          const int64_t k = k0 + t;
-          g[t] = T(0);
-          if (k < end) {
-            const int64_t i = order == nullptr ? k : order[k];
-            const int64_t sg = static_cast<int64_t>(segment_ids[i]);
-            T x = grad[sg * dim + e];
-            if (denominator != nullptr) {
-              const T den = denominator[sg];
-              x = den == T(0) ? T(0) : Div(x, den);
-            }
-            g[t] = weights == nullptr ? x : Mul(x, weights[i]);
+      for (int v = 0; v < VEC; ++v) acc[v] = A(0);
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t i = order == nullptr ? k : order[k];
+        const int64_t sg = static_cast<int64_t>(segment_ids[i]);
+        A x[VEC];
+        GradLoader<T, VEC>::Load(grad + sg * dim + c0, valid, x);
+        if (denominator != nullptr) {
+          const A den = denominator[sg];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            x[v] = den == A(0) ? A(0) : Div(x[v], den);
           }
         }
+        if (weights != nullptr) {
+          const A w = S::Load(weights[i]);
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          if (k0 + t < end) acc = Add(acc, g[t]);
+          for (int v = 0; v < VEC; ++v) x[v] = Mul(x[v], w);
+        }
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] = Add(acc[v], x[v]);
+      }
+      if (single) {
+        T* o = out + u * dim + c0;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          if (v < valid) o[v] = S::Store(acc[v]);
+        }
+      } else {
+        A* o = partial + (partial_base[u] + j) * dim + c0;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          if (v < valid) o[v] = acc[v];
         }
       }
-      o[e] = acc;
     }
   }
 }
 
 // One level of the partials' reduction: rows with more than one partial
-// at this level (`level` chunkings of the row's length) sum them in chunks.
+// at this level (`level` chunkings of the row's length) sum them in chunks
+// (in A); a row left with one chunk is stored, rounded once, into `out`.
 template <typename T>
 __global__ void SegmentCombineGradReduceKernel(
     int64_t dim, const int32_t* __restrict__ offsets, int64_t num_rows,
     const int64_t* __restrict__ partial_base, int64_t slots, int level,
-    const T* __restrict__ in, T* __restrict__ next, T* __restrict__ out) {
+    const AccOf<T>* __restrict__ in, AccOf<T>* __restrict__ next,
+    T* __restrict__ out) {
+  using A = AccOf<T>;
   const int64_t total = partial_base[num_rows];
   for (int64_t s = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
        s < slots && s < total; s += int64_t{gridDim.x} * blockDim.y) {
@@ -588,22 +658,25 @@ __global__ void SegmentCombineGradReduceKernel(
     if (j >= m) continue;
     const int64_t begin = j * kChunk;
     const int64_t end = min(begin + kChunk, n);
-    const T* p = in + partial_base[u] * dim;
-    T* o = m == 1 ? out + u * dim : next + (partial_base[u] + j) * dim;
+    const A* p = in + partial_base[u] * dim;
     for (int64_t e = threadIdx.x; e < dim; e += blockDim.x) {
-      T acc = T(0);
+      A acc = A(0);
       for (int64_t k0 = begin; k0 < end; k0 += 8) {
-        T g[8];
+        A g[8];
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
-          g[t] = k0 + t < end ? p[(k0 + t) * dim + e] : T(0);
+          g[t] = k0 + t < end ? p[(k0 + t) * dim + e] : A(0);
         }
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
           if (k0 + t < end) acc = Add(acc, g[t]);
         }
       }
-      o[e] = acc;
+      if (m == 1) {
+        out[u * dim + e] = Storage<T>::Store(acc);
+      } else {
+        next[(partial_base[u] + j) * dim + e] = acc;
+      }
     }
   }
 }
@@ -818,7 +891,7 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
     return Status::Ok();
   }
   // nnz > 0 and valid segment ids imply num_segments >= 1.
-  T* denominator = nullptr;
+  AccOf<T>* denominator = nullptr;
   if (combiner != Combiner::kSum) {
     const int32_t* seg_offsets = nullptr;
     const int32_t* seg_order = nullptr;
@@ -856,7 +929,8 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
   // terms have partials.
   const int64_t chunk_slots = num_rows + nnz / kChunk + 1;
   const int64_t partial_slots = 2 * (nnz / kChunk + 1);
-  T* partial[2] = {nullptr, nullptr};
+  using A = AccOf<T>;
+  A* partial[2] = {nullptr, nullptr};
   if (nnz > kChunk) {
     SOK_RETURN_IF_ERROR(
         Scratch(d, 2 * partial_slots * dim, &partial[0], "grad partials"));
@@ -867,12 +941,25 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
   GradChunkRowsKernel<<<BlocksFor(num_rows, kThreads), kThreads, 0, stream>>>(
       chunk_base, num_rows, slot_row);
   SOK_LAUNCH_RETURN_IF_ERROR("GradChunkRowsKernel");
-  const GroupShape chunk_shape = ShapeFor(chunk_slots, dim);
-  SegmentCombineGradChunkKernel<T, Tseg>
-      <<<chunk_shape.blocks, chunk_shape.block, 0, stream>>>(
-          grad, dim, segment_ids, weights, denominator, offsets, order,
-          num_rows, chunk_base, partial_base, slot_row, chunk_slots,
-          partial[0], out);
+  const bool vec4 = std::is_same<T, float>::value && dim % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(grad) % 16 == 0;
+  const int vec = vec4 ? 4 : 1;
+  const int lanes_log2 = LanesLog2(dim, vec);
+  const int chunk_blocks =
+      BlocksFor(chunk_slots << lanes_log2, kThreads);
+  if (vec4) {
+    SegmentCombineGradChunkKernel<T, Tseg, 4>
+        <<<chunk_blocks, kThreads, 0, stream>>>(
+            grad, dim, segment_ids, weights, denominator, offsets, order,
+            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
+            lanes_log2, partial[0], out);
+  } else {
+    SegmentCombineGradChunkKernel<T, Tseg, 1>
+        <<<chunk_blocks, kThreads, 0, stream>>>(
+            grad, dim, segment_ids, weights, denominator, offsets, order,
+            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
+            lanes_log2, partial[0], out);
+  }
   SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradChunkKernel");
   // Level l reduces rows of more than kChunk^l terms; nnz bounds a row.
   const GroupShape reduce_shape = ShapeFor(partial_slots, dim);
@@ -915,6 +1002,10 @@ SOK_INSTANTIATE_GPU_COMBINE(float, int32_t)
 SOK_INSTANTIATE_GPU_COMBINE(float, int64_t)
 SOK_INSTANTIATE_GPU_COMBINE(double, int32_t)
 SOK_INSTANTIATE_GPU_COMBINE(double, int64_t)
+SOK_INSTANTIATE_GPU_COMBINE(Half, int32_t)
+SOK_INSTANTIATE_GPU_COMBINE(Half, int64_t)
+SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int32_t)
+SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_GPU_COMBINE
 
 }  // namespace gpu

@@ -13,9 +13,11 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "core/half.h"
 #include "core/parallel.h"
 #include "core/status.h"
 
@@ -67,42 +69,70 @@ enum class Combiner { kSum, kMean, kSqrtn };
 // divides by the combiner's denominator: mean, the sum of the weights;
 // sqrtn, the square root of the sum of squared weights; a zero denominator
 // gives zeros. The one CPU pooling step of SegmentCombine and the one-rank
-// pooled lookup.
+// pooled lookup. The sums run in AccOf<T> (core/half.h: float for the 16-bit
+// types, T otherwise) and Finish rounds each element once into out; Finish
+// must be called (for the 16-bit types it is what writes out).
 template <typename T>
 class RowPooler {
  public:
-  RowPooler(T* out, int64_t dim) : out_(out), dim_(dim) {
-    for (int64_t c = 0; c < dim_; ++c) out_[c] = T(0);
+  using Acc = AccOf<T>;
+
+  // `scratch` ([dim] of Acc, optional) holds the sums when Acc is not T, so
+  // that a loop over many outputs allocates once; by default the pooler
+  // owns a buffer.
+  RowPooler(T* out, int64_t dim, Acc* scratch = nullptr)
+      : out_(out), dim_(dim) {
+    if constexpr (std::is_same<Acc, T>::value) {
+      acc_ = out_;
+    } else if (scratch != nullptr) {
+      acc_ = scratch;
+    } else {
+      buffer_.resize(static_cast<size_t>(dim_));
+      acc_ = buffer_.data();
+    }
+    for (int64_t c = 0; c < dim_; ++c) acc_[c] = Acc(0);
   }
   void Add(const T* row) {
-    for (int64_t c = 0; c < dim_; ++c) out_[c] += row[c];
-    weight_sum_ += T(1);
-    square_sum_ += T(1);
+    for (int64_t c = 0; c < dim_; ++c) acc_[c] += Storage<T>::Load(row[c]);
+    weight_sum_ += Acc(1);
+    square_sum_ += Acc(1);
   }
-  void Add(const T* row, T weight) {
-    for (int64_t c = 0; c < dim_; ++c) out_[c] += weight * row[c];
+  void Add(const T* row, T stored_weight) {
+    const Acc weight = Storage<T>::Load(stored_weight);
+    for (int64_t c = 0; c < dim_; ++c) {
+      acc_[c] += weight * Storage<T>::Load(row[c]);
+    }
     weight_sum_ += weight;
     square_sum_ += weight * weight;
   }
   void Finish(Combiner combiner) {
-    T denominator;
+    Acc denominator;
     if (combiner == Combiner::kMean) {
       denominator = weight_sum_;
     } else if (combiner == Combiner::kSqrtn) {
       denominator = std::sqrt(square_sum_);
     } else {
+      if constexpr (!std::is_same<Acc, T>::value) {
+        for (int64_t c = 0; c < dim_; ++c) {
+          out_[c] = Storage<T>::Store(acc_[c]);
+        }
+      }
       return;
     }
     for (int64_t c = 0; c < dim_; ++c) {
-      out_[c] = denominator == T(0) ? T(0) : out_[c] / denominator;
+      out_[c] = Storage<T>::Store(denominator == Acc(0)
+                                      ? Acc(0)
+                                      : acc_[c] / denominator);
     }
   }
 
  private:
   T* out_;
   int64_t dim_;
-  T weight_sum_ = 0;
-  T square_sum_ = 0;
+  Acc* acc_ = nullptr;
+  std::vector<Acc> buffer_;  // the sums, when Acc is not T
+  Acc weight_sum_ = 0;
+  Acc square_sum_ = 0;
 };
 
 // Parses "sum", "mean" or "sqrtn".

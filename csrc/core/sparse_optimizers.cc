@@ -51,24 +51,25 @@ Status BuildUniqueIndex(const Index* indices, int64_t k, int64_t num_rows,
 
 template <typename T>
 void SumDuplicateRows(const T* grad, int64_t dim, const UniqueIndex& uniq,
-                      T* out, const ParallelFor& parallel_for) {
+                      AccOf<T>* out, const ParallelFor& parallel_for) {
+  using S = Storage<T>;
   const int64_t u = static_cast<int64_t>(uniq.rows.size());
   if (u == 0 || dim == 0) return;
   if (uniq.all_unique) {
-    std::copy(grad, grad + u * dim, out);
+    std::transform(grad, grad + u * dim, out, [](T x) { return S::Load(x); });
     return;
   }
   const int64_t k = static_cast<int64_t>(uniq.positions.size());
   const int64_t cost = std::max<int64_t>(1, dim * (k / u + 1) * 2);
   parallel_for(u, cost, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
-      T* o = out + g * dim;
+      AccOf<T>* o = out + g * dim;
       const int64_t s = uniq.offsets[g], e = uniq.offsets[g + 1];
       const T* first = grad + uniq.positions[s] * dim;
-      std::copy(first, first + dim, o);
+      for (int64_t j = 0; j < dim; ++j) o[j] = S::Load(first[j]);
       for (int64_t q = s + 1; q < e; ++q) {
         const T* gp = grad + uniq.positions[q] * dim;
-        for (int64_t j = 0; j < dim; ++j) o[j] += gp[j];
+        for (int64_t j = 0; j < dim; ++j) o[j] += S::Load(gp[j]);
       }
     }
   });
@@ -92,8 +93,8 @@ Status CheckRows(int64_t num_rows, int64_t dim, const int64_t* rows_idx,
 }
 
 // Calls body(w_row, i, g_row) for every unique row i, in parallel.
-template <typename T, typename Body>
-void ForEachRow(T* var, int64_t dim, const int64_t* rows_idx, const T* grad,
+template <typename T, typename G, typename Body>
+void ForEachRow(T* var, int64_t dim, const int64_t* rows_idx, const G* grad,
                 int64_t n, int64_t cost_per_elem, const ParallelFor& pf,
                 const Body& body) {
   if (n == 0 || dim == 0) return;
@@ -108,36 +109,49 @@ void ForEachRow(T* var, int64_t dim, const int64_t* rows_idx, const T* grad,
 
 }  // namespace
 
+// Every rule loads the stored row element into A = AccOf<T> (core/half.h),
+// computes in A exactly as the float/double rule does, and rounds once when
+// it stores the row element (the identity for float and double). Slots,
+// gradients and hyperparameters are already in A.
+
 template <typename T>
 Status ApplySgd(T* var, int64_t num_rows, int64_t dim, const int64_t* rows_idx,
-                const T* grad, int64_t n, T lr, const ParallelFor& pf) {
+                const AccOf<T>* grad, int64_t n, AccOf<T> lr,
+                const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
   ForEachRow(var, dim, rows_idx, grad, n, 2, pf,
-             [&](int64_t off, const T* g) {
+             [&](int64_t off, const A* g) {
                T* w = var + off;
-               for (int64_t j = 0; j < dim; ++j) w[j] -= g[j] * lr;
+               for (int64_t j = 0; j < dim; ++j) {
+                 w[j] = S::Store(S::Load(w[j]) - g[j] * lr);
+               }
              });
   return Status::Ok();
 }
 
 template <typename T>
-Status ApplyMomentum(T* var, T* mom, int64_t num_rows, int64_t dim,
-                     const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                     T momentum, bool nesterov, const ParallelFor& pf) {
+Status ApplyMomentum(T* var, AccOf<T>* mom, int64_t num_rows, int64_t dim,
+                     const int64_t* rows_idx, const AccOf<T>* grad, int64_t n,
+                     AccOf<T> lr, AccOf<T> momentum, bool nesterov,
+                     const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
   ForEachRow(var, dim, rows_idx, grad, n, 6, pf,
-             [&](int64_t off, const T* g) {
+             [&](int64_t off, const A* g) {
                T* w = var + off;
-               T* m = mom + off;
+               A* m = mom + off;
                for (int64_t j = 0; j < dim; ++j) {
-                 const T mj = m[j] * momentum - g[j] * lr;
+                 const A mj = m[j] * momentum - g[j] * lr;
                  m[j] = mj;
                  if (nesterov) {
-                   w[j] += mj * momentum - g[j] * lr;
+                   w[j] = S::Store(S::Load(w[j]) + (mj * momentum - g[j] * lr));
                  } else {
-                   w[j] += mj;
+                   w[j] = S::Store(S::Load(w[j]) + mj);
                  }
                }
              });
@@ -145,88 +159,99 @@ Status ApplyMomentum(T* var, T* mom, int64_t num_rows, int64_t dim,
 }
 
 template <typename T>
-Status ApplyAdagrad(T* var, T* acc, int64_t num_rows, int64_t dim,
-                    const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                    T epsilon, const ParallelFor& pf) {
+Status ApplyAdagrad(T* var, AccOf<T>* acc, int64_t num_rows, int64_t dim,
+                    const int64_t* rows_idx, const AccOf<T>* grad, int64_t n,
+                    AccOf<T> lr, AccOf<T> epsilon, const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
   ForEachRow(var, dim, rows_idx, grad, n, 20, pf,
-             [&](int64_t off, const T* g) {
+             [&](int64_t off, const A* g) {
                T* w = var + off;
-               T* a = acc + off;
+               A* a = acc + off;
                for (int64_t j = 0; j < dim; ++j) {
-                 const T aj = a[j] + g[j] * g[j];
+                 const A aj = a[j] + g[j] * g[j];
                  a[j] = aj;
-                 w[j] -= (lr * g[j]) / std::sqrt(aj + epsilon);
+                 w[j] = S::Store(S::Load(w[j]) -
+                                 (lr * g[j]) / std::sqrt(aj + epsilon));
                }
              });
   return Status::Ok();
 }
 
 template <typename T>
-Status ApplyAdam(T* var, T* m, T* v, T* vhat, int64_t num_rows, int64_t dim,
-                 const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                 T beta_1, T beta_2, T epsilon, T step, bool apply_weight_decay,
-                 T weight_decay, const ParallelFor& pf) {
+Status ApplyAdam(T* var, AccOf<T>* m, AccOf<T>* v, AccOf<T>* vhat,
+                 int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                 const AccOf<T>* grad, int64_t n, AccOf<T> lr, AccOf<T> beta_1,
+                 AccOf<T> beta_2, AccOf<T> epsilon, AccOf<T> step,
+                 bool apply_weight_decay, AccOf<T> weight_decay,
+                 const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
   // Same operation order and precision as Keras' Adam.update_step.
-  const T beta_1_power = std::pow(beta_1, step);
-  const T beta_2_power = std::pow(beta_2, step);
-  const T alpha = lr * std::sqrt(T(1) - beta_2_power) / (T(1) - beta_1_power);
-  const T one_minus_b1 = T(1) - beta_1;
-  const T one_minus_b2 = T(1) - beta_2;
+  const A beta_1_power = std::pow(beta_1, step);
+  const A beta_2_power = std::pow(beta_2, step);
+  const A alpha = lr * std::sqrt(A(1) - beta_2_power) / (A(1) - beta_1_power);
+  const A one_minus_b1 = A(1) - beta_1;
+  const A one_minus_b2 = A(1) - beta_2;
   ForEachRow(var, dim, rows_idx, grad, n, 30, pf,
-             [&](int64_t off, const T* g) {
-               T* w = var + off;
-               T* mr = m + off;
-               T* vr = v + off;
-               T* vh = vhat ? vhat + off : nullptr;
+             [&](int64_t off, const A* g) {
+               T* wr = var + off;
+               A* mr = m + off;
+               A* vr = v + off;
+               A* vh = vhat ? vhat + off : nullptr;
                for (int64_t j = 0; j < dim; ++j) {
-                 if (apply_weight_decay) w[j] -= w[j] * weight_decay * lr;
-                 const T mj = mr[j] + (g[j] - mr[j]) * one_minus_b1;
-                 const T vj = vr[j] + (g[j] * g[j] - vr[j]) * one_minus_b2;
+                 A w = S::Load(wr[j]);
+                 if (apply_weight_decay) w -= w * weight_decay * lr;
+                 const A mj = mr[j] + (g[j] - mr[j]) * one_minus_b1;
+                 const A vj = vr[j] + (g[j] * g[j] - vr[j]) * one_minus_b2;
                  mr[j] = mj;
                  vr[j] = vj;
-                 T vu = vj;
+                 A vu = vj;
                  if (vh) {
                    vu = std::max(vh[j], vj);
                    vh[j] = vu;
                  }
-                 w[j] -= (mj * alpha) / (std::sqrt(vu) + epsilon);
+                 wr[j] = S::Store(w - (mj * alpha) / (std::sqrt(vu) + epsilon));
                }
              });
   return Status::Ok();
 }
 
 template <typename T>
-Status ApplyFtrl(T* var, T* acc, T* linear, int64_t num_rows, int64_t dim,
-                 const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                 T lr_power, T l1, T l2, T l2_shrinkage, T beta,
+Status ApplyFtrl(T* var, AccOf<T>* acc, AccOf<T>* linear, int64_t num_rows,
+                 int64_t dim, const int64_t* rows_idx, const AccOf<T>* grad,
+                 int64_t n, AccOf<T> lr, AccOf<T> lr_power, AccOf<T> l1,
+                 AccOf<T> l2, AccOf<T> l2_shrinkage, AccOf<T> beta,
                  const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
-  const T l2_reg = l2 + beta / (T(2) * lr);
-  const T two_l2_reg = T(2) * l2_reg;
-  const T two_shrink = T(2) * l2_shrinkage;
-  const T neg_power = -lr_power;
+  const A l2_reg = l2 + beta / (A(2) * lr);
+  const A two_l2_reg = A(2) * l2_reg;
+  const A two_shrink = A(2) * l2_shrinkage;
+  const A neg_power = -lr_power;
   ForEachRow(var, dim, rows_idx, grad, n, 80, pf,
-             [&](int64_t off, const T* g) {
+             [&](int64_t off, const A* g) {
                T* w = var + off;
-               T* a = acc + off;
-               T* l = linear + off;
+               A* a = acc + off;
+               A* l = linear + off;
                for (int64_t j = 0; j < dim; ++j) {
-                 const T wj = w[j];
-                 const T gj = g[j];
-                 const T grad_to_use = gj + two_shrink * wj;
-                 const T new_acc = a[j] + gj * gj;
-                 const T new_pow = std::pow(new_acc, neg_power);
-                 const T old_pow = std::pow(a[j], neg_power);
-                 const T lj = l[j] + (grad_to_use - ((new_pow - old_pow) / lr) * wj);
+                 const A wj = S::Load(w[j]);
+                 const A gj = g[j];
+                 const A grad_to_use = gj + two_shrink * wj;
+                 const A new_acc = a[j] + gj * gj;
+                 const A new_pow = std::pow(new_acc, neg_power);
+                 const A old_pow = std::pow(a[j], neg_power);
+                 const A lj = l[j] + (grad_to_use - ((new_pow - old_pow) / lr) * wj);
                  l[j] = lj;
-                 const T quadratic = new_pow / lr + two_l2_reg;
-                 const T clipped = std::min(std::max(lj, -l1), l1);
-                 w[j] = (clipped - lj) / quadratic;
+                 const A quadratic = new_pow / lr + two_l2_reg;
+                 const A clipped = std::min(std::max(lj, -l1), l1);
+                 w[j] = S::Store((clipped - lj) / quadratic);
                  a[j] = new_acc;
                }
              });
@@ -234,38 +259,41 @@ Status ApplyFtrl(T* var, T* acc, T* linear, int64_t num_rows, int64_t dim,
 }
 
 template <typename T>
-Status ApplyRmsprop(T* var, T* vel, T* mom, T* avg, int64_t num_rows,
-                    int64_t dim, const int64_t* rows_idx, const T* grad,
-                    int64_t n, T lr, T rho, T momentum, T epsilon,
+Status ApplyRmsprop(T* var, AccOf<T>* vel, AccOf<T>* mom, AccOf<T>* avg,
+                    int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                    const AccOf<T>* grad, int64_t n, AccOf<T> lr, AccOf<T> rho,
+                    AccOf<T> momentum, AccOf<T> epsilon,
                     const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
-  const T one_minus_rho = T(1) - rho;
+  const A one_minus_rho = A(1) - rho;
   ForEachRow(var, dim, rows_idx, grad, n, 30, pf,
-             [&](int64_t off, const T* g) {
+             [&](int64_t off, const A* g) {
                T* w = var + off;
-               T* ve = vel + off;
-               T* mo = mom ? mom + off : nullptr;
-               T* av = avg ? avg + off : nullptr;
+               A* ve = vel + off;
+               A* mo = mom ? mom + off : nullptr;
+               A* av = avg ? avg + off : nullptr;
                for (int64_t j = 0; j < dim; ++j) {
-                 const T gj = g[j];
-                 const T vj = rho * ve[j] + one_minus_rho * (gj * gj);
+                 const A gj = g[j];
+                 const A vj = rho * ve[j] + one_minus_rho * (gj * gj);
                  ve[j] = vj;
-                 T denom;
+                 A denom;
                  if (av) {
-                   const T aj = rho * av[j] + one_minus_rho * gj;
+                   const A aj = rho * av[j] + one_minus_rho * gj;
                    av[j] = aj;
                    denom = vj - aj * aj + epsilon;
                  } else {
                    denom = vj + epsilon;
                  }
-                 const T inc = (lr * gj) / std::sqrt(denom);
+                 const A inc = (lr * gj) / std::sqrt(denom);
                  if (mo) {
-                   const T mj = momentum * mo[j] + inc;
+                   const A mj = momentum * mo[j] + inc;
                    mo[j] = mj;
-                   w[j] -= mj;
+                   w[j] = S::Store(S::Load(w[j]) - mj);
                  } else {
-                   w[j] -= inc;
+                   w[j] = S::Store(S::Load(w[j]) - inc);
                  }
                }
              });
@@ -281,26 +309,35 @@ SOK_INSTANTIATE_INDEX(int64_t)
 
 #define SOK_INSTANTIATE(T)                                                    \
   template void SumDuplicateRows<T>(const T*, int64_t, const UniqueIndex&,    \
-                                    T*, const ParallelFor&);                  \
-  template Status ApplySgd<T>(T*, int64_t, int64_t, const int64_t*, const T*, \
-                              int64_t, T, const ParallelFor&);                \
-  template Status ApplyMomentum<T>(T*, T*, int64_t, int64_t, const int64_t*,  \
-                                   const T*, int64_t, T, T, bool,             \
+                                    AccOf<T>*, const ParallelFor&);           \
+  template Status ApplySgd<T>(T*, int64_t, int64_t, const int64_t*,           \
+                              const AccOf<T>*, int64_t, AccOf<T>,             \
+                              const ParallelFor&);                            \
+  template Status ApplyMomentum<T>(T*, AccOf<T>*, int64_t, int64_t,           \
+                                   const int64_t*, const AccOf<T>*, int64_t,  \
+                                   AccOf<T>, AccOf<T>, bool,                  \
                                    const ParallelFor&);                       \
-  template Status ApplyAdagrad<T>(T*, T*, int64_t, int64_t, const int64_t*,   \
-                                  const T*, int64_t, T, T,                    \
-                                  const ParallelFor&);                        \
-  template Status ApplyAdam<T>(T*, T*, T*, T*, int64_t, int64_t,              \
-                               const int64_t*, const T*, int64_t, T, T, T, T, \
-                               T, bool, T, const ParallelFor&);               \
-  template Status ApplyFtrl<T>(T*, T*, T*, int64_t, int64_t, const int64_t*,  \
-                               const T*, int64_t, T, T, T, T, T, T,           \
+  template Status ApplyAdagrad<T>(T*, AccOf<T>*, int64_t, int64_t,            \
+                                  const int64_t*, const AccOf<T>*, int64_t,   \
+                                  AccOf<T>, AccOf<T>, const ParallelFor&);    \
+  template Status ApplyAdam<T>(T*, AccOf<T>*, AccOf<T>*, AccOf<T>*, int64_t,  \
+                               int64_t, const int64_t*, const AccOf<T>*,      \
+                               int64_t, AccOf<T>, AccOf<T>, AccOf<T>,         \
+                               AccOf<T>, AccOf<T>, bool, AccOf<T>,            \
                                const ParallelFor&);                           \
-  template Status ApplyRmsprop<T>(T*, T*, T*, T*, int64_t, int64_t,           \
-                                  const int64_t*, const T*, int64_t, T, T, T, \
-                                  T, const ParallelFor&);
+  template Status ApplyFtrl<T>(T*, AccOf<T>*, AccOf<T>*, int64_t, int64_t,    \
+                               const int64_t*, const AccOf<T>*, int64_t,      \
+                               AccOf<T>, AccOf<T>, AccOf<T>, AccOf<T>,        \
+                               AccOf<T>, AccOf<T>, const ParallelFor&);       \
+  template Status ApplyRmsprop<T>(T*, AccOf<T>*, AccOf<T>*, AccOf<T>*,        \
+                                  int64_t, int64_t, const int64_t*,           \
+                                  const AccOf<T>*, int64_t, AccOf<T>,         \
+                                  AccOf<T>, AccOf<T>, AccOf<T>,               \
+                                  const ParallelFor&);
 SOK_INSTANTIATE(float)
 SOK_INSTANTIATE(double)
+SOK_INSTANTIATE(Half)
+SOK_INSTANTIATE(BFloat16)
 #undef SOK_INSTANTIATE
 
 }  // namespace sparse_opt

@@ -27,6 +27,7 @@
 
 #include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
+#include "core/half.h"
 #include "core/sparse_optimizers.h"
 
 namespace sok {
@@ -125,118 +126,136 @@ __device__ __forceinline__ T StdMin(T a, T b) { return (b < a) ? b : a; }
 // and the slots with the summed gradient g. Mirrors the Apply* loop bodies of
 // core/sparse_optimizers.cc expression by expression.
 
+// T is the table's storage type; A = AccOf<T> the type of the slots, the
+// summed gradient, the hyperparameters and all arithmetic (core/half.h). A
+// row element is loaded into A and rounded once at its store.
+
 template <typename T>
 struct SgdFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   T* var;
-  T lr;
-  __device__ __forceinline__ void operator()(int64_t i, T g) const {
-    var[i] = Sub(var[i], Mul(g, lr));  // w -= g * lr
+  A lr;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    var[i] = S::Store(Sub(S::Load(var[i]), Mul(g, lr)));  // w -= g * lr
   }
 };
 
 template <typename T>
 struct MomentumFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   T* var;
-  T* mom;
-  T lr, momentum;
+  A* mom;
+  A lr, momentum;
   bool nesterov;
-  __device__ __forceinline__ void operator()(int64_t i, T g) const {
-    const T mj = Sub(Mul(mom[i], momentum), Mul(g, lr));
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A mj = Sub(Mul(mom[i], momentum), Mul(g, lr));
     mom[i] = mj;
     if (nesterov) {
-      var[i] = Add(var[i], Sub(Mul(mj, momentum), Mul(g, lr)));
+      var[i] = S::Store(
+          Add(S::Load(var[i]), Sub(Mul(mj, momentum), Mul(g, lr))));
     } else {
-      var[i] = Add(var[i], mj);
+      var[i] = S::Store(Add(S::Load(var[i]), mj));
     }
   }
 };
 
 template <typename T>
 struct AdagradFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   T* var;
-  T* acc;
-  T lr, epsilon;
-  __device__ __forceinline__ void operator()(int64_t i, T g) const {
-    const T aj = Add(acc[i], Mul(g, g));
+  A* acc;
+  A lr, epsilon;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A aj = Add(acc[i], Mul(g, g));
     acc[i] = aj;
-    var[i] = Sub(var[i], Div(Mul(lr, g), Sqrt(Add(aj, epsilon))));
+    var[i] = S::Store(
+        Sub(S::Load(var[i]), Div(Mul(lr, g), Sqrt(Add(aj, epsilon)))));
   }
 };
 
 template <typename T>
 struct AdamFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   T* var;
-  T* m;
-  T* v;
-  T* vhat;  // nullptr unless amsgrad
-  T lr, epsilon, alpha, one_minus_b1, one_minus_b2, weight_decay;
+  A* m;
+  A* v;
+  A* vhat;  // nullptr unless amsgrad
+  A lr, epsilon, alpha, one_minus_b1, one_minus_b2, weight_decay;
   bool apply_weight_decay;
-  __device__ __forceinline__ void operator()(int64_t i, T g) const {
-    T w = var[i];
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    A w = S::Load(var[i]);
     if (apply_weight_decay) w = Sub(w, Mul(Mul(w, weight_decay), lr));
-    const T mr = m[i];
-    const T vr = v[i];
-    const T mj = Add(mr, Mul(Sub(g, mr), one_minus_b1));
-    const T vj = Add(vr, Mul(Sub(Mul(g, g), vr), one_minus_b2));
+    const A mr = m[i];
+    const A vr = v[i];
+    const A mj = Add(mr, Mul(Sub(g, mr), one_minus_b1));
+    const A vj = Add(vr, Mul(Sub(Mul(g, g), vr), one_minus_b2));
     m[i] = mj;
     v[i] = vj;
-    T vu = vj;
+    A vu = vj;
     if (vhat != nullptr) {
       vu = StdMax(vhat[i], vj);
       vhat[i] = vu;
     }
-    var[i] = Sub(w, Div(Mul(mj, alpha), Add(Sqrt(vu), epsilon)));
+    var[i] = S::Store(Sub(w, Div(Mul(mj, alpha), Add(Sqrt(vu), epsilon))));
   }
 };
 
 template <typename T>
 struct FtrlFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   T* var;
-  T* acc;
-  T* linear;
-  T lr, l1, two_l2_reg, two_shrink, neg_power;
-  __device__ __forceinline__ void operator()(int64_t i, T g) const {
-    const T wj = var[i];
-    const T aj = acc[i];
-    const T grad_to_use = Add(g, Mul(two_shrink, wj));
-    const T new_acc = Add(aj, Mul(g, g));
-    const T new_pow = Pow(new_acc, neg_power);
-    const T old_pow = Pow(aj, neg_power);
-    const T lj =
+  A* acc;
+  A* linear;
+  A lr, l1, two_l2_reg, two_shrink, neg_power;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A wj = S::Load(var[i]);
+    const A aj = acc[i];
+    const A grad_to_use = Add(g, Mul(two_shrink, wj));
+    const A new_acc = Add(aj, Mul(g, g));
+    const A new_pow = Pow(new_acc, neg_power);
+    const A old_pow = Pow(aj, neg_power);
+    const A lj =
         Add(linear[i], Sub(grad_to_use, Mul(Div(Sub(new_pow, old_pow), lr), wj)));
     linear[i] = lj;
-    const T quadratic = Add(Div(new_pow, lr), two_l2_reg);
-    const T clipped = StdMin(StdMax(lj, -l1), l1);
-    var[i] = Div(Sub(clipped, lj), quadratic);
+    const A quadratic = Add(Div(new_pow, lr), two_l2_reg);
+    const A clipped = StdMin(StdMax(lj, -l1), l1);
+    var[i] = S::Store(Div(Sub(clipped, lj), quadratic));
     acc[i] = new_acc;
   }
 };
 
 template <typename T>
 struct RmspropFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
   T* var;
-  T* vel;
-  T* mom;  // nullptr unless momentum
-  T* avg;  // nullptr unless centered
-  T lr, rho, one_minus_rho, momentum, epsilon;
-  __device__ __forceinline__ void operator()(int64_t i, T g) const {
-    const T vj = Add(Mul(rho, vel[i]), Mul(one_minus_rho, Mul(g, g)));
+  A* vel;
+  A* mom;  // nullptr unless momentum
+  A* avg;  // nullptr unless centered
+  A lr, rho, one_minus_rho, momentum, epsilon;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A vj = Add(Mul(rho, vel[i]), Mul(one_minus_rho, Mul(g, g)));
     vel[i] = vj;
-    T denom;
+    A denom;
     if (avg != nullptr) {
-      const T aj = Add(Mul(rho, avg[i]), Mul(one_minus_rho, g));
+      const A aj = Add(Mul(rho, avg[i]), Mul(one_minus_rho, g));
       avg[i] = aj;
       denom = Add(Sub(vj, Mul(aj, aj)), epsilon);
     } else {
       denom = Add(vj, epsilon);
     }
-    const T inc = Div(Mul(lr, g), Sqrt(denom));
+    const A inc = Div(Mul(lr, g), Sqrt(denom));
     if (mom != nullptr) {
-      const T mj = Add(Mul(momentum, mom[i]), inc);
+      const A mj = Add(Mul(momentum, mom[i]), inc);
       mom[i] = mj;
-      var[i] = Sub(var[i], mj);
+      var[i] = S::Store(Sub(S::Load(var[i]), mj));
     } else {
-      var[i] = Sub(var[i], inc);
+      var[i] = S::Store(Sub(S::Load(var[i]), inc));
     }
   }
 };
@@ -250,6 +269,7 @@ __global__ void ApplyKernel(Fn fn, const int64_t* __restrict__ rows,
                             const int64_t* __restrict__ positions,
                             const T* __restrict__ grad, int64_t num_unique,
                             int64_t dim) {
+  using S = Storage<T>;
   for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y;
        u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t s = offsets[u];
@@ -257,9 +277,9 @@ __global__ void ApplyKernel(Fn fn, const int64_t* __restrict__ rows,
     const int64_t base = rows[u] * dim;
     for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
       // Same summation order as SumDuplicateRows: first, then ascending.
-      T g = grad[positions[s] * dim + c];
+      AccOf<T> g = S::Load(grad[positions[s] * dim + c]);
       for (int64_t q = s + 1; q < e; ++q) {
-        g = Add(g, grad[positions[q] * dim + c]);
+        g = Add(g, S::Load(grad[positions[q] * dim + c]));
       }
       fn(base + c, g);
     }
@@ -386,9 +406,11 @@ Status Dedup(const GpuDevice& d, const Index* indices, int64_t k,
 }
 
 template <typename T>
-Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
-                 T* s2, T* s3, int64_t dim, const DedupResult& dedup,
-                 const T* grad) {
+Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
+                 AccOf<T>* s1, AccOf<T>* s2, AccOf<T>* s3, int64_t dim,
+                 const DedupResult& dedup, const T* grad) {
+  // The hyperparameters and the host-side scalars are in A, as on the CPU.
+  using A = AccOf<T>;
   if (dim < 0 || dedup.num_unique < 0) {
     return Status::InvalidArgument("negative size");
   }
@@ -401,7 +423,7 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
       dedup.positions == nullptr || grad == nullptr) {
     return Status::Error("ApplyRule: missing dedup result or grad");
   }
-  const T lr = static_cast<T>(h.lr);
+  const A lr = static_cast<A>(h.lr);
   switch (rule) {
     case Rule::kSgd: {
       SgdFn<T> fn{var, lr};
@@ -409,35 +431,35 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
     }
     case Rule::kMomentum: {
       if (s1 == nullptr) return MissingSlot("Momentum", "m");
-      MomentumFn<T> fn{var, s1, lr, static_cast<T>(h.momentum), h.nesterov};
+      MomentumFn<T> fn{var, s1, lr, static_cast<A>(h.momentum), h.nesterov};
       return LaunchApply<T>(d, fn, dim, dedup, grad);
     }
     case Rule::kAdagrad: {
       if (s1 == nullptr) return MissingSlot("Adagrad", "accumulator");
-      AdagradFn<T> fn{var, s1, lr, static_cast<T>(h.epsilon)};
+      AdagradFn<T> fn{var, s1, lr, static_cast<A>(h.epsilon)};
       return LaunchApply<T>(d, fn, dim, dedup, grad);
     }
     case Rule::kAdam: {
       if (s1 == nullptr) return MissingSlot("Adam", "m");
       if (s2 == nullptr) return MissingSlot("Adam", "v");
       // Same host expressions as ApplyAdam.
-      const T beta_1 = static_cast<T>(h.beta_1);
-      const T beta_2 = static_cast<T>(h.beta_2);
-      const T step = static_cast<T>(h.step);
-      const T beta_1_power = std::pow(beta_1, step);
-      const T beta_2_power = std::pow(beta_2, step);
-      const T alpha =
-          lr * std::sqrt(T(1) - beta_2_power) / (T(1) - beta_1_power);
+      const A beta_1 = static_cast<A>(h.beta_1);
+      const A beta_2 = static_cast<A>(h.beta_2);
+      const A step = static_cast<A>(h.step);
+      const A beta_1_power = std::pow(beta_1, step);
+      const A beta_2_power = std::pow(beta_2, step);
+      const A alpha =
+          lr * std::sqrt(A(1) - beta_2_power) / (A(1) - beta_1_power);
       AdamFn<T> fn{var,
                    s1,
                    s2,
                    s3,
                    lr,
-                   static_cast<T>(h.epsilon),
+                   static_cast<A>(h.epsilon),
                    alpha,
-                   T(1) - beta_1,
-                   T(1) - beta_2,
-                   h.apply_weight_decay ? static_cast<T>(h.weight_decay) : T(0),
+                   A(1) - beta_1,
+                   A(1) - beta_2,
+                   h.apply_weight_decay ? static_cast<A>(h.weight_decay) : A(0),
                    h.apply_weight_decay};
       return LaunchApply<T>(d, fn, dim, dedup, grad);
     }
@@ -445,21 +467,21 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
       if (s1 == nullptr) return MissingSlot("Ftrl", "accumulator");
       if (s2 == nullptr) return MissingSlot("Ftrl", "linear");
       // Same host expressions as ApplyFtrl.
-      const T l2 = static_cast<T>(h.l2);
-      const T beta = static_cast<T>(h.beta);
-      const T l2_reg = l2 + beta / (T(2) * lr);
-      const T two_l2_reg = T(2) * l2_reg;
-      const T two_shrink = T(2) * static_cast<T>(h.l2_shrinkage);
-      const T neg_power = -static_cast<T>(h.lr_power);
-      FtrlFn<T> fn{var,        s1,         s2,        lr, static_cast<T>(h.l1),
+      const A l2 = static_cast<A>(h.l2);
+      const A beta = static_cast<A>(h.beta);
+      const A l2_reg = l2 + beta / (A(2) * lr);
+      const A two_l2_reg = A(2) * l2_reg;
+      const A two_shrink = A(2) * static_cast<A>(h.l2_shrinkage);
+      const A neg_power = -static_cast<A>(h.lr_power);
+      FtrlFn<T> fn{var,        s1,         s2,        lr, static_cast<A>(h.l1),
                    two_l2_reg, two_shrink, neg_power};
       return LaunchApply<T>(d, fn, dim, dedup, grad);
     }
     case Rule::kRmsprop: {
       if (s1 == nullptr) return MissingSlot("RMSprop", "velocity");
-      const T rho = static_cast<T>(h.rho);
-      RmspropFn<T> fn{var, s1, s2, s3, lr, rho, T(1) - rho,
-                      static_cast<T>(h.momentum), static_cast<T>(h.epsilon)};
+      const A rho = static_cast<A>(h.rho);
+      RmspropFn<T> fn{var, s1, s2, s3, lr, rho, A(1) - rho,
+                      static_cast<A>(h.momentum), static_cast<A>(h.epsilon)};
       return LaunchApply<T>(d, fn, dim, dedup, grad);
     }
   }
@@ -486,11 +508,13 @@ SOK_INSTANTIATE_INDEX(int64_t)
 #undef SOK_INSTANTIATE_INDEX
 
 #define SOK_INSTANTIATE(T)                                                  \
-  template Status ApplyRule<T>(const GpuDevice&, Rule, const Hyper&, T*, T*, \
-                               T*, T*, int64_t, const DedupResult&,         \
-                               const T*);
+  template Status ApplyRule<T>(const GpuDevice&, Rule, const Hyper&, T*,     \
+                               AccOf<T>*, AccOf<T>*, AccOf<T>*, int64_t,     \
+                               const DedupResult&, const T*);
 SOK_INSTANTIATE(float)
 SOK_INSTANTIATE(double)
+SOK_INSTANTIATE(Half)
+SOK_INSTANTIATE(BFloat16)
 #undef SOK_INSTANTIATE
 
 }  // namespace gpu

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "core/device.h"  // GpuDevice, for the GPU entry points below
+#include "core/half.h"
 #include "core/parallel.h"
 #include "core/status.h"
 
@@ -64,32 +65,42 @@ Status BuildUniqueIndex(const Index* indices, int64_t k, int64_t num_rows,
 
 // out[u, :] = sum over positions p of unique row u (ascending p) of
 // grad[p, :]. `out` has uniq.rows.size() * dim elements. Deterministic.
+// The sums run in AccOf<T> (core/half.h: float for Half and BFloat16, T
+// itself for float and double), and `out` keeps them there (no rounding).
 template <typename T>
 void SumDuplicateRows(const T* grad, int64_t dim, const UniqueIndex& uniq,
-                      T* out, const ParallelFor& parallel_for);
+                      AccOf<T>* out, const ParallelFor& parallel_for);
 
 // ---- Row-update rules. `rows_idx` are unique, already validated in
 // [0, num_rows); `grad` is [n, dim] (one summed gradient per unique row).
 // All return an error only for inconsistent arguments (checked up front,
 // before any write).
+//
+// Precision: T is the table's storage type (float, double, Half or
+// BFloat16); the slots, the summed gradient and the hyperparameters are in
+// A = AccOf<T> (float for the 16-bit types). Each rule loads the row
+// element into A, runs the formula in A (as the float rule would) and rounds
+// the new row element once, to nearest even, when it stores it.
 
 // w -= lr * g
 template <typename T>
 Status ApplySgd(T* var, int64_t num_rows, int64_t dim, const int64_t* rows_idx,
-                const T* grad, int64_t n, T lr, const ParallelFor& pf);
+                const AccOf<T>* grad, int64_t n, AccOf<T> lr,
+                const ParallelFor& pf);
 
 // m = momentum * m - lr * g
 // nesterov: w += momentum * m - lr * g   else: w += m
 template <typename T>
-Status ApplyMomentum(T* var, T* mom, int64_t num_rows, int64_t dim,
-                     const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                     T momentum, bool nesterov, const ParallelFor& pf);
+Status ApplyMomentum(T* var, AccOf<T>* mom, int64_t num_rows, int64_t dim,
+                     const int64_t* rows_idx, const AccOf<T>* grad, int64_t n,
+                     AccOf<T> lr, AccOf<T> momentum, bool nesterov,
+                     const ParallelFor& pf);
 
 // acc += g^2;  w -= lr * g / sqrt(acc + epsilon)
 template <typename T>
-Status ApplyAdagrad(T* var, T* acc, int64_t num_rows, int64_t dim,
-                    const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                    T epsilon, const ParallelFor& pf);
+Status ApplyAdagrad(T* var, AccOf<T>* acc, int64_t num_rows, int64_t dim,
+                    const int64_t* rows_idx, const AccOf<T>* grad, int64_t n,
+                    AccOf<T> lr, AccOf<T> epsilon, const ParallelFor& pf);
 
 // Optional decoupled weight decay (AdamW), then Adam:
 //   w -= w * weight_decay * lr                 (only if apply_weight_decay)
@@ -99,10 +110,12 @@ Status ApplyAdagrad(T* var, T* acc, int64_t num_rows, int64_t dim,
 //   amsgrad (vhat != nullptr): vhat = max(vhat, v); v_used = vhat
 //   w -= m * alpha / (sqrt(v_used) + epsilon)
 template <typename T>
-Status ApplyAdam(T* var, T* m, T* v, T* vhat, int64_t num_rows, int64_t dim,
-                 const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                 T beta_1, T beta_2, T epsilon, T step, bool apply_weight_decay,
-                 T weight_decay, const ParallelFor& pf);
+Status ApplyAdam(T* var, AccOf<T>* m, AccOf<T>* v, AccOf<T>* vhat,
+                 int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                 const AccOf<T>* grad, int64_t n, AccOf<T> lr, AccOf<T> beta_1,
+                 AccOf<T> beta_2, AccOf<T> epsilon, AccOf<T> step,
+                 bool apply_weight_decay, AccOf<T> weight_decay,
+                 const ParallelFor& pf);
 
 // Keras Ftrl (keras/src/optimizers/ftrl.py):
 //   l2_reg = l2 + beta / (2 * lr)
@@ -113,9 +126,10 @@ Status ApplyAdam(T* var, T* m, T* v, T* vhat, int64_t num_rows, int64_t dim,
 //   w = (clip(linear, -l1, l1) - linear) / quadratic
 //   acc = new_acc
 template <typename T>
-Status ApplyFtrl(T* var, T* acc, T* linear, int64_t num_rows, int64_t dim,
-                 const int64_t* rows_idx, const T* grad, int64_t n, T lr,
-                 T lr_power, T l1, T l2, T l2_shrinkage, T beta,
+Status ApplyFtrl(T* var, AccOf<T>* acc, AccOf<T>* linear, int64_t num_rows,
+                 int64_t dim, const int64_t* rows_idx, const AccOf<T>* grad,
+                 int64_t n, AccOf<T> lr, AccOf<T> lr_power, AccOf<T> l1,
+                 AccOf<T> l2, AccOf<T> l2_shrinkage, AccOf<T> beta,
                  const ParallelFor& pf);
 
 // Keras RMSprop (keras/src/optimizers/rmsprop.py):
@@ -127,9 +141,10 @@ Status ApplyFtrl(T* var, T* acc, T* linear, int64_t num_rows, int64_t dim,
 //   else:           w -= inc
 // `avg` == nullptr means not centered; `mom` == nullptr means no momentum.
 template <typename T>
-Status ApplyRmsprop(T* var, T* vel, T* mom, T* avg, int64_t num_rows,
-                    int64_t dim, const int64_t* rows_idx, const T* grad,
-                    int64_t n, T lr, T rho, T momentum, T epsilon,
+Status ApplyRmsprop(T* var, AccOf<T>* vel, AccOf<T>* mom, AccOf<T>* avg,
+                    int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                    const AccOf<T>* grad, int64_t n, AccOf<T> lr, AccOf<T> rho,
+                    AccOf<T> momentum, AccOf<T> epsilon,
                     const ParallelFor& pf);
 
 
@@ -176,8 +191,9 @@ inline std::string InvalidIndexMessage(int64_t position, int64_t value,
 
 enum class Rule { kSgd, kMomentum, kAdagrad, kAdam, kFtrl, kRmsprop };
 
-// The op's scalar hyperparameters (read on the host as T; stored as double,
-// which is exact for float and double, and converted back to T before use).
+// The op's scalar hyperparameters (read on the host as AccOf<T>; stored as
+// double, which is exact for float and double, and converted back to
+// AccOf<T> before use).
 // Only the fields of the chosen rule are read.
 struct Hyper {
   double lr = 0;
@@ -199,7 +215,9 @@ struct Hyper {
 
 // One update per unique row of `dedup` (from Dedup over the same indices,
 // with bad_position == -1), with grad [k, dim] summed per row in ascending
-// position order. var and slots are [num_rows, dim]. Slots per rule (same
+// position order (in AccOf<T>). var ([num_rows, dim], storage type T) is
+// rounded once per element at its store; the slots are [num_rows, dim] of
+// AccOf<T>. Slots per rule (same
 // formulas and operation order as the CPU Apply* functions above):
 //   kSgd:      -
 //   kMomentum: s1 = m
@@ -210,9 +228,9 @@ struct Hyper {
 //              s3 = mg (nullptr unless centered)
 // U == 0 or dim == 0: no-op.
 template <typename T>
-Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var, T* s1,
-                 T* s2, T* s3, int64_t dim, const DedupResult& dedup,
-                 const T* grad);
+Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
+                 AccOf<T>* s1, AccOf<T>* s2, AccOf<T>* s3, int64_t dim,
+                 const DedupResult& dedup, const T* grad);
 
 // Stream-ordered device-to-device copy of `bytes` bytes (0: no-op).
 Status CopyDevice(const GpuDevice& d, void* dst, const void* src,

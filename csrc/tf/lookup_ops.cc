@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/lookup.h"
+#include "tf/core_types.h"
 #include "tf/cpu_parallel.h"
 #include "tf/gpu_device.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -493,7 +494,7 @@ REGISTER_OP("SokSegmentCombine")
     .Input("weights: T")
     .Input("num_segments: int64")
     .Output("out: T")
-    .Attr("T: {float, double}")
+    .Attr("T: {half, bfloat16, float, double}")
     .Attr("Tseg: {int32, int64}")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .SetShapeFn(CombineShapeFn)
@@ -519,7 +520,7 @@ REGISTER_OP("SokSegmentCombineGrad")
     .Input("weights: T")
     .Input("num_unique: int64")
     .Output("rows_grad: T")
-    .Attr("T: {float, double}")
+    .Attr("T: {half, bfloat16, float, double}")
     .Attr("Tseg: {int32, int64}")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .SetShapeFn(CombineShapeFn)
@@ -558,12 +559,13 @@ class SokSegmentCombineOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({num_segments, dim}), &out));
     if (out->NumElements() == 0) return;
-    lookup::SegmentCombine<T, Tseg>(
-        rows.flat<T>().data(), dim, inverse.flat<int32_t>().data(),
+    lookup::SegmentCombine<CoreT<T>, Tseg>(
+        CorePtr(rows.flat<T>().data()), dim, inverse.flat<int32_t>().data(),
         segment_ids.flat<Tseg>().data(),
-        weights.NumElements() == 0 ? nullptr : weights.flat<T>().data(),
+        weights.NumElements() == 0 ? nullptr
+                                   : CorePtr(weights.flat<T>().data()),
         inverse.NumElements(), num_segments, combiner_, CpuParallelFor(ctx),
-        out->flat<T>().data());
+        CorePtr(out->flat<T>().data()));
   }
 
  private:
@@ -594,12 +596,13 @@ class SokSegmentCombineGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({num_unique, dim}), &out));
     if (out->NumElements() == 0) return;
-    lookup::SegmentCombineGrad<T, Tseg>(
-        grad.flat<T>().data(), dim, inverse.flat<int32_t>().data(),
+    lookup::SegmentCombineGrad<CoreT<T>, Tseg>(
+        CorePtr(grad.flat<T>().data()), dim, inverse.flat<int32_t>().data(),
         segment_ids.flat<Tseg>().data(),
-        weights.NumElements() == 0 ? nullptr : weights.flat<T>().data(),
+        weights.NumElements() == 0 ? nullptr
+                                   : CorePtr(weights.flat<T>().data()),
         inverse.NumElements(), num_segments, num_unique, combiner_,
-        CpuParallelFor(ctx), out->flat<T>().data());
+        CpuParallelFor(ctx), CorePtr(out->flat<T>().data()));
   }
 
  private:
@@ -664,12 +667,13 @@ class SokSegmentCombineGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({num_segments, dim}), &out));
     if (out->NumElements() == 0) return;
-    const Status status = lookup::gpu::SegmentCombine<T, Tseg>(
-        d, rows.flat<T>().data(), dim, inverse.flat<int32_t>().data(),
-        segment_ids.flat<Tseg>().data(),
-        weights.NumElements() == 0 ? nullptr : weights.flat<T>().data(),
+    const Status status = lookup::gpu::SegmentCombine<CoreT<T>, Tseg>(
+        d, CorePtr(rows.flat<T>().data()), dim,
+        inverse.flat<int32_t>().data(), segment_ids.flat<Tseg>().data(),
+        weights.NumElements() == 0 ? nullptr
+                                   : CorePtr(weights.flat<T>().data()),
         inverse.NumElements(), num_segments, combiner_, check,
-        out->flat<T>().data());
+        CorePtr(out->flat<T>().data()));
     OP_REQUIRES(ctx, status.ok(),
                 errors::Internal("SokSegmentCombine on GPU: ",
                                  status.message()));
@@ -712,12 +716,13 @@ class SokSegmentCombineGradGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({num_unique, dim}), &out));
     if (out->NumElements() == 0) return;
-    const Status status = lookup::gpu::SegmentCombineGrad<T, Tseg>(
-        d, grad.flat<T>().data(), dim, inverse.flat<int32_t>().data(),
-        segment_ids.flat<Tseg>().data(),
-        weights.NumElements() == 0 ? nullptr : weights.flat<T>().data(),
+    const Status status = lookup::gpu::SegmentCombineGrad<CoreT<T>, Tseg>(
+        d, CorePtr(grad.flat<T>().data()), dim,
+        inverse.flat<int32_t>().data(), segment_ids.flat<Tseg>().data(),
+        weights.NumElements() == 0 ? nullptr
+                                   : CorePtr(weights.flat<T>().data()),
         inverse.NumElements(), num_segments, num_unique, combiner_, check,
-        out->flat<T>().data());
+        CorePtr(out->flat<T>().data()));
     OP_REQUIRES(ctx, status.ok(),
                 errors::Internal("SokSegmentCombineGrad on GPU: ",
                                  status.message()));
@@ -745,6 +750,10 @@ REGISTER_COMBINE(float, int32_t)
 REGISTER_COMBINE(float, int64_t)
 REGISTER_COMBINE(double, int32_t)
 REGISTER_COMBINE(double, int64_t)
+REGISTER_COMBINE(Eigen::half, int32_t)
+REGISTER_COMBINE(Eigen::half, int64_t)
+REGISTER_COMBINE(::tensorflow::bfloat16, int32_t)
+REGISTER_COMBINE(::tensorflow::bfloat16, int64_t)
 #undef REGISTER_COMBINE
 
 #ifdef SOK_WITH_CUDA
@@ -765,6 +774,10 @@ REGISTER_COMBINE_GPU(float, int32_t)
 REGISTER_COMBINE_GPU(float, int64_t)
 REGISTER_COMBINE_GPU(double, int32_t)
 REGISTER_COMBINE_GPU(double, int64_t)
+REGISTER_COMBINE_GPU(Eigen::half, int32_t)
+REGISTER_COMBINE_GPU(Eigen::half, int64_t)
+REGISTER_COMBINE_GPU(::tensorflow::bfloat16, int32_t)
+REGISTER_COMBINE_GPU(::tensorflow::bfloat16, int64_t)
 #undef REGISTER_COMBINE_GPU
 #endif  // SOK_WITH_CUDA
 

@@ -8,6 +8,8 @@
 // row gets one update; rows not in `indices` are not touched.
 //
 // Input order of every op: resources..., indices, grad, scalars...
+// The variable and grad have dtype T; the slots and the scalars dtype Tacc
+// (float32 slots for a half/bfloat16 table, T's own dtype otherwise).
 // Resource inputs that the attrs make unused (vhat without amsgrad; mom
 // without use_momentum; mg without centered) are never looked up; callers may
 // pass any resource handle there (the Python wrappers pass `var`).
@@ -23,9 +25,11 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/sparse_optimizers.h"
+#include "tf/core_types.h"
 #include "tf/cpu_parallel.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -87,15 +91,20 @@ absl::Status SparseApplyShape(InferenceContext* c, int num_resources,
     return SparseApplyShape(c, (NRES), (NSCALARS));  \
   }
 
+// T: the table's dtype (var and grad). Tacc: the dtype of the slots and the
+// hyperparameters, the type every rule computes in: T for float and double,
+// float for half and bfloat16 (the new row is rounded once, to nearest even,
+// when it is stored).
 #define SOK_COMMON_ATTRS                      \
-  Attr("T: {float, double}")                  \
+  Attr("T: {half, bfloat16, float, double}")  \
+      .Attr("Tacc: {float, double}")          \
       .Attr("Tindices: {int32, int64} = DT_INT64")
 
 REGISTER_OP("SokSparseApplySgd")
     .Input("var: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
+    .Input("lr: Tacc")
     .SOK_COMMON_ATTRS
     .SetIsStateful()
     .SetShapeFn(SOK_SHAPE_FN(1, 1))
@@ -109,8 +118,8 @@ REGISTER_OP("SokSparseApplyMomentum")
     .Input("m: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
-    .Input("momentum: T")
+    .Input("lr: Tacc")
+    .Input("momentum: Tacc")
     .SOK_COMMON_ATTRS
     .Attr("nesterov: bool = false")
     .SetIsStateful()
@@ -125,8 +134,8 @@ REGISTER_OP("SokSparseApplyAdagrad")
     .Input("accumulator: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
-    .Input("epsilon: T")
+    .Input("lr: Tacc")
+    .Input("epsilon: Tacc")
     .SOK_COMMON_ATTRS
     .SetIsStateful()
     .SetShapeFn(SOK_SHAPE_FN(2, 2))
@@ -142,11 +151,11 @@ REGISTER_OP("SokSparseApplyAdam")
     .Input("vhat: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
-    .Input("beta_1: T")
-    .Input("beta_2: T")
-    .Input("epsilon: T")
-    .Input("step: T")
+    .Input("lr: Tacc")
+    .Input("beta_1: Tacc")
+    .Input("beta_2: Tacc")
+    .Input("epsilon: Tacc")
+    .Input("step: Tacc")
     .SOK_COMMON_ATTRS
     .Attr("amsgrad: bool = false")
     .SetIsStateful()
@@ -165,12 +174,12 @@ REGISTER_OP("SokSparseApplyAdamW")
     .Input("vhat: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
-    .Input("beta_1: T")
-    .Input("beta_2: T")
-    .Input("epsilon: T")
-    .Input("step: T")
-    .Input("weight_decay: T")
+    .Input("lr: Tacc")
+    .Input("beta_1: Tacc")
+    .Input("beta_2: Tacc")
+    .Input("epsilon: Tacc")
+    .Input("step: Tacc")
+    .Input("weight_decay: Tacc")
     .SOK_COMMON_ATTRS
     .Attr("amsgrad: bool = false")
     .SetIsStateful()
@@ -186,12 +195,12 @@ REGISTER_OP("SokSparseApplyFtrl")
     .Input("linear: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
-    .Input("lr_power: T")
-    .Input("l1: T")
-    .Input("l2: T")
-    .Input("l2_shrinkage: T")
-    .Input("beta: T")
+    .Input("lr: Tacc")
+    .Input("lr_power: Tacc")
+    .Input("l1: Tacc")
+    .Input("l2: Tacc")
+    .Input("l2_shrinkage: Tacc")
+    .Input("beta: Tacc")
     .SOK_COMMON_ATTRS
     .SetIsStateful()
     .SetShapeFn(SOK_SHAPE_FN(3, 6))
@@ -206,10 +215,10 @@ REGISTER_OP("SokSparseApplyRmsprop")
     .Input("mg: resource")
     .Input("indices: Tindices")
     .Input("grad: T")
-    .Input("lr: T")
-    .Input("rho: T")
-    .Input("momentum: T")
-    .Input("epsilon: T")
+    .Input("lr: Tacc")
+    .Input("rho: Tacc")
+    .Input("momentum: Tacc")
+    .Input("epsilon: Tacc")
     .SOK_COMMON_ATTRS
     .Attr("centered: bool = false")
     .Attr("use_momentum: bool = false")
@@ -229,7 +238,7 @@ mom is ignored unless use_momentum, mg unless centered.
 // ---------------------------------------------------------------------------
 // Kernels.
 
-template <typename T>
+template <typename E>
 absl::Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
   Tensor* t = var->tensor();
   if (t->RefCountIsOne()) return absl::OkStatus();
@@ -241,12 +250,20 @@ absl::Status EnsureExclusiveBuffer(OpKernelContext* ctx, Var* var) {
   attr.set_nic_compatible(true);
   TF_RETURN_IF_ERROR(ctx->allocate_temp(t->dtype(), t->shape(), &tmp, attr));
   if (t->NumElements() > 0) {
-    tmp.flat<T>().device(ctx->eigen_cpu_device()) =
-        const_cast<const Tensor*>(t)->flat<T>();
+    tmp.flat<E>().device(ctx->eigen_cpu_device()) =
+        const_cast<const Tensor*>(t)->flat<E>();
   }
   *t = tmp;
   return absl::OkStatus();
 }
+
+// The updated buffers of one op: the table (dtype T) and the slots (dtype
+// A = Tacc), slot[i] for resource input i (slot[0] and unused ones nullptr).
+template <typename T, typename A>
+struct Buffers {
+  T* var = nullptr;
+  std::vector<A*> slot;
+};
 
 struct ApplyArgs {
   int64_t rows = 0;
@@ -277,6 +294,12 @@ struct Validated {
 template <typename Device, typename T, typename Index>
 class SokSparseApplyBase : public OpKernel {
  public:
+  // The accumulation type (float for half / bfloat16 tables).
+  using A = ::sok::TfAccOf<T>;
+  using B = Buffers<T, A>;
+  // The core/ storage type of the table (sok::Half for Eigen::half, ...).
+  using C = ::sok::CoreT<T>;
+
   SokSparseApplyBase(OpKernelConstruction* c, std::vector<std::string> names,
                      int num_scalars)
       : OpKernel(c), names_(std::move(names)), num_scalars_(num_scalars) {}
@@ -336,19 +359,30 @@ class SokSparseApplyBase : public OpKernel {
     locks.reserve(mus.size());
     for (mutex* mu : mus) locks.emplace_back(*mu);
 
-    // Validate dtypes and shapes.
+    // Validate dtypes and shapes: the table has grad's dtype T, every slot
+    // the accumulation dtype A.
     const DataType dt = DataTypeToEnum<T>::v();
+    const DataType acc_dt = DataTypeToEnum<A>::v();
     for (size_t j = 0; j < used.size(); ++j) {
       const Tensor* t = vars[j]->tensor();
       const std::string& name = names_[used[j]];
       OP_REQUIRES(ctx, t->IsInitialized(),
                   errors::FailedPrecondition(op, ": variable '", name,
                                              "' is uninitialized"));
-      OP_REQUIRES(ctx, t->dtype() == dt,
-                  errors::InvalidArgument(
-                      op, ": variable '", name, "' has dtype ",
-                      DataTypeString(t->dtype()), " but grad has dtype ",
-                      DataTypeString(dt)));
+      if (used[j] == 0) {
+        OP_REQUIRES(ctx, t->dtype() == dt,
+                    errors::InvalidArgument(
+                        op, ": variable '", name, "' has dtype ",
+                        DataTypeString(t->dtype()), " but grad has dtype ",
+                        DataTypeString(dt)));
+      } else {
+        OP_REQUIRES(ctx, t->dtype() == acc_dt,
+                    errors::InvalidArgument(
+                        op, ": slot '", name, "' has dtype ",
+                        DataTypeString(t->dtype()), " but a table of dtype ",
+                        DataTypeString(dt), " needs ",
+                        DataTypeString(acc_dt), " slots"));
+      }
     }
     const TensorShape& var_shape = vars[0]->tensor()->shape();
     OP_REQUIRES(ctx, var_shape.dims() >= 1,
@@ -385,8 +419,8 @@ class SokSparseApplyBase : public OpKernel {
   }
 
  protected:
-  T Scalar(OpKernelContext* ctx, int i) const {
-    return ctx->input(static_cast<int>(names_.size()) + 2 + i).scalar<T>()();
+  A Scalar(OpKernelContext* ctx, int i) const {
+    return ctx->input(static_cast<int>(names_.size()) + 2 + i).scalar<A>()();
   }
   // Indices (into names_) of the resource inputs that are read/written.
   virtual std::vector<int> UsedResources() const {
@@ -394,9 +428,10 @@ class SokSparseApplyBase : public OpKernel {
     for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
     return all;
   }
-  // CPU: bufs[i] is the data of resource input i (nullptr if unused).
-  virtual so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& bufs,
-                           const T* grad, const ApplyArgs& a) = 0;
+  // CPU: the table and the slots (see Buffers); grad is the summed
+  // gradient [n, dim] in A.
+  virtual so::Status Apply(OpKernelContext* ctx, const B& bufs, const A* grad,
+                           const ApplyArgs& a) = 0;
 #ifdef SOK_WITH_CUDA
   // GPU: fills the rule's hyperparameters (read on the host: every scalar
   // input is HostMemory in the GPU registrations) and returns the rule. The
@@ -413,7 +448,6 @@ class SokSparseApplyBase : public OpKernel {
     const std::string& op = val->op;
     const std::vector<int>& used = val->used;
     std::vector<core::RefCountPtr<Var>>& vars = val->vars;
-    const DataType dt = DataTypeToEnum<T>::v();
     const int64_t rows = val->rows;
     const int64_t dim = val->dim;
     const int64_t k = val->k;
@@ -432,21 +466,34 @@ class SokSparseApplyBase : public OpKernel {
     args.n = static_cast<int64_t>(uniq.rows.size());
     args.pf = ::sok::CpuParallelFor(ctx);
 
-    // Sum duplicates.
-    const T* g = grad.flat<T>().data();
+    // Sum duplicates, in A (for a 16-bit table, also loads the gradient
+    // into A when there are none).
+    const A* g = nullptr;
     Tensor summed;
-    if (!uniq.all_unique) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, TensorShape({args.n, dim}),
+    if constexpr (std::is_same<T, A>::value) {
+      g = grad.flat<T>().data();
+    }
+    if (!uniq.all_unique || !std::is_same<T, A>::value) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(DataTypeToEnum<A>::v(),
+                                             TensorShape({args.n, dim}),
                                              &summed));
-      so::SumDuplicateRows<T>(g, dim, uniq, summed.flat<T>().data(), args.pf);
-      g = summed.flat<T>().data();
+      so::SumDuplicateRows<::sok::CoreT<T>>(
+          ::sok::CorePtr(grad.flat<T>().data()), dim, uniq,
+          summed.flat<A>().data(), args.pf);
+      g = summed.flat<A>().data();
     }
 
     // Copy-on-write, then update in place.
-    std::vector<T*> bufs(names_.size(), nullptr);
+    B bufs;
+    bufs.slot.assign(names_.size(), nullptr);
     for (size_t j = 0; j < used.size(); ++j) {
-      OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer<T>(ctx, vars[j].get()));
-      bufs[used[j]] = vars[j]->tensor()->flat<T>().data();
+      if (used[j] == 0) {
+        OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer<T>(ctx, vars[j].get()));
+        bufs.var = vars[j]->tensor()->flat<T>().data();
+      } else {
+        OP_REQUIRES_OK(ctx, EnsureExclusiveBuffer<A>(ctx, vars[j].get()));
+        bufs.slot[used[j]] = vars[j]->tensor()->flat<A>().data();
+      }
     }
     st = Apply(ctx, bufs, g, args);
     OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
@@ -478,18 +525,24 @@ class SokSparseApplyBase : public OpKernel {
                                                  dedup.bad_value, val->rows)));
 
     // Copy-on-write, then update in place.
-    std::vector<T*> bufs(names_.size(), nullptr);
+    B bufs;
+    bufs.slot.assign(names_.size(), nullptr);
     for (size_t j = 0; j < used.size(); ++j) {
       OP_REQUIRES_OK(ctx, EnsureExclusiveBufferGpu(ctx, d, vars[j].get()));
-      bufs[used[j]] = vars[j]->tensor()->flat<T>().data();
+      if (used[j] == 0) {
+        bufs.var = vars[j]->tensor()->flat<T>().data();
+      } else {
+        bufs.slot[used[j]] = vars[j]->tensor()->flat<A>().data();
+      }
     }
     so::gpu::Hyper h;
     const so::gpu::Rule rule = GpuRule(ctx, &h);
-    auto slot = [&bufs](size_t i) -> T* {
-      return i < bufs.size() ? bufs[i] : nullptr;
+    auto slot = [&bufs](size_t i) -> A* {
+      return i < bufs.slot.size() ? bufs.slot[i] : nullptr;
     };
-    st = so::gpu::ApplyRule<T>(d, rule, h, bufs[0], slot(1), slot(2), slot(3),
-                               val->dim, dedup, grad.flat<T>().data());
+    st = so::gpu::ApplyRule<::sok::CoreT<T>>(
+        d, rule, h, ::sok::CorePtr(bufs.var), slot(1), slot(2), slot(3),
+        val->dim, dedup, ::sok::CorePtr(grad.flat<T>().data()));
     OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
   }
 
@@ -530,10 +583,13 @@ class SgdOp : public SokSparseApplyBase<Device, T, Index> {
       : SokSparseApplyBase<Device, T, Index>(c, {"var"}, 1) {}
 
  protected:
-  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
-                   const T* g, const ApplyArgs& a) override {
-    return so::ApplySgd<T>(b[0], a.rows, a.dim, a.uniq_rows, g, a.n,
-                           this->Scalar(ctx, 0), a.pf);
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplySgd<C>(::sok::CorePtr(b.var), a.rows, a.dim, a.uniq_rows,
+                           g, a.n, this->Scalar(ctx, 0), a.pf);
   }
 #ifdef SOK_WITH_CUDA
   so::gpu::Rule GpuRule(OpKernelContext* ctx,
@@ -553,11 +609,15 @@ class MomentumOp : public SokSparseApplyBase<Device, T, Index> {
   }
 
  protected:
-  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
-                   const T* g, const ApplyArgs& a) override {
-    return so::ApplyMomentum<T>(b[0], b[1], a.rows, a.dim, a.uniq_rows, g,
-                                a.n, this->Scalar(ctx, 0),
-                                this->Scalar(ctx, 1), nesterov_, a.pf);
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyMomentum<C>(::sok::CorePtr(b.var), b.slot[1], a.rows,
+                                a.dim, a.uniq_rows, g, a.n,
+                                this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                                nesterov_, a.pf);
   }
 #ifdef SOK_WITH_CUDA
   so::gpu::Rule GpuRule(OpKernelContext* ctx,
@@ -580,9 +640,13 @@ class AdagradOp : public SokSparseApplyBase<Device, T, Index> {
       : SokSparseApplyBase<Device, T, Index>(c, {"var", "accumulator"}, 2) {}
 
  protected:
-  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
-                   const T* g, const ApplyArgs& a) override {
-    return so::ApplyAdagrad<T>(b[0], b[1], a.rows, a.dim, a.uniq_rows, g, a.n,
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyAdagrad<C>(::sok::CorePtr(b.var), b.slot[1], a.rows,
+                               a.dim, a.uniq_rows, g, a.n,
                                this->Scalar(ctx, 0), this->Scalar(ctx, 1),
                                a.pf);
   }
@@ -610,10 +674,15 @@ class AdamOp : public SokSparseApplyBase<Device, T, Index> {
     if (amsgrad_) return {0, 1, 2, 3};
     return {0, 1, 2};
   }
-  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
-                   const T* g, const ApplyArgs& a) override {
-    const T wd = kWeightDecay ? this->Scalar(ctx, 5) : T(0);
-    return so::ApplyAdam<T>(b[0], b[1], b[2], amsgrad_ ? b[3] : nullptr,
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    const A wd = kWeightDecay ? this->Scalar(ctx, 5) : A(0);
+    return so::ApplyAdam<C>(
+        ::sok::CorePtr(b.var), b.slot[1], b.slot[2],
+        amsgrad_ ? b.slot[3] : nullptr,
                             a.rows, a.dim, a.uniq_rows, g, a.n,
                             this->Scalar(ctx, 0), this->Scalar(ctx, 1),
                             this->Scalar(ctx, 2), this->Scalar(ctx, 3),
@@ -629,7 +698,7 @@ class AdamOp : public SokSparseApplyBase<Device, T, Index> {
     h->epsilon = this->Scalar(ctx, 3);
     h->step = this->Scalar(ctx, 4);
     h->apply_weight_decay = kWeightDecay;
-    h->weight_decay = kWeightDecay ? this->Scalar(ctx, 5) : T(0);
+    h->weight_decay = kWeightDecay ? this->Scalar(ctx, 5) : 0.0;
     return so::gpu::Rule::kAdam;
   }
 #endif
@@ -646,10 +715,14 @@ class FtrlOp : public SokSparseApplyBase<Device, T, Index> {
             c, {"var", "accumulator", "linear"}, 6) {}
 
  protected:
-  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
-                   const T* g, const ApplyArgs& a) override {
-    return so::ApplyFtrl<T>(b[0], b[1], b[2], a.rows, a.dim, a.uniq_rows, g,
-                            a.n, this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyFtrl<C>(::sok::CorePtr(b.var), b.slot[1], b.slot[2],
+                            a.rows, a.dim, a.uniq_rows, g, a.n,
+                            this->Scalar(ctx, 0), this->Scalar(ctx, 1),
                             this->Scalar(ctx, 2), this->Scalar(ctx, 3),
                             this->Scalar(ctx, 4), this->Scalar(ctx, 5), a.pf);
   }
@@ -684,10 +757,14 @@ class RmspropOp : public SokSparseApplyBase<Device, T, Index> {
     if (centered_) u.push_back(3);
     return u;
   }
-  so::Status Apply(OpKernelContext* ctx, const std::vector<T*>& b,
-                   const T* g, const ApplyArgs& a) override {
-    return so::ApplyRmsprop<T>(
-        b[0], b[1], use_momentum_ ? b[2] : nullptr, centered_ ? b[3] : nullptr,
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyRmsprop<C>(
+        ::sok::CorePtr(b.var), b.slot[1], use_momentum_ ? b.slot[2] : nullptr,
+        centered_ ? b.slot[3] : nullptr,
         a.rows, a.dim, a.uniq_rows, g, a.n, this->Scalar(ctx, 0),
         this->Scalar(ctx, 1), this->Scalar(ctx, 2), this->Scalar(ctx, 3),
         a.pf);
@@ -719,6 +796,8 @@ using AdamWd = AdamOp<Device, T, Index, true>;
   REGISTER_KERNEL_BUILDER(Name(NAME)                               \
                               .Device(DEVICE_CPU)                  \
                               .TypeConstraint<T>("T")              \
+                              .TypeConstraint<::sok::TfAccOf<T>>(  \
+                                  "Tacc")                          \
                               .TypeConstraint<Index>("Tindices"),  \
                           KERNEL<CpuKernel, T, Index>);
 
@@ -735,6 +814,10 @@ SOK_REGISTER_ALL(float, int32)
 SOK_REGISTER_ALL(float, int64_t)
 SOK_REGISTER_ALL(double, int32)
 SOK_REGISTER_ALL(double, int64_t)
+SOK_REGISTER_ALL(Eigen::half, int32)
+SOK_REGISTER_ALL(Eigen::half, int64_t)
+SOK_REGISTER_ALL(bfloat16, int32)
+SOK_REGISTER_ALL(bfloat16, int64_t)
 
 #undef SOK_REGISTER_ALL
 #undef SOK_REGISTER
@@ -747,6 +830,8 @@ SOK_REGISTER_ALL(double, int64_t)
   REGISTER_KERNEL_BUILDER(Name(NAME)                               \
                               .Device(DEVICE_GPU)                  \
                               .TypeConstraint<T>("T")              \
+                              .TypeConstraint<::sok::TfAccOf<T>>(  \
+                                  "Tacc")                          \
                               .TypeConstraint<Index>("Tindices")   \
                               HOST_MEMORY,                         \
                           KERNEL<GpuKernel, T, Index>);
@@ -781,6 +866,10 @@ SOK_REGISTER_GPU_ALL(float, int32)
 SOK_REGISTER_GPU_ALL(float, int64_t)
 SOK_REGISTER_GPU_ALL(double, int32)
 SOK_REGISTER_GPU_ALL(double, int64_t)
+SOK_REGISTER_GPU_ALL(Eigen::half, int32)
+SOK_REGISTER_GPU_ALL(Eigen::half, int64_t)
+SOK_REGISTER_GPU_ALL(bfloat16, int32)
+SOK_REGISTER_GPU_ALL(bfloat16, int64_t)
 
 #undef SOK_REGISTER_GPU_ALL
 #undef SOK_HOST_RMSPROP

@@ -7,7 +7,12 @@ with one compiled op (``SokSparseApply*``), touching only the rows named in
 * ``indices`` is an int64 (or int32) vector ``[k]`` of local row ids; the
   same id may appear several times.
 * ``grad`` is ``[k] + var.shape[1:]`` (usually ``[k, D]``); it is cast to the
-  variable's dtype (float32 or float64).
+  variable's dtype (float16, bfloat16, float32 or float64).
+* Precision: a float32/float64 table computes in its own dtype. A float16 or
+  bfloat16 table has float32 slots (``slot_dtype``), and its update runs in
+  float32: the gradient is loaded (duplicates summed) in float32, the rule
+  computes in float32 and the new row is rounded once, to nearest even, when
+  it is stored.
 * Duplicate ids are summed first (deterministically, in order of position),
   then every unique row gets exactly one update with its summed gradient
   ``g``. Rows not present in ``indices`` -- and their slot entries -- are not
@@ -20,7 +25,7 @@ with one compiled op (``SokSparseApply*``), touching only the rows named in
 Variables may be ``keras.Variable`` (its ``.value`` is used) or
 ``tf.Variable`` (resource variables). Hyperparameters may be Python numbers
 or scalar tensors/variables (e.g. a learning rate from a schedule); they are
-cast to the variable's dtype.
+cast to the slot dtype (``slot_dtype(var.dtype)``).
 
 Every index is checked against ``[0, rows)`` and all shapes are checked
 before anything is written; a bad index raises ``InvalidArgumentError``
@@ -37,6 +42,7 @@ import tensorflow as tf
 from sok_keras._ops import ops
 
 __all__ = [
+    "slot_dtype",
     "sparse_sgd",
     "sparse_momentum",
     "sparse_adagrad",
@@ -74,16 +80,46 @@ def _scalar(x, dtype, what):
     return x
 
 
+_HALF_DTYPES = (tf.float16, tf.bfloat16)
+_TABLE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def slot_dtype(table_dtype):
+    """The dtype of a table's optimizer slots and of the update's arithmetic.
+
+    Args:
+        table_dtype: the table's dtype (anything `tf.as_dtype` accepts).
+
+    Returns:
+        `tf.float32` for a float16 or bfloat16 table, else the table's own
+        dtype.
+
+    Example:
+
+    >>> slot_dtype("bfloat16")
+    tf.float32
+    """
+    dtype = tf.as_dtype(table_dtype)
+    return tf.float32 if dtype in _HALF_DTYPES else dtype
+
+
 def _prep(var, indices, grad):
+    """Returns `(var, slot dtype, indices, grad)`, grad cast to the table's
+    dtype; the scalars are cast to the slot dtype."""
     var = _tf_var(var, "var")
     dtype = var.dtype
+    if dtype not in _TABLE_DTYPES:
+        raise TypeError(
+            f"sok_keras sparse update of '{var.name}': the table's dtype must "
+            f"be one of float16, bfloat16, float32, float64. Received: "
+            f"dtype={dtype.name}.")
     indices = tf.convert_to_tensor(indices)
     if indices.dtype not in (tf.int32, tf.int64):
         indices = tf.cast(indices, tf.int64)
     grad = tf.convert_to_tensor(grad)
     if grad.dtype != dtype:
         grad = tf.cast(grad, dtype)
-    return var, dtype, indices, grad
+    return var, slot_dtype(dtype), indices, grad
 
 
 def sparse_sgd(var, indices, grad, learning_rate):

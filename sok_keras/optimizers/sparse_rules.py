@@ -6,7 +6,9 @@ needs with their initial values, and applies the compiled lazy update
 (`sparse_kernels`) to one table shard.
 
 Slots are `sok_keras.Variable`s with the table's sharding: slot row `i`
-sits on the same rank as table row `i`. They hang off the table
+sits on the same rank as table row `i`. A float16 or bfloat16 table gets
+float32 slots (`sparse_kernels.slot_dtype`): its update runs in float32 and
+only the table row is rounded, once, when it is stored. They hang off the table
 (`table.slots`), so the layer that owns the table saves and restores them
 with it, in global row order.
 """
@@ -170,7 +172,7 @@ def ensure_slots(rule, optimizer, table):
                 keras.initializers.Constant(initial),
                 shape=table.global_shape,
                 mode=table.mode,
-                dtype=table.dtype,
+                dtype=k.slot_dtype(table.dtype).name,
                 trainable=False,
                 name=f"{table.path.replace('/', '.')}.{slot}",
             ))

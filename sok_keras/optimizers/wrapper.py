@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 
 from sok_keras import world
-from sok_keras.optimizers import sparse_rules
+from sok_keras.optimizers import sparse_kernels, sparse_rules
 from sok_keras.variable import is_sok_variable
 
 _UNSUPPORTED_BASE_ARGS = {
@@ -271,7 +271,9 @@ def apply_with_tables(opt, grads, variables, apply_dense):
     for s, table in zip(slices, tables):
         topt = table_optimizer(opt, table)
         rule = sparse_rules.rule_for(topt)
-        step = tf.cast(topt.iterations + 1, table.dtype)
+        # In the slot dtype: float32 for a 16-bit table (exact steps).
+        step = tf.cast(topt.iterations + 1,
+                       sparse_kernels.slot_dtype(table.dtype))
         slots = sparse_rules.ensure_slots(rule, topt, table)
         rule.apply(topt, table, slots, s.indices, s.values,
                    topt.learning_rate, step)
