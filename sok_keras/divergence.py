@@ -20,8 +20,9 @@ Each rank reports:
   rank 0 reports the rank lost, with the last step it reported.
 
 A thread on every rank reads these reports. When another rank has finished
-an epoch after fewer steps than this rank is running, has failed, or is
-gone while this rank is inside a loop (or waits in a collective), it aborts
+an epoch (or the whole loop: a rank-local early stop) after fewer steps
+than this rank is running, has failed, or is gone while this rank is
+inside a loop (or waits in a collective), it aborts
 this process's collectives (`abort_collective_ops`), so the blocked step
 fails at once; the hooked loop then raises `RankDivergedError`, e.g.
 "fit diverged in epoch 1: rank 1 finished after step 4; rank 0 is at
@@ -288,6 +289,10 @@ class _Channel:
                 if not known:
                     self.receive({"t": "lost", "rank": 0, "who": 0,
                                   "msg": "rank 0 exited without a word"})
+                # Rank 0 is gone: go on finding collectives that wait for it.
+                while not self.closing and self.failure is None:
+                    self._periodic()
+                    time.sleep(_POLL)
                 return
             buf += data
             *lines, buf = buf.split(b"\n")
@@ -345,6 +350,17 @@ class _Channel:
                 return (f"{loop.kind} diverged in epoch {epoch + 1}: rank {r} "
                         f"finished after step {steps}; rank {me} is at step "
                         f"{loop.step}")
+        for (r, lid), total in sorted(self.loop_done.items()):
+            loop = next((x for x in self.stack if x.lid == lid), None)
+            if loop is None:
+                continue
+            mine = sum(v for (i, _), v in self.my_ends.items() if i == lid)
+            if not loop.ended:
+                mine += loop.step
+            if mine > total:  # e.g. rank-local early stopping
+                return (f"{loop.kind} diverged: rank {r} finished it after "
+                        f"{total} steps in all; rank {me} is at "
+                        f"{loop.where()} ({mine} steps)")
         here = self.stack[-1].where() if self.stack else None
         if self.failed and not self.reported:
             r, why = min(self.failed.items())

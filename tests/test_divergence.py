@@ -56,6 +56,14 @@ def test_fewer_batches_without_any_later_collective():
                    "rank 1 finished after step 4; rank 0 is at step 5")
 
 
+def test_rank_that_stops_training_early():
+    # EarlyStopping on rank-local logs: rank 1 stops after epoch 1.
+    job, detail = _job(5, 5, "stop", 3)
+    _both_diverged(job, detail,
+                   "fit diverged: rank 1 finished it after 5 steps in all; "
+                   "rank 0 is at step 1 of epoch 2 of fit (6 steps)")
+
+
 def test_rank_that_raises_mid_fit():
     job, detail = _job(8, 8, "raise")
     assert job.returncode == 0, detail

@@ -4,7 +4,8 @@ argv: STEPS0 STEPS1 EXTRA [EPOCHS]. Rank r gets STEPS<r> batches per
 epoch. EXTRA: "none"; "metrics" (GlobalMetrics); "save" (model.save after
 fit); "validate" (validation data, GlobalMetrics); "raise" (rank 1 raises
 in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
-"raise_uncaught" (as "raise", and rank 1 lets the error end the program).
+"raise_uncaught" (as "raise", and rank 1 lets the error end the program);
+"stop" (rank 1 stops training after its first epoch).
 Each rank writes what fit (and save) raised.
 """
 
@@ -35,6 +36,10 @@ def data(n, seed):
 
 
 class Trouble(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if RANK == 1 and EXTRA == "stop":  # a rank-local early stop
+            self.model.stop_training = True
+
     def on_train_batch_begin(self, batch, logs=None):
         if RANK == 1 and batch == 4:
             if EXTRA.startswith("raise"):
