@@ -53,7 +53,10 @@ rank's own address: `sokrun` starts ranks with the bind guard preloaded
 another launcher under it, bound to the host of its `SOK_WORKER_ADDRS` or
 `MASTER_ADDR` entry (give `0.0.0.0`, or set `SOK_BIND_GUARD=0`, to listen
 on every interface). Multi-host jobs still belong on a private network:
-anyone who can reach a rank's address can run TensorFlow ops there.
+anyone who can reach a rank's address can run TensorFlow ops there. Rank 0
+also listens on a random port of its own address for the ranks' progress
+and failure reports (`sok_keras.divergence`); a peer must present a random
+token published through TensorFlow's coordination service.
 
 Other environment variables:
 

@@ -112,3 +112,65 @@ def test_checked_at_the_first_eager_lookup(field, expected):
 def test_equal_ranks_train_without_error():
     r0, r1, detail = _run("none")
     assert r0["error"] is None and r1["error"] is None, detail
+
+
+# -- the comparison, in one process --------------------------------------
+
+
+def _sig(name="t", **kw):
+    base = {"name": name, "vocabulary_size": 16, "embedding_dim": 4,
+            "dtype": "float32", "mode": "distributed", "optimizer": "SGD"}
+    base.update(kw)
+    return base
+
+
+def test_table_differences_name_the_field_and_both_values():
+    from sok_keras import consistency
+
+    assert consistency._table_differences(
+        [_sig()], [_sig()], 0, 1) is None
+    assert consistency._table_differences(
+        [_sig()], [_sig(vocabulary_size=17)], 0, 1) == (
+            "table 't': vocabulary_size is 16 on rank 0 and 17 on rank 1")
+    assert consistency._table_differences(
+        [_sig()], [_sig(mode="localized:1")], 0, 3) == (
+            "table 't': mode is 'distributed' on rank 0 and 'localized:1' "
+            "on rank 3")
+    assert "rank 0 has 1 tables ['t'] and rank 1 has 2" in (
+        consistency._table_differences([_sig()], [_sig(), _sig("u")], 0, 1))
+
+
+def test_lookup_differences():
+    from sok_keras import consistency
+
+    assert consistency._lookup_differences(["x", "y"], ["x", "y"], 0, 1,
+                                           "the step") is None
+    assert "lookup 2 of the step is y on rank 0 and z on rank 1" in (
+        consistency._lookup_differences(["x", "y"], ["x", "z"], 0, 1,
+                                        "the step"))
+    assert "the step makes 1 lookups on rank 0 and 2 on rank 1" in (
+        consistency._lookup_differences(["x"], ["x", "y"], 0, 1, "the step"))
+
+
+def test_lookups_are_recorded_only_while_a_checked_step_is_traced():
+    import numpy as np
+    import tensorflow as tf
+
+    import sok_keras as sok
+    from sok_keras import consistency
+
+    a = sok.Variable(np.ones((5, 2), np.float32), name="ta")
+    b = sok.Variable(np.ones((7, 2), np.float32), name="tb")
+
+    @tf.function
+    def step(ids):
+        return (sok.all2all_dense_embedding(b, ids) +
+                sok.lookup_sparse(a, ids[:, None], combiners="sum")[:, None])
+
+    with consistency._Recording() as lookups:
+        step(tf.constant([1, 2], tf.int64))
+    assert lookups == ["all2all_dense_embedding(tb)", "lookup_sparse(ta)",
+                       "lookup_one[sum,auto](ta)"]
+    step.python_function(tf.constant([1], tf.int64))  # eager: nothing kept
+    assert lookups == ["all2all_dense_embedding(tb)", "lookup_sparse(ta)",
+                       "lookup_one[sum,auto](ta)"]

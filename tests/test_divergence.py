@@ -140,3 +140,93 @@ def test_custom_loop_rank_that_exits_normally():
     assert r0["iteration"] == 4, detail
     assert ("rank 1 has exited (its program ended); rank 0 waits in "
             "all_reduce:custom/loop") in r0["error"], detail
+
+
+# -- the decisions, in one process (no sockets) --------------------------
+
+
+def _channel(rank=0, n=2):
+    from sok_keras import divergence
+
+    aborted = []
+    ch = divergence._Channel(rank, n, aborted.append)
+    ch.publish = lambda **msg: None  # nowhere to send
+    return ch, aborted
+
+
+def test_equal_epoch_ends_never_abort():
+    ch, aborted = _channel()
+    loop = ch.begin_loop("fit")
+    for epoch in range(3):
+        ch.begin_epoch(loop, epoch)
+        for step in range(1, 5):
+            ch.step(loop, step)
+        # The peer's report may come before or after this rank's own end.
+        if epoch % 2:
+            ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid,
+                        "epoch": epoch, "steps": 4})
+            ch.end_epoch(loop)
+        else:
+            ch.end_epoch(loop)
+            ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid,
+                        "epoch": epoch, "steps": 4})
+    ch.receive({"t": "loop_done", "rank": 1, "lid": loop.lid, "steps": 12})
+    ch.finish(loop, 12, timeout=5)
+    ch.end_loop(loop)
+    ch.receive({"t": "bye", "rank": 1})  # exits after the loop: fine
+    assert aborted == []
+
+
+def test_peer_that_ran_out_of_data_aborts_the_rank_that_did_not():
+    from sok_keras import divergence
+
+    ch, aborted = _channel()
+    loop = ch.begin_loop("fit")
+    ch.begin_epoch(loop, 0)
+    for step in range(1, 5):
+        ch.step(loop, step)
+    ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
+                "steps": 4})
+    assert aborted == []  # step 4 is not past the peer's end
+    try:
+        ch.step(loop, 5)
+    except divergence.RankDivergedError as e:
+        message = str(e)
+    else:
+        raise AssertionError("step 5 should have raised")
+    assert "rank 1 finished after step 4; rank 0 is at step 5" in message
+    assert aborted == [message]
+
+
+def test_peer_report_while_this_rank_waits_in_a_step_aborts_at_once():
+    ch, aborted = _channel(rank=1)
+    loop = ch.begin_loop("evaluate")
+    for step in range(1, 4):
+        ch.step(loop, step)
+    ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
+                "steps": 2})
+    assert len(aborted) == 1
+    assert ("evaluate diverged in epoch 1: rank 0 finished after step 2; "
+            "rank 1 is at step 3") in aborted[0]
+
+
+def test_failed_and_lost_peers_abort_and_name_this_ranks_step():
+    for report, expected in [
+            ({"t": "failed", "rank": 1,
+              "msg": "rank 1 failed at step 2 of epoch 1 of fit: OSError"},
+             "rank 1 failed at step 2 of epoch 1 of fit: OSError; rank 0 is "
+             "at step 3 of epoch 1 of fit"),
+            ({"t": "lost", "rank": 0, "who": 1,
+              "msg": "rank 1 exited without a word"},
+             "rank 1 exited without a word; rank 0 is at step 3")]:
+        ch, aborted = _channel()
+        loop = ch.begin_loop("fit")
+        ch.step(loop, 3)
+        ch.receive(report)
+        assert len(aborted) == 1 and expected in aborted[0], aborted
+
+
+def test_a_peer_that_left_outside_a_loop_aborts_nothing():
+    ch, aborted = _channel()
+    ch.receive({"t": "bye", "rank": 1})
+    assert aborted == []
