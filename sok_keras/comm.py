@@ -24,7 +24,7 @@ its power-of-two size bucket), so:
 
 Watchdog. Every collective is recorded as "in flight" while it runs
 (`sok_keras.inflight`). A daemon thread checks the records; when one is
-older than the communication timeout (`SOK_COMM_TIMEOUT`, default 600 s, or
+older than the communication timeout (`SOK_COMM_TIMEOUT`, default 300 s, or
 `sok_keras.init(timeout=...)`), it aborts the process's collectives, so the
 waiting op fails with `tf.errors.DeadlineExceededError` naming the rank and
 the key instead of hanging. After that the collective runtime of the
@@ -339,7 +339,7 @@ class CollectiveCommunicator(Communicator):
         group_key: the collective group key (same on every rank).
     """
 
-    def __init__(self, rank, num_ranks, timeout=600.0, group_key=GROUP_KEY):
+    def __init__(self, rank, num_ranks, timeout=300.0, group_key=GROUP_KEY):
         super().__init__(rank, num_ranks)
         self.timeout = timeout
         self.group_key = group_key

@@ -23,6 +23,7 @@ import weakref
 
 import tensorflow as tf
 
+from sok_keras import consistency
 from sok_keras import lookup_ops
 from sok_keras import world
 from sok_keras._ops import ops
@@ -667,6 +668,7 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
     `pooling` (`"auto"`, `"home"` or `"owner"`) chooses, with several ranks,
     where pooled rows are summed: see `_pooled_exchange`.
     """
+    consistency.record_lookup(param, f"lookup_one[{combiner},{pooling}]")
     name = name or _table_key(param)
     _check_combiner(combiner, name)
     if pooling not in POOLING_MODES:
@@ -726,6 +728,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     >>> sok.lookup_sparse([v1], [ids], combiners=["sum"])[0]
     [[6., 8., 10.]]
     """
+    consistency.record_lookup(params, "lookup_sparse")
     is_list = isinstance(sp_ids, (list, tuple))
     params, sp_ids = _to_list(params), _to_list(sp_ids)
     if len(params) != len(sp_ids):
@@ -793,6 +796,7 @@ def all2all_dense_embedding(param, indices):
     >>> sok.all2all_dense_embedding(v, [[1, 2]]).shape
     TensorShape([1, 2, 5])
     """
+    consistency.record_lookup(param, "all2all_dense_embedding")
     indices = tf.convert_to_tensor(indices)
     name = _table_key(param)
     _check_int(indices, name)

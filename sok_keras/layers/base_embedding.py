@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from sok_keras import consistency
 from sok_keras.lookup import SUPPORTED_COMBINERS
 from sok_keras.variable import Variable
 
@@ -149,6 +150,7 @@ class BaseEmbedding(keras.layers.Layer):
                 f"Layer '{self.name}': no 'embeddings' entry in the saved "
                 f"weights. Found: {list(store.keys())}."
             )
+        consistency.check_table(self.embeddings, "load")
         self.embeddings.assign_global(store["embeddings"], self.name)
         for key in store.keys():
             if key.startswith("slot."):

@@ -9,6 +9,13 @@ updates. `sok_keras` routes `keras.Model.compile` through `compile_hook`
 layers and the optimizer is a Keras optimizer (a string, a config or an
 instance) that is not already sok-aware, it is replaced by
 `OptimizerWrapper(optimizer)`. Everything else passes through unchanged.
+
+With several ranks, `install_loop_hooks` (called by `sok_keras.init()`)
+also routes `fit`, `evaluate` and `predict` through
+`sok_keras.divergence.run_loop` (step tracking, fast failure when the ranks
+diverge) and, for models with sok tables, makes the first traced step
+compare the tables and the lookups across ranks
+(`sok_keras.consistency`).
 """
 
 import functools
@@ -17,6 +24,10 @@ import logging
 import keras
 
 _ORIGINAL_COMPILE = None
+_ORIGINAL_LOOPS = {}
+_STEPS = {"fit": (("train_step", "train_function"),),
+          "evaluate": (("test_step", "test_function"),),
+          "predict": (("predict_step", "predict_function"),)}
 _LOG = logging.getLogger("sok_keras")
 
 
@@ -82,3 +93,49 @@ def install():
                                  **kwargs)
 
     owner.compile = compile
+
+
+def _check_first_steps(model, kind):
+    """Wraps the model's step methods whose functions are not made yet, so
+    that their first trace compares the ranks (models with sok tables)."""
+    if not has_sok_layers(model):
+        return
+    from sok_keras import consistency
+
+    tables = consistency.model_tables(model)
+    if tables and not getattr(model, "_sok_tables_compared", False):
+        # A built model: compare its tables now, before Keras builds the
+        # optimizer (which broadcasts the dense weights).
+        object.__setattr__(model, "_sok_tables_compared", True)
+        consistency.compare(
+            {"tables": [consistency.table_signature(
+                t, getattr(model, "optimizer", None))
+                        for t in tables]}, "consistency/start",
+            f"the start of {kind} of model '{model.name}'")
+    for step, function in _STEPS[kind]:
+        if getattr(model, function, None) is None:
+            consistency.wrap_step(model, step, kind)
+
+
+def install_loop_hooks():
+    """Routes `fit` / `evaluate` / `predict` of Keras' trainer through
+    `sok_keras.divergence.run_loop` (idempotent; several ranks only)."""
+    from sok_keras import divergence
+
+    for kind in ("fit", "evaluate", "predict"):
+        if kind in _ORIGINAL_LOOPS:
+            continue
+        owner = next(c for c in keras.Model.__mro__ if kind in c.__dict__)
+        original = owner.__dict__[kind]
+        _ORIGINAL_LOOPS[kind] = (owner, original)
+
+        def hook(self, *args, _kind=kind, _original=original, **kwargs):
+            # Only models whose steps run collectives on every rank.
+            if not (has_sok_layers(self) or is_sok_aware(
+                    getattr(self, "optimizer", None))):
+                return _original(self, *args, **kwargs)
+            _check_first_steps(self, _kind)
+            return divergence.run_loop(_kind, _original, self, args, kwargs)
+
+        functools.update_wrapper(hook, original)
+        setattr(owner, kind, hook)

@@ -1,0 +1,243 @@
+"""Cross-rank consistency checks: every rank must build the same tables
+and look them up in the same order.
+
+A rank whose table has another vocabulary size (16 rows here, 17 there)
+would train silently until an id valid only on one rank's view hangs the
+job; a rank that looks its tables up in another order sends its rows into
+the wrong collectives. sok_keras compares, across ranks:
+
+- at the first step of `fit`, `evaluate` and `predict` (when the step
+  function is traced, before any of its collectives runs): every sok table
+  of the model (name, vocabulary size, embedding dim, dtype, mode, optimizer
+  rule) and the lookups of the step, in order (table and kind);
+- when a layer loads its table (`load_own_variables`), and the first time
+  a table is looked up eagerly (a subclassed model called on a batch, a
+  custom loop): that table.
+
+A difference raises `InconsistentRanksError` on every rank, naming the
+model, the table, the field and the values of both ranks, e.g. "table
+'emb/embeddings': vocabulary_size is 16 on rank 0 and 17 on rank 1". The
+comparison is one eager all-gather of a short description on the control
+communicator; in a world of one nothing is compared.
+"""
+
+import json
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from sok_keras import world
+
+_FIELDS = ("name", "vocabulary_size", "embedding_dim", "dtype", "mode",
+           "optimizer")
+_LOCAL = threading.local()
+
+
+class InconsistentRanksError(ValueError):
+    """Ranks built different tables or look them up in different orders."""
+
+
+# -- lookup order ---------------------------------------------------------
+
+
+def record_lookup(table, what):
+    """Records, while a checked step function is traced, that it looks up
+    `table` (a `sok_keras.Variable` or a list of them) with `what` (the
+    entry point). Does nothing otherwise."""
+    tables = table if isinstance(table, (list, tuple)) else [table]
+    if tf.executing_eagerly():
+        # Eager lookups (a subclassed model called on a batch, a custom
+        # loop) run their collectives at once: compare each table the
+        # first time it is looked up, on every rank alike.
+        for t in tables:
+            if not getattr(t, "_sok_compared", False):
+                check_table(t, "the first lookup")
+        return
+    stack = getattr(_LOCAL, "stack", None)
+    if not stack:
+        return
+    names = ",".join(str(getattr(t, "path", None) or getattr(t, "name", t))
+                     for t in tables)
+    stack[-1].append(f"{what}({names})")
+
+
+class _Recording:
+    def __enter__(self):
+        if not hasattr(_LOCAL, "stack"):
+            _LOCAL.stack = []
+        self.lookups = []
+        _LOCAL.stack.append(self.lookups)
+        return self.lookups
+
+    def __exit__(self, *exc):
+        _LOCAL.stack.pop()
+
+
+# -- signatures -----------------------------------------------------------
+
+
+def _rule_name(optimizer):
+    if optimizer is None:
+        return "none"
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return _rule_name(inner)
+    try:
+        from sok_keras.optimizers import sparse_rules
+
+        return sparse_rules.rule_for(optimizer).name
+    except Exception:  # noqa: BLE001 - not a sparse rule: name its class
+        return type(optimizer).__name__
+
+
+def table_signature(table, model_optimizer=None):
+    """The facts about `table` that must be equal on every rank (a dict)."""
+    own = table.optimizer
+    rule = (f"{_rule_name(own)} (the table's own)" if own is not None
+            else _rule_name(model_optimizer))
+    return {
+        "name": table.path or table.name,
+        "vocabulary_size": int(table.global_shape[0]),
+        "embedding_dim": int(table.global_shape[1]),
+        "dtype": str(table.dtype),
+        "mode": table.mode,
+        "optimizer": rule,
+    }
+
+
+def model_tables(model):
+    """The sok tables of `model` (not their slots), in the model's order."""
+    from sok_keras.variable import Variable
+
+    tables = [v for v in model.variables if isinstance(v, Variable)]
+    slots = {id(s) for t in tables for s in t.slots.values()}
+    return [t for t in tables if id(t) not in slots]
+
+
+# -- the comparison ---------------------------------------------------------
+
+
+def _gather_texts(text, key):
+    """Every rank's `text`, in rank order (one eager all-gather)."""
+    comm = world.control_communicator()
+    data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    with tf.init_scope(), tf.device("/CPU:0"):
+        sizes = comm.all_gather(tf.constant([data.size], tf.int64),
+                                f"{key}/size").numpy()
+        width = int(sizes.max())
+        padded = np.zeros([width], np.int32)
+        padded[:data.size] = data
+        got = comm.all_gather(tf.constant(padded), f"{key}/text").numpy()
+    got = got.reshape(len(sizes), width)
+    return [bytes(row[:n].astype(np.uint8)).decode("utf-8")
+            for row, n in zip(got, sizes)]
+
+
+def _describe(value):
+    return f"'{value}'" if isinstance(value, str) else str(value)
+
+
+def _table_differences(a, b, ra, rb):
+    """The first difference between two ranks' table lists, or None."""
+    names_a = [t["name"] for t in a]
+    names_b = [t["name"] for t in b]
+    if names_a != names_b:
+        for i, (x, y) in enumerate(zip(names_a, names_b)):
+            if x != y:
+                return (f"table {i + 1} is '{x}' on rank {ra} and '{y}' on "
+                        f"rank {rb} (tables: {names_a} on rank {ra}, "
+                        f"{names_b} on rank {rb})")
+        return (f"rank {ra} has {len(a)} tables {names_a} and rank {rb} has "
+                f"{len(b)} {names_b}")
+    for x, y in zip(a, b):
+        for field in _FIELDS[1:]:
+            if x.get(field) != y.get(field):
+                return (f"table '{x['name']}': {field} is "
+                        f"{_describe(x.get(field))} on rank {ra} and "
+                        f"{_describe(y.get(field))} on rank {rb}")
+    return None
+
+
+def _lookup_differences(a, b, ra, rb, where):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return (f"lookup {i + 1} of {where} is {x} on rank {ra} and {y} "
+                    f"on rank {rb} (the ranks look their tables up in a "
+                    "different order)")
+    if len(a) != len(b):
+        return (f"{where} makes {len(a)} lookups on rank {ra} and {len(b)} on "
+                f"rank {rb}")
+    return None
+
+
+def _by_name(view):
+    return sorted(view.get("tables", []), key=lambda t: t["name"])
+
+
+def compare(description, key, what):
+    """Compares `description` (a dict with "tables" and optionally
+    "lookups") across ranks; raises `InconsistentRanksError` on every rank
+    when they differ.
+
+    Args:
+        description: this rank's `{"tables": [signature, ...],
+            "lookups": [str, ...]}`.
+        key: the collective key (the same on every rank).
+        what: names the check in the error (e.g. "the first step of fit of
+            model 'm'").
+    """
+    if world.num_ranks() == 1:
+        return
+    texts = _gather_texts(json.dumps(description, sort_keys=True), key)
+    views = [json.loads(t) for t in texts]
+    for r in range(1, len(views)):
+        a, b = views[0], views[r]
+        # Tables by name (a model lists them in its execution order, which
+        # the lookup order below compares).
+        problem = _table_differences(_by_name(a), _by_name(b), 0, r)
+        if problem is None and ("lookups" in a or "lookups" in b):
+            problem = _lookup_differences(a.get("lookups", []),
+                                          b.get("lookups", []), 0, r,
+                                          "the step")
+        if problem is not None:
+            raise InconsistentRanksError(
+                f"sok_keras: the ranks differ at {what}: {problem}. Every "
+                "rank must build the same tables (same vocabulary size, "
+                "dim, dtype, mode and optimizer) and look them up in the "
+                "same order.")
+
+
+def check_table(table, what="load"):
+    """Compares one table across ranks (e.g. before a layer loads it)."""
+    if world.num_ranks() == 1:
+        return
+    table._sok_compared = True
+    compare({"tables": [table_signature(table)]}, "consistency/table",
+            f"{what} of table '{table.path or table.name}'")
+
+
+def wrap_step(model, attr, kind):
+    """Makes `model.<attr>` (train_step, test_step, predict_step) compare
+    the tables and the step's lookups across ranks the first time it is
+    traced, before the traced step runs."""
+    original = getattr(model, attr)
+    if getattr(original, "_sok_checked", False):
+        return
+    state = {"done": False}
+
+    def step(*args, **kwargs):
+        if state["done"] or tf.executing_eagerly():
+            return original(*args, **kwargs)
+        with _Recording() as lookups:
+            out = original(*args, **kwargs)
+        state["done"] = True
+        compare({"tables": [table_signature(t, model.optimizer)
+                            for t in model_tables(model)],
+                 "lookups": lookups},
+                f"consistency/{attr}",
+                f"the first step of {kind} of model '{model.name}'")
+        return out
+
+    step._sok_checked = True
+    object.__setattr__(model, attr, step)

@@ -1,0 +1,684 @@
+"""Fast failure when the ranks of a job diverge.
+
+Every collective waits for every rank. A rank that runs out of data, raises
+or exits would leave the others waiting for `SOK_COMM_TIMEOUT`; this module
+makes them fail within seconds instead, with an error naming the rank and
+the step (`RankDivergedError`).
+
+How. With more than one rank, `sok_keras.init()` opens a small side channel:
+rank 0 listens on its own address (a random port, published to the others
+through TensorFlow's coordination service with a random token that every
+peer must present) and relays what each rank reports to every other rank.
+Each rank reports:
+
+- its progress in `fit`, `evaluate` and `predict` (the loop, the epoch and
+  the step, tracked by a callback that the hooked loops put first);
+- "finished epoch e after step k" when its data for an epoch ran out;
+- "failed at step k: <error>" when a loop, or the program, raises;
+- "bye" when the process exits normally (`atexit`);
+- nothing when it is killed or calls `os._exit`: its connection closes, and
+  rank 0 reports the rank lost, with the last step it reported.
+
+A thread on every rank reads these reports. When another rank has finished
+an epoch (or the whole loop: a rank-local early stop) after fewer steps
+than this rank is running, has failed, or is gone while this rank is
+inside a loop (or waits in a collective), it aborts
+this process's collectives (`abort_collective_ops`), so the blocked step
+fails at once; the hooked loop then raises `RankDivergedError`, e.g.
+"fit diverged in epoch 1: rank 1 finished after step 4; rank 0 is at
+step 5", and reports its own failure, so every rank fails alike. A rank
+whose loop raises prints its error, then waits (at most `_GRACE` seconds)
+for the others to fail or leave before raising, so that a launcher that
+stops the job when one rank exits does not kill them before they have said
+why. A loop that ends normally waits for every other rank to end the same
+loop (at most `SOK_COMM_TIMEOUT`): a rank never returns from `fit` while
+another is still training, and ranks that ran different numbers of steps
+all raise. Ranks that run the same number of steps exchange nothing but
+one short message per step to rank 0.
+
+Limits. A rank alive but stalled says nothing: the communicator's watchdog
+(`SOK_COMM_TIMEOUT`) still finds it. A host that vanishes without closing
+its connections (power loss, network partition) is found by the
+coordination service's heartbeat (`SOK_HEARTBEAT_TIMEOUT`, 10 s). If rank 0
+is gone, the others learn it but can no longer tell each other anything.
+Under the NCCL backend an aborted step's NCCL collectives are not
+interrupted (the op library only aborts its communicator on its own
+timeout); the gRPC collectives and the checks in `fit` are.
+"""
+
+import atexit
+import json
+import logging
+import secrets
+import socket
+import sys
+import threading
+import time
+
+import keras
+
+_KV_KEY = "sok_keras/divergence/hub"
+_GRACE = 10.0  # seconds a failing rank waits for the others to fail too
+_POLL = 0.25  # seconds between the reader's periodic checks
+_PEER_REPORT = 2.0  # seconds a failed collective waits for a peer's report
+_DEPARTED_GRACE = 1.0  # a collective still in flight this long after a
+#                        peer left can never complete
+_LOG = logging.getLogger("sok_keras")
+
+
+class RankDivergedError(RuntimeError):
+    """Another rank failed, exited, or ran a different number of steps."""
+
+
+class _Loop:
+    """One `fit` / `evaluate` / `predict` call on this rank."""
+
+    def __init__(self, kind, lid):
+        self.kind = kind
+        self.lid = lid  # "fit#1": the same on every rank
+        self.epoch = 0
+        self.step = 0  # the step (1-based) running or last run
+        self.ended = False  # this epoch's data ran out
+
+    def where(self):
+        return f"step {self.step} of epoch {self.epoch + 1} of {self.kind}"
+
+
+class _Channel:
+    """This rank's end of the side channel, and what it knows of the
+    others."""
+
+    def __init__(self, rank, num_ranks, abort):
+        self.rank = rank
+        self.n = num_ranks
+        self._abort_fn = abort
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.stack = []  # the loops running on this rank, outermost first
+        self.seq = 0
+        self.my_ends = {}  # (lid, epoch) -> steps, this rank
+        self.peer_ends = {}  # (rank, lid, epoch) -> steps
+        self.loop_done = {}  # (rank, lid) -> steps of its loop
+        self.failed = {}  # rank -> message
+        self.gone = {}  # rank -> (monotonic time, message)
+        self.progress = {}  # rank -> "step k of epoch e of fit" (rank 0)
+        self.failure = None  # why this rank's collectives were aborted
+        self.reason = None  # the same, without "sok_keras: rank r: "
+        self.reported = False  # this rank reported its own failure
+        self.closing = False
+        self._send_lock = threading.Lock()
+        self._threads = []
+        self._sock = None  # rank > 0: the connection to rank 0
+        self._server = None  # rank 0
+        self._peers = {}  # rank 0: rank -> socket
+        self._backlog = []  # rank 0: messages for ranks not yet connected
+        self._token = None
+
+    # -- wire --------------------------------------------------------------
+
+    @staticmethod
+    def _encode(msg):
+        return (json.dumps(msg) + "\n").encode()
+
+    def _send_to(self, sock, msg):
+        try:
+            with self._send_lock:
+                sock.sendall(self._encode(msg))
+        except OSError:
+            pass  # the peer is gone; its reader reports it
+
+    def publish(self, **msg):
+        """Tells every other rank `msg` (a dict; `rank` is added)."""
+        msg["rank"] = self.rank
+        if self.rank == 0:
+            self._relay(msg)
+        elif self._sock is not None:
+            self._send_to(self._sock, msg)
+
+    def _relay(self, msg):
+        """Rank 0: forwards `msg` to every rank but its sender."""
+        with self.lock:
+            if msg.get("t") != "progress" and self._backlog is not None:
+                self._backlog.append(msg)
+            peers = list(self._peers.items())
+        for r, sock in peers:
+            if r != msg["rank"] and msg.get("t") != "progress":
+                self._send_to(sock, msg)
+
+    # -- starting and stopping ---------------------------------------------
+
+    def start_hub(self, host):
+        from tensorflow.python.eager import context
+
+        self._token = secrets.token_hex(16)
+        self._server = socket.create_server((host, 0))
+        self._server.settimeout(_POLL)
+        port = self._server.getsockname()[1]
+        context.context().set_config_key_value(
+            _KV_KEY, json.dumps([host, port, self._token]))
+        self._spawn(self._serve, "sok_keras-divergence-hub")
+
+    def connect(self, timeout):
+        from tensorflow.python.eager import context
+
+        host, port, token = json.loads(context.context().get_config_key_value(
+            _KV_KEY, int(timeout * 1000)))
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock.settimeout(_POLL)
+        self._send_to(self._sock, {"t": "hello", "rank": self.rank,
+                                   "token": token})
+        self._spawn(self._read_hub, "sok_keras-divergence-reader")
+
+    def _spawn(self, target, name):
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self):
+        """Says goodbye and stops the threads (at exit)."""
+        with self.lock:
+            if self.closing:
+                return
+            self.closing = True
+        self.publish(t="bye")
+        if self._sock is not None:
+            _shut(self._sock)
+        for t in self._threads:
+            t.join(timeout=2 * _POLL + 1.0)
+        if self._server is not None:
+            for sock in list(self._peers.values()):
+                _shut(sock)
+            self._server.close()
+
+    # -- readers -------------------------------------------------------------
+
+    def _serve(self):
+        """Rank 0: accepts the other ranks and relays their messages."""
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self._server, selectors.EVENT_READ)
+        buffers = {}
+        while not self.closing:
+            try:
+                ready = sel.select(_POLL)
+            except (OSError, ValueError):
+                break
+            for key, _ in ready:
+                sock = key.fileobj
+                if sock is self._server:
+                    try:
+                        conn, _ = self._server.accept()
+                    except OSError:
+                        continue
+                    conn.settimeout(_POLL)
+                    buffers[conn] = [b"", None]
+                    sel.register(conn, selectors.EVENT_READ)
+                    continue
+                try:
+                    data = sock.recv(65536)
+                except (socket.timeout, BlockingIOError):
+                    continue
+                except OSError:
+                    data = b""
+                state = buffers[sock]
+                if not data:
+                    sel.unregister(sock)
+                    sock.close()
+                    if state[1] is not None:
+                        self._peer_closed(state[1])
+                    continue
+                state[0] += data
+                *lines, state[0] = state[0].split(b"\n")
+                for line in lines:
+                    self._hub_line(sock, state, line)
+            self._periodic()
+        sel.close()
+
+    def _hub_line(self, sock, state, line):
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return
+        if state[1] is None:  # the first line must be a valid hello
+            if (msg.get("t") != "hello" or msg.get("token") != self._token
+                    or not isinstance(msg.get("rank"), int)):
+                _shut(sock)
+                return
+            r = msg["rank"]
+            state[1] = r
+            with self.lock:
+                self._peers[r] = sock
+                backlog = [m for m in self._backlog or () if m["rank"] != r]
+                if len(self._peers) == self.n - 1:
+                    self._backlog = None  # everyone is here
+            for m in backlog:
+                self._send_to(sock, m)
+            return
+        msg["rank"] = state[1]  # a rank speaks for itself only
+        self._relay(msg)
+        self.receive(msg)
+
+    def _peer_closed(self, r):
+        with self.lock:
+            self._peers.pop(r, None)
+            said_bye = r in self.gone
+            where = self.progress.get(r)
+        if said_bye:
+            return
+        after = f" (it last reported {where})" if where else ""
+        msg = {"t": "lost", "rank": 0, "who": r,
+               "msg": f"rank {r} exited without a word{after}"}
+        self._relay(msg)
+        self.receive(msg)
+
+    def _read_hub(self):
+        """Ranks > 0: reads what rank 0 relays."""
+        buf = b""
+        while not self.closing:
+            try:
+                data = self._sock.recv(65536)
+            except socket.timeout:
+                self._periodic()
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                with self.lock:
+                    known = 0 in self.gone or self.closing
+                if not known:
+                    self.receive({"t": "lost", "rank": 0, "who": 0,
+                                  "msg": "rank 0 exited without a word"})
+                # Rank 0 is gone: go on finding collectives that wait for it.
+                while not self.closing and self.failure is None:
+                    self._periodic()
+                    time.sleep(_POLL)
+                return
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                try:
+                    self.receive(json.loads(line))
+                except ValueError:
+                    continue
+            self._periodic()
+
+    # -- decisions ------------------------------------------------------------
+
+    def receive(self, msg):
+        """Takes in a report from another rank and acts on it."""
+        kind = msg.get("t")
+        r = msg.get("who", msg.get("rank"))
+        if not isinstance(r, int) or r == self.rank:
+            return
+        with self.lock:
+            if kind == "progress":
+                self.progress[r] = msg.get("where")
+                return
+            if kind == "epoch_end":
+                self.peer_ends[(r, msg["lid"], msg["epoch"])] = msg["steps"]
+            elif kind == "loop_done":
+                self.loop_done[(r, msg["lid"])] = msg["steps"]
+            elif kind == "failed":
+                self.failed.setdefault(r, msg.get("msg", ""))
+            elif kind in ("bye", "lost"):
+                self.gone.setdefault(r, (time.monotonic(), msg.get(
+                    "msg", f"rank {r} has exited (its program ended)")))
+                if kind == "lost":
+                    self.failed.setdefault(r, msg.get("msg", ""))
+            self.changed.notify_all()
+            reason = self.diverged()
+        if reason is not None:
+            self.abort(reason)
+
+    def diverged(self):
+        """Why this rank cannot go on, or None (call with the lock)."""
+        me = self.rank
+        for (r, lid, epoch), steps in sorted(self.peer_ends.items()):
+            mine = self.my_ends.get((lid, epoch))
+            loop = next((x for x in self.stack if x.lid == lid), None)
+            if mine == steps:  # agreed: nothing more to compare
+                del self.peer_ends[(r, lid, epoch)]
+                continue
+            if mine is not None:
+                kind = lid.partition("#")[0]
+                return (f"{kind} diverged in epoch {epoch + 1}: rank {r} "
+                        f"finished after step {steps}; rank {me} finished "
+                        f"after step {mine}")
+            if (mine is None and loop is not None and loop.epoch == epoch
+                    and loop.step > steps):
+                return (f"{loop.kind} diverged in epoch {epoch + 1}: rank {r} "
+                        f"finished after step {steps}; rank {me} is at step "
+                        f"{loop.step}")
+        for (r, lid), total in sorted(self.loop_done.items()):
+            loop = next((x for x in self.stack if x.lid == lid), None)
+            if loop is None:
+                continue
+            mine = sum(v for (i, _), v in self.my_ends.items() if i == lid)
+            if not loop.ended:
+                mine += loop.step
+            if mine > total:  # e.g. rank-local early stopping
+                return (f"{loop.kind} diverged: rank {r} finished it after "
+                        f"{total} steps in all; rank {me} is at "
+                        f"{loop.where()} ({mine} steps)")
+        here = self.stack[-1].where() if self.stack else None
+        if self.failed and not self.reported:
+            r, why = min(self.failed.items())
+            at = f"; rank {me} is at {here}" if here else ""
+            if not why.startswith(f"rank {r} "):
+                why = f"rank {r} failed: {why}"
+            return f"{why}{at}"
+        outer = self.stack[0].lid if self.stack else None
+        left = [(r, why) for r, (_, why) in sorted(self.gone.items())
+                if (r, outer) not in self.loop_done]
+        if self.stack and left:  # gone before the end of this loop
+            r, why = left[0]
+            return f"{why}; rank {me} is at {here}"
+        return None
+
+    def _periodic(self):
+        """A peer that left while a collective waits here: it never ends."""
+        with self.lock:
+            if self.failure is not None or not self.gone:
+                return
+            left = min(t for t, _ in self.gone.values())
+            r, (_, why) = min(self.gone.items())
+        if time.monotonic() - left < _DEPARTED_GRACE:
+            return
+        try:
+            from sok_keras import inflight
+
+            waiting = [k for k, s in inflight.snapshot()
+                       if s > _DEPARTED_GRACE]
+        except Exception:  # interpreter shutting down
+            return
+        if waiting:
+            self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}")
+
+    def abort(self, reason):
+        """Aborts this process's collectives with `reason` (once)."""
+        with self.lock:
+            if self.failure is not None or self.closing:
+                return
+            self.reason = reason
+            self.failure = f"sok_keras: rank {self.rank}: {reason}"
+            self.changed.notify_all()
+            message = self.failure
+        # Tell the others first: TensorFlow passes the abort on to the
+        # peers of a pending collective, and they should know why.
+        self.publish(t="failed", msg=reason)
+        self._abort_fn(message)
+
+    # -- loops (main thread) ------------------------------------------------
+
+    def begin_loop(self, kind):
+        with self.lock:
+            self.seq += 1
+            loop = _Loop(kind, f"{kind}#{self.seq}")
+            parent = self.stack[-1] if self.stack else None
+            self.stack.append(loop)
+        if parent is not None and parent.kind == "fit":
+            self.end_epoch(parent)  # validation: the training data ran out
+        return loop
+
+    def end_loop(self, loop):
+        with self.lock:
+            if loop in self.stack:
+                self.stack.remove(loop)
+
+    def step(self, loop, step):
+        """This rank starts `step` (1-based) of `loop`; raises if another
+        rank cannot run it."""
+        with self.lock:
+            loop.step = step
+            where = loop.where()
+            reason = self.failure or self.diverged()
+        self.publish(t="progress", where=where)
+        if reason is not None:
+            self.abort(reason)
+            raise RankDivergedError(self.failure)
+
+    def begin_epoch(self, loop, epoch):
+        with self.lock:
+            loop.epoch = epoch
+            loop.step = 0
+            loop.ended = False
+
+    def end_epoch(self, loop):
+        """`loop`'s data for its current epoch ran out on this rank."""
+        with self.lock:
+            if loop.ended:
+                return
+            loop.ended = True
+            self.my_ends[(loop.lid, loop.epoch)] = loop.step
+            reason = self.diverged()
+        self.publish(t="epoch_end", lid=loop.lid, epoch=loop.epoch,
+                     steps=loop.step)
+        if reason is not None:
+            self.abort(reason)
+
+    def finish(self, loop, total, timeout):
+        """`loop` returned on this rank: waits until every other rank has
+        ended it too; raises if one failed, left, or ran other steps."""
+        self.publish(t="loop_done", lid=loop.lid, steps=total)
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                reason = self.failure or self.diverged()
+                if reason is None:
+                    pending = [r for r in range(self.n) if r != self.rank
+                               and (r, loop.lid) not in self.loop_done
+                               and r not in self.gone]
+                    other = [(r, self.loop_done[(r, loop.lid)])
+                             for r in range(self.n)
+                             if self.loop_done.get((r, loop.lid),
+                                                   total) != total]
+                    if other:
+                        r, steps = other[0]
+                        reason = (f"{loop.kind} ran {steps} steps on rank {r} "
+                                  f"and {total} on rank {self.rank}")
+                    elif not pending:
+                        return
+                    elif time.monotonic() > deadline:
+                        reason = (f"ranks {pending} did not finish "
+                                  f"{loop.kind} within {timeout:g} s of rank "
+                                  f"{self.rank} (SOK_COMM_TIMEOUT)")
+                if reason is not None:
+                    break
+                self.changed.wait(_POLL)
+        self.abort(reason)
+        raise RankDivergedError(self.failure)
+
+    def failed_here(self, loop, error):
+        """`loop` raised `error` here: reports it, prints it, and waits a
+        little for the other ranks to fail too. Returns the error to raise
+        instead of `error`, or None."""
+        import tensorflow as tf
+
+        with self.lock:
+            if isinstance(error, tf.errors.OpError):
+                # Aborted by a peer through TensorFlow: its report on the
+                # side channel is on its way.
+                deadline = time.monotonic() + _PEER_REPORT
+                while self.failure is None and time.monotonic() < deadline:
+                    self.changed.wait(0.05)
+            cause = self.failure
+            where = loop.where() if loop is not None else "outside a loop"
+            self.reported = True
+        # A collective that failed after this rank aborted them: the abort's
+        # reason is the error. Any other error is this rank's own.
+        ours = isinstance(error, RankDivergedError) or (
+            cause is not None and isinstance(error, tf.errors.OpError))
+        if ours and cause is not None:
+            text = self.reason
+        else:
+            first = (f"{type(error).__name__}: {error}".splitlines() or [""])
+            text = f"rank {self.rank} failed at {where}: {first[0][:500]}"
+        self.publish(t="failed", msg=text)
+        print(f"sok_keras: rank {self.rank}: {text}", file=sys.stderr,
+              flush=True)
+        self.wait_for_peers(_GRACE)
+        if ours and not isinstance(error, RankDivergedError):
+            return RankDivergedError(cause)
+        return None
+
+    def wait_for_peers(self, timeout):
+        """Waits until every other rank has failed or left (at most
+        `timeout` s), so that none is stopped before it said why."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while time.monotonic() < deadline:
+                if all(r in self.failed or r in self.gone
+                       for r in range(self.n) if r != self.rank):
+                    return
+                self.changed.wait(_POLL)
+
+
+def _shut(sock):
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+_CHANNEL = None
+
+
+def channel():
+    """The process's side channel, or None (one rank, or not started)."""
+    return _CHANNEL
+
+
+def _abort_collectives(message):
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    from sok_keras import world
+
+    w = world.world()
+    for comm in (w.collective, w.communicator):
+        if comm is not None and hasattr(comm, "aborted"):
+            if comm.aborted is None:
+                comm.aborted = message
+    try:
+        context.context().abort_collective_ops(tf.errors.ABORTED, message)
+    except Exception as e:  # noqa: BLE001 - never kill the reader thread
+        _LOG.warning("sok_keras: could not abort the collectives: %s", e)
+
+
+def start(world):
+    """Opens the side channel of `world` (called by `sok_keras.init()`)."""
+    global _CHANNEL
+    if world.num_ranks == 1 or _CHANNEL is not None:
+        return
+    ch = _Channel(world.rank, world.num_ranks, _abort_collectives)
+    if world.rank == 0:
+        host = world.worker_addrs[0].rsplit(":", 1)[0].strip("[]")
+        if host in ("", "0.0.0.0", "::", "*"):
+            host = ""
+        ch.start_hub(host)
+    else:
+        ch.connect(world.timeout)
+    _CHANNEL = ch
+    atexit.register(ch.close)
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        report = not ch.stack and not ch.reported and not ch.closing
+        if report:  # outside a hooked loop (those report themselves)
+            ch.reported = True
+            ch.publish(t="failed", msg=(
+                f"rank {ch.rank} failed: {kind.__name__}: {value}"
+            ).splitlines()[0][:500])
+        previous(kind, value, tb)
+        if report:
+            ch.wait_for_peers(_GRACE)
+
+    sys.excepthook = excepthook
+
+
+class _Tracker(keras.callbacks.Callback):
+    """Follows this rank's steps in a loop (the first callback)."""
+
+    def __init__(self, ch, loop):
+        super().__init__()
+        self._ch = ch
+        self._top = loop
+        self._inner = []
+
+    def _current(self):
+        return self._inner[-1] if self._inner else self._top
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._ch.begin_epoch(self._top, epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._ch.end_epoch(self._top)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._ch.step(self._top, batch + 1)
+
+    def _nested_begin(self, kind):
+        if self._top.kind == "fit":  # validation inside fit
+            self._inner.append(self._ch.begin_loop(kind))
+
+    def _nested_end(self):
+        if self._inner:
+            loop = self._inner.pop()
+            self._ch.end_epoch(loop)
+            self._ch.end_loop(loop)
+        elif self._top.kind != "fit":
+            self._ch.end_epoch(self._top)
+
+    def on_test_begin(self, logs=None):
+        self._nested_begin("evaluate")
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self._ch.step(self._current(), batch + 1)
+
+    def on_test_end(self, logs=None):
+        self._nested_end()
+
+    def on_predict_batch_begin(self, batch, logs=None):
+        self._ch.step(self._current(), batch + 1)
+
+    def on_predict_end(self, logs=None):
+        self._nested_end()
+
+
+def run_loop(kind, original, model, args, kwargs):
+    """Runs Keras' `fit` / `evaluate` / `predict` under the divergence
+    checks (called by the hooks of `sok_keras.optimizers.auto_wrap`)."""
+    import inspect
+
+    ch = _CHANNEL
+    if ch is None or ch.stack:  # one rank, or nested (validation in fit)
+        return original(model, *args, **kwargs)
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    callbacks = bound.arguments.get("callbacks")
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        return original(model, *args, **kwargs)  # a CallbackList: as is
+    loop = ch.begin_loop(kind)
+    bound.arguments["callbacks"] = [_Tracker(ch, loop)] + list(callbacks or ())
+    try:
+        try:
+            out = original(*bound.args, **bound.kwargs)
+        except BaseException as e:
+            replacement = ch.failed_here(loop, e)
+            if replacement is not None:
+                raise replacement from e
+            raise
+        with ch.lock:
+            total = sum(v for (lid, _), v in ch.my_ends.items()
+                        if lid == loop.lid) if kind == "fit" else loop.step
+        ch.finish(loop, total, _timeout())
+        return out
+    finally:
+        ch.end_loop(loop)
+
+
+def _timeout():
+    from sok_keras import world
+
+    return world.timeout()

@@ -1,0 +1,176 @@
+"""Cross-rank consistency checks (issue P10, deliverable 3): ranks whose
+tables or lookup orders differ fail when a loop starts (or at its first
+step, or the first eager lookup, or at load), on every rank, with
+an error naming the table, the field and both values."""
+
+import pytest
+
+from tests.multiprocess import launch
+from tests.multiprocess import worker_path
+
+# Well below SOK_COMM_TIMEOUT: a check that does not fire shows as a hung
+# job (exit 124), not as a 10-minute wait.
+TIMEOUT = 90
+ENV = {"SOK_COMM_TIMEOUT": "600", "SOK_BACKEND": "collective"}
+
+
+def _run(field, stage="fit"):
+    job = launch(worker_path("consistency_tables"), 2, [field, stage],
+                 timeout=TIMEOUT, env=ENV)
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode == 0, f"exit {job.returncode}{detail}"
+    assert not job.leftovers, detail
+    assert sorted(job.results) == [0, 1], detail
+    return job.results[0], job.results[1], detail
+
+
+A = "a/embeddings"
+B = "b/embeddings"
+
+
+@pytest.mark.parametrize("field, values", [
+    ("vocabulary_size", ("16", "17")),
+    ("embedding_dim", ("4", "5")),
+    ("dtype", ("'float32'", "'float64'")),
+    ("mode", ("'distributed'", "'localized:0'")),
+    ("optimizer", ("'SGD'", "'Adam'")),
+    ("table_optimizer", ("'SGD'", "'Adagrad (the table's own)'")),
+])
+def test_different_tables_raise_on_every_rank(field, values):
+    r0, r1, detail = _run(field)
+    name = field.replace("table_", "")
+    expected = (f"table '{A}': {name} is {values[0]} on rank 0 and "
+                f"{values[1]} on rank 1")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert expected in r["error"], detail
+    assert r0["error"] == r1["error"], detail
+
+
+def test_vocabulary_16_vs_17_message():
+    r0, r1, detail = _run("vocabulary_size")
+    expected = f"table '{A}': vocabulary_size is 16 on rank 0 and 17 on rank 1"
+    assert expected in r0["error"] and expected in r1["error"], detail
+    # A built (functional) model is compared when fit starts, before Keras
+    # builds the optimizer (whose broadcast of the dense weights would
+    # otherwise hang on the different shapes).
+    assert "the start of fit of model 'two_tables'" in r0["error"], detail
+
+
+def test_different_lookup_order_raises_on_every_rank():
+    r0, r1, detail = _run("order")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert (f"lookup 1 of the step is lookup_one[sum,auto]({A}) on rank "
+                f"0 and lookup_one[sum,auto]({B}) on rank 1") in r["error"], (
+                    detail)
+
+
+def test_different_number_of_tables_raises_on_every_rank():
+    r0, r1, detail = _run("count")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert "rank 0 has 2 tables" in r["error"], detail
+        assert "rank 1 has 3" in r["error"], detail
+
+
+@pytest.mark.parametrize("stage", ["evaluate", "predict"])
+def test_checked_at_the_start_of_evaluate_and_predict(stage):
+    r0, r1, detail = _run("vocabulary_size", stage)
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert f"the start of {stage}" in r["error"], detail
+        assert "vocabulary_size is 16 on rank 0 and 17 on rank 1" in (
+            r["error"]), detail
+
+
+def test_checked_at_load():
+    r0, r1, detail = _run("vocabulary_size", "load")
+    for r in (r0, r1):
+        # Keras' load_weights re-raises a layer's error as a ValueError
+        # (InconsistentRanksError is one) quoting its message.
+        assert r["type"] in ("InconsistentRanksError", "ValueError"), detail
+        assert f"load of table '{A}'" in r["error"], detail
+        assert "vocabulary_size is 16 on rank 0 and 17 on rank 1" in (
+            r["error"]), detail
+
+
+@pytest.mark.parametrize("field, expected", [
+    ("vocabulary_size",
+     f"table '{A}': vocabulary_size is 16 on rank 0 and 17 on rank 1"),
+    ("order", f"table 1 is '{A}' on rank 0 and '{B}' on rank 1"),
+])
+def test_checked_at_the_first_eager_lookup(field, expected):
+    # A model called on a batch before fit looks its tables up at once.
+    r0, r1, detail = _run(field, "eager")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert "the first lookup of table" in r["error"], detail
+        assert expected in r["error"], detail
+
+
+def test_equal_ranks_train_without_error():
+    r0, r1, detail = _run("none")
+    assert r0["error"] is None and r1["error"] is None, detail
+
+
+# -- the comparison, in one process --------------------------------------
+
+
+def _sig(name="t", **kw):
+    base = {"name": name, "vocabulary_size": 16, "embedding_dim": 4,
+            "dtype": "float32", "mode": "distributed", "optimizer": "SGD"}
+    base.update(kw)
+    return base
+
+
+def test_table_differences_name_the_field_and_both_values():
+    from sok_keras import consistency
+
+    assert consistency._table_differences(
+        [_sig()], [_sig()], 0, 1) is None
+    assert consistency._table_differences(
+        [_sig()], [_sig(vocabulary_size=17)], 0, 1) == (
+            "table 't': vocabulary_size is 16 on rank 0 and 17 on rank 1")
+    assert consistency._table_differences(
+        [_sig()], [_sig(mode="localized:1")], 0, 3) == (
+            "table 't': mode is 'distributed' on rank 0 and 'localized:1' "
+            "on rank 3")
+    assert "rank 0 has 1 tables ['t'] and rank 1 has 2" in (
+        consistency._table_differences([_sig()], [_sig(), _sig("u")], 0, 1))
+
+
+def test_lookup_differences():
+    from sok_keras import consistency
+
+    assert consistency._lookup_differences(["x", "y"], ["x", "y"], 0, 1,
+                                           "the step") is None
+    assert "lookup 2 of the step is y on rank 0 and z on rank 1" in (
+        consistency._lookup_differences(["x", "y"], ["x", "z"], 0, 1,
+                                        "the step"))
+    assert "the step makes 1 lookups on rank 0 and 2 on rank 1" in (
+        consistency._lookup_differences(["x"], ["x", "y"], 0, 1, "the step"))
+
+
+def test_lookups_are_recorded_only_while_a_checked_step_is_traced():
+    import numpy as np
+    import tensorflow as tf
+
+    import sok_keras as sok
+    from sok_keras import consistency
+
+    a = sok.Variable(np.ones((5, 2), np.float32), name="ta")
+    b = sok.Variable(np.ones((7, 2), np.float32), name="tb")
+
+    @tf.function
+    def step(ids):
+        return (sok.all2all_dense_embedding(b, ids) +
+                sok.lookup_sparse(a, ids[:, None], combiners="sum")[:, None])
+
+    with consistency._Recording() as lookups:
+        step(tf.constant([1, 2], tf.int64))
+    assert lookups == ["all2all_dense_embedding(tb)", "lookup_sparse(ta)",
+                       "lookup_one[sum,auto](ta)"]
+    step.python_function(tf.constant([1], tf.int64))  # eager: nothing kept
+    assert lookups == ["all2all_dense_embedding(tb)", "lookup_sparse(ta)",
+                       "lookup_one[sum,auto](ta)"]

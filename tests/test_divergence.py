@@ -1,0 +1,232 @@
+"""Fast failure on divergence (issue P10, deliverable 4): a rank that runs
+out of data, raises or exits makes every other rank fail within seconds,
+with a message naming the rank and the step, not after SOK_COMM_TIMEOUT."""
+
+from tests.multiprocess import launch
+from tests.multiprocess import worker_path
+
+# Far below SOK_COMM_TIMEOUT (600 s here): a rank that waits for the
+# timeout shows as a job stopped by sokrun (exit 124), i.e. a failure.
+TIMEOUT = 90
+ENV = {"SOK_COMM_TIMEOUT": "600", "SOK_SAVE_TIMEOUT": "600",
+       "SOK_BACKEND": "collective"}
+
+
+def _job(steps0, steps1, extra, epochs=1):
+    job = launch(worker_path("divergence_fit"), 2,
+                 [steps0, steps1, extra, epochs], timeout=TIMEOUT, env=ENV)
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode != 124, f"the job hung{detail}"
+    assert not job.leftovers, detail
+    return job, detail
+
+
+def _both_diverged(job, detail, phrase):
+    assert job.returncode == 0, detail
+    assert sorted(job.results) == [0, 1], detail
+    for r in (0, 1):
+        result = job.results[r]
+        assert result["type"] == "RankDivergedError", detail
+        assert phrase in result["error"], detail
+
+
+def test_fewer_batches_on_one_rank_with_global_metrics():
+    job, detail = _job(5, 4, "metrics")
+    _both_diverged(job, detail,
+                   "rank 1 finished after step 4; rank 0 is at step 5")
+
+
+def test_fewer_batches_on_rank_0():
+    job, detail = _job(4, 5, "metrics")
+    _both_diverged(job, detail,
+                   "rank 0 finished after step 4; rank 1 is at step 5")
+
+
+def test_fewer_batches_with_save_at_the_end():
+    job, detail = _job(5, 4, "save")
+    _both_diverged(job, detail,
+                   "rank 1 finished after step 4; rank 0 is at step 5")
+    assert not any(r.get("saved") for r in job.results.values()), detail
+
+
+def test_fewer_batches_without_any_later_collective():
+    # Rank 1 would otherwise return from fit and exit 0 while rank 0 hangs.
+    job, detail = _job(5, 4, "none")
+    _both_diverged(job, detail,
+                   "rank 1 finished after step 4; rank 0 is at step 5")
+
+
+def test_rank_that_stops_training_early():
+    # EarlyStopping on rank-local logs: rank 1 stops after epoch 1.
+    job, detail = _job(5, 5, "stop", 3)
+    _both_diverged(job, detail,
+                   "fit diverged: rank 1 finished it after 5 steps in all; "
+                   "rank 0 is at step 1 of epoch 2 of fit (6 steps)")
+
+
+def test_rank_that_raises_mid_fit():
+    job, detail = _job(8, 8, "raise")
+    assert job.returncode == 0, detail
+    r0, r1 = job.results[0], job.results[1]
+    assert r1["type"] == "RuntimeError", detail
+    assert r1["error"] == "rank 1 fails on purpose at step 5", detail
+    assert r0["type"] == "RankDivergedError", detail
+    assert ("rank 1 failed at step 5 of epoch 1 of fit: RuntimeError: rank 1 "
+            "fails on purpose at step 5; rank 0 is at step") in r0["error"], (
+                detail)
+
+
+def test_rank_that_raises_and_ends_the_program():
+    # sokrun stops the job when rank 1 exits 1; rank 0 has said why first.
+    job, detail = _job(8, 8, "raise_uncaught")
+    assert job.returncode == 1, detail
+    assert "[0] sok_keras: rank 0: rank 1 failed at step 5 of epoch 1 of " \
+        "fit" in job.output, detail
+    assert "[1] RuntimeError: rank 1 fails on purpose at step 5" in (
+        job.output), detail
+
+
+def test_rank_that_exits_mid_fit():
+    # os._exit(0): no Python clean-up runs and sokrun sees a success; only
+    # rank 0 is left to fail.
+    job, detail = _job(8, 8, "exit")
+    assert job.returncode == 0, detail
+    assert sorted(job.results) == [0], detail
+    r0 = job.results[0]
+    assert r0["type"] == "RankDivergedError", detail
+    assert ("rank 1 exited without a word (it last reported step 5 of epoch "
+            "1 of fit); rank 0 is at step") in r0["error"], detail
+
+
+def test_equal_steps_never_trigger_anything():
+    job, detail = _job(5, 5, "save")
+    assert job.returncode == 0, detail
+    for r in (0, 1):
+        assert job.results[r]["error"] is None, detail
+    assert job.results[0]["saved"] and job.results[1]["saved"], detail
+
+
+def test_equal_steps_with_validation_and_two_epochs():
+    job, detail = _job(5, 5, "validate", 2)
+    assert job.returncode == 0, detail
+    for r in (0, 1):
+        assert job.results[r]["error"] is None, detail
+        assert len(job.results[r]["losses"]) == 2, detail
+    assert job.results[0]["losses"] == job.results[1]["losses"], detail
+
+
+def _custom(mode):
+    job = launch(worker_path("divergence_custom"), 2, [mode],
+                 timeout=TIMEOUT, env=ENV)
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode != 124, f"the job hung{detail}"
+    assert not job.leftovers, detail
+    assert 0 in job.results, detail
+    return job, job.results[0], detail
+
+
+def test_custom_loop_rank_that_raises():
+    job, r0, detail = _custom("raise")
+    assert job.returncode == 1, detail  # rank 1's error ends the job
+    # Iteration 3 when rank 1 left before rank 0 had all of that one.
+    assert r0["iteration"] in (3, 4), detail
+    assert ("rank 1 failed: RuntimeError: rank 1 stops its custom loop"
+            in r0["error"]), detail
+
+
+def test_custom_loop_rank_that_exits_normally():
+    job, r0, detail = _custom("exit")
+    assert job.returncode == 0, detail
+    assert r0["iteration"] == 4, detail
+    assert ("rank 1 has exited (its program ended); rank 0 waits in "
+            "all_reduce:custom/loop") in r0["error"], detail
+
+
+# -- the decisions, in one process (no sockets) --------------------------
+
+
+def _channel(rank=0, n=2):
+    from sok_keras import divergence
+
+    aborted = []
+    ch = divergence._Channel(rank, n, aborted.append)
+    ch.publish = lambda **msg: None  # nowhere to send
+    return ch, aborted
+
+
+def test_equal_epoch_ends_never_abort():
+    ch, aborted = _channel()
+    loop = ch.begin_loop("fit")
+    for epoch in range(3):
+        ch.begin_epoch(loop, epoch)
+        for step in range(1, 5):
+            ch.step(loop, step)
+        # The peer's report may come before or after this rank's own end.
+        if epoch % 2:
+            ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid,
+                        "epoch": epoch, "steps": 4})
+            ch.end_epoch(loop)
+        else:
+            ch.end_epoch(loop)
+            ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid,
+                        "epoch": epoch, "steps": 4})
+    ch.receive({"t": "loop_done", "rank": 1, "lid": loop.lid, "steps": 12})
+    ch.finish(loop, 12, timeout=5)
+    ch.end_loop(loop)
+    ch.receive({"t": "bye", "rank": 1})  # exits after the loop: fine
+    assert aborted == []
+
+
+def test_peer_that_ran_out_of_data_aborts_the_rank_that_did_not():
+    from sok_keras import divergence
+
+    ch, aborted = _channel()
+    loop = ch.begin_loop("fit")
+    ch.begin_epoch(loop, 0)
+    for step in range(1, 5):
+        ch.step(loop, step)
+    ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
+                "steps": 4})
+    assert aborted == []  # step 4 is not past the peer's end
+    try:
+        ch.step(loop, 5)
+    except divergence.RankDivergedError as e:
+        message = str(e)
+    else:
+        raise AssertionError("step 5 should have raised")
+    assert "rank 1 finished after step 4; rank 0 is at step 5" in message
+    assert aborted == [message]
+
+
+def test_peer_report_while_this_rank_waits_in_a_step_aborts_at_once():
+    ch, aborted = _channel(rank=1)
+    loop = ch.begin_loop("evaluate")
+    for step in range(1, 4):
+        ch.step(loop, step)
+    ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
+                "steps": 2})
+    assert len(aborted) == 1
+    assert ("evaluate diverged in epoch 1: rank 0 finished after step 2; "
+            "rank 1 is at step 3") in aborted[0]
+
+
+def test_failed_and_lost_peers_abort_and_name_this_ranks_step():
+    for report, expected in [
+            ({"t": "failed", "rank": 1,
+              "msg": "rank 1 failed at step 2 of epoch 1 of fit: OSError"},
+             "rank 1 failed at step 2 of epoch 1 of fit: OSError; rank 0 is "
+             "at step 3 of epoch 1 of fit"),
+            ({"t": "lost", "rank": 0, "who": 1,
+              "msg": "rank 1 exited without a word"},
+             "rank 1 exited without a word; rank 0 is at step 3")]:
+        ch, aborted = _channel()
+        loop = ch.begin_loop("fit")
+        ch.step(loop, 3)
+        ch.receive(report)
+        assert len(aborted) == 1 and expected in aborted[0], aborted
+
+
+def test_a_peer_that_left_outside_a_loop_aborts_nothing():
+    ch, aborted = _channel()
+    ch.receive({"t": "bye", "rank": 1})
+    assert aborted == []

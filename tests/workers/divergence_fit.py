@@ -1,0 +1,77 @@
+"""Ranks that run different numbers of steps in model.fit, raise, or exit.
+
+argv: STEPS0 STEPS1 EXTRA [EPOCHS]. Rank r gets STEPS<r> batches per
+epoch. EXTRA: "none"; "metrics" (GlobalMetrics); "save" (model.save after
+fit); "validate" (validation data, GlobalMetrics); "raise" (rank 1 raises
+in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
+"raise_uncaught" (as "raise", and rank 1 lets the error end the program);
+"stop" (rank 1 stops training after its first epoch).
+Each rank writes what fit (and save) raised.
+"""
+
+import os
+import sys
+import time
+
+import sok_keras as sok
+
+sok.init()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from _worker import OUT, RANK, write_result  # noqa: E402
+
+steps = int(sys.argv[1 + RANK])
+EXTRA = sys.argv[3]
+EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+BATCH = 4
+
+
+def data(n, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 32, size=(n * BATCH, 2)).astype(np.int64)
+    y = rng.normal(size=(n * BATCH, 1)).astype(np.float32)
+    return tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)
+
+
+class Trouble(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if RANK == 1 and EXTRA == "stop":  # a rank-local early stop
+            self.model.stop_training = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if RANK == 1 and batch == 4:
+            if EXTRA.startswith("raise"):
+                raise RuntimeError("rank 1 fails on purpose at step 5")
+            if EXTRA == "exit":
+                os._exit(0)
+
+
+inputs = keras.Input(shape=(2,), dtype="int64")
+emb = sok.layers.DistributedEmbedding(32, 4, name="emb")(inputs)
+model = keras.Model(inputs, keras.layers.Dense(1, name="head")(emb))
+model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+    keras.optimizers.SGD(0.1)), loss="mse")
+callbacks = [Trouble()]
+if EXTRA in ("metrics", "validate"):
+    callbacks.append(sok.callbacks.GlobalMetrics())
+kwargs = {}
+if EXTRA == "validate":
+    kwargs["validation_data"] = data(3, 7 + RANK)
+result = {"error": None, "type": None}
+start = time.monotonic()
+try:
+    history = model.fit(data(steps, RANK), epochs=EPOCHS, verbose=0,
+                        callbacks=callbacks, **kwargs)
+    result["losses"] = history.history["loss"]
+    if EXTRA == "save":
+        model.save(os.path.join(OUT, "model.keras"))
+        result["saved"] = True
+except Exception as e:  # noqa: BLE001 - reported to the test
+    if EXTRA == "raise_uncaught" and RANK == 1:
+        raise
+    result.update(error=str(e), type=type(e).__name__)
+result["elapsed"] = time.monotonic() - start
+write_result(result)
+print(f"rank {RANK}: {result}", flush=True)
