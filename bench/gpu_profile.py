@@ -38,14 +38,28 @@ def _kernel_times(logdir):
             if not plane.name.startswith("/device:GPU"):
                 continue
             names = {k: v.name for k, v in plane.event_metadata.items()}
+            stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
             for line in plane.lines:
                 # Kernel and memcpy lines carry the stream's events; skip the
                 # derived lines (TF op / step summaries) that repeat them.
                 if "stream" not in line.name.lower():
                     continue
                 for ev in line.events:
-                    totals[names.get(ev.metadata_id, "?")] += (
-                        ev.duration_ps / 1e9)
+                    name = names.get(ev.metadata_id, "?")
+                    if name.startswith("Memcpy"):
+                        # Which TF op the copy belongs to, and its size.
+                        stats = {}
+                        for st in ev.stats:
+                            key = stat_names.get(st.metadata_id, "")
+                            val = (st.str_value or st.int64_value
+                                   or st.uint64_value
+                                   or (stat_names.get(st.ref_value)
+                                       if st.ref_value else ""))
+                            stats[key] = val
+                        op = stats.get("tf_op") or stats.get("hlo_op") or ""
+                        size = stats.get("memcpy_details", "")
+                        name = f"{name} [{op}] {size}"[:160]
+                    totals[name] += ev.duration_ps / 1e9
     if not totals:
         print("no GPU stream events; planes and lines:", seen)
     return totals
