@@ -1,15 +1,20 @@
 """Sharded embedding lookups: `lookup_sparse` and `all2all_dense_embedding`.
 
-The exchange for one table on N ranks (see docs/design.md):
+The exchange of K >= 1 tables on N ranks is one pipeline of stages (see
+docs/design.md and the functions after `_owned_rows`), shared by one table,
+fused tables and pooling on the owner:
 
-1. dedup the ids of this rank and bucket them by owning rank
+1. `_dedup`: dedup the ids of this rank and bucket them by owning rank
    (`SokDedupBucketize`);
-2. agree on the counts with one small all-gather (which also carries the
-   first out-of-range id, so that every rank raises the same error instead
-   of one raising and the others waiting);
-3. all-to-all the unique ids to their owners;
-4. the owner dedups what it received and gathers each row once;
-5. all-to-all the rows back; pool at home (`SokSegmentCombine`).
+2. `_agree_counts`: agree on the counts with one small all-gather (which
+   also carries the first out-of-range id, so that every rank raises the
+   same error instead of one raising and the others waiting);
+3. `_exchange_parts`: all-to-all the unique ids to their owners (several
+   tables packed into one all-to-all with `SokGatherBlocks`);
+4. `_owner_rows`: the owner dedups what it received and gathers each row
+   once;
+5. `_rows_back`: all-to-all the rows back; pool at home
+   (`SokSegmentCombine`), or pool on the owner and send partial sums.
 
 The backward pass is the mirror image: `SokSegmentCombineGrad` reduces the
 gradient per unique id at home, the rows' gradient travels back through the
@@ -190,14 +195,197 @@ def _owned_rows(param, received_ids, name):
     return tf.gather(param.value, local_rows), inverse
 
 
-def _rows_from_owners(param, unique, counts_matrix, name, key):
-    """Sends distinct ids to their owners, brings their rows back (in the
-    order of `unique`)."""
-    comm = world.communicator()
-    received = comm.exchange(unique, counts_matrix, key=key + "/ids")
-    owned, recv_inverse = _owned_rows(param, received, name)
-    return comm.exchange(tf.gather(owned, recv_inverse),
-                         tf.transpose(counts_matrix), key=key + "/rows")
+# -- The exchange pipeline (several ranks) ------------------------------------
+#
+# One lookup of K >= 1 tables on N ranks runs these stages, each written once
+# below and shared by `gather_rows` (K = 1), `gather_rows_fused` and
+# `_pooled_exchange`; the communicator is an argument of every stage that
+# talks to other ranks:
+#
+#   _dedup          ids -> distinct ids bucketed by owner, counts, error
+#   _agree_counts   one all-gather of every table's counts and error, then
+#                   SokCheckExchange: the same error on every rank, and the
+#                   checked count matrices everything later depends on
+#   _exchange_parts one all-to-all for the K tables' pieces (packed and
+#                   unpacked with SokGatherBlocks); used for the ids out,
+#                   the rows back and the owner path's occurrences/partials
+#   _owner_rows     the owner gathers each distinct requested row once
+#   _rows_back      the rows home, one all-to-all per row dtype
+#   pool / _owner_pooled   the combine, at home or on the owner
+#
+# Nothing may depend on a rank's dedup counts before `_agree_counts` has
+# checked every rank's error: a rank that saw an invalid id reports zero
+# counts, and an exchange sized by them could start on one rank while the
+# check raises on another, leaving that collective unpaired. Every exchange
+# therefore takes its sizes from the checked matrices (a data dependency: a
+# control dependency is not enough, grappler drops it).
+
+
+def _dedup(tables, ids_list):
+    """Stage 1: each table's ids deduplicated and bucketed by owner rank.
+
+    Invalid ids are reported (in `error`), not raised: `_agree_counts`
+    raises them on every rank at once.
+
+    Args:
+        tables: a list of `(param, name)`.
+        ids_list: one int64 `[nnz_t]` id vector per table.
+
+    Returns:
+        One `dedup_bucketize` result per table.
+    """
+    return [
+        lookup_ops.dedup_bucketize(
+            ids, num_ranks=p.num_ranks, vocab_size=p.vocabulary_size,
+            owner=p.target_rank, table_name=name, raise_on_error=False)
+        for (p, name), ids in zip(tables, ids_list)
+    ]
+
+
+def _agree_counts(comm, tables, deduped, key, extra=None):
+    """Stage 2: every rank's counts and errors, checked on every rank.
+
+    One all-gather carries, per table, this rank's distinct-id count per
+    owner and its first invalid id (`[counts, error]`, N + 2 entries), then
+    the int64 vector `extra` if given; `SokCheckExchange` then raises the
+    same error on every rank if any rank saw an invalid id.
+
+    Args:
+        comm: the communicator.
+        tables: a list of `(param, name)`.
+        deduped: `_dedup`'s results.
+        key: the call site's key.
+        extra: an optional int64 vector appended to this rank's header.
+
+    Returns:
+        `(counts, gathered)`: `counts[t]` the checked int64 `[N, N]` matrix
+        of table t (`[i, j]`: distinct ids rank i sends to rank j);
+        `gathered` the `[N, width]` headers of every rank (the `extra`
+        columns start at `K * (N + 2)`).
+    """
+    n = comm.num_ranks
+    header = [tf.concat([d.counts, d.error], 0) for d in deduped]
+    if extra is not None:
+        header.append(extra)
+    gathered = comm.all_gather(tf.concat(header, 0)[None, :],
+                               key=key + "/counts")
+    width = n + 2
+    counts = [
+        lookup_ops.check_exchange(
+            gathered[:, t * width:(t + 1) * width], p.vocabulary_size, name)
+        for t, (p, name) in enumerate(tables)
+    ]
+    return counts, gathered
+
+
+def _exchange_parts(comm, parts, counts, key):
+    """Stages 3 and 5: K pieces, one per table, in one all-to-all.
+
+    Piece t holds table t's rows for every rank, grouped by destination
+    rank (`counts[t][rank, j]` rows for rank j). They travel grouped by
+    destination rank, then by table, and come back out grouped by source
+    rank per table. The packing and unpacking are `SokGatherBlocks`
+    (differentiable; with one piece there is nothing to pack).
+
+    Args:
+        comm: the communicator.
+        parts: K tensors `[S_t, ...]` of one dtype and trailing shape.
+        counts: K int64 `[N, N]` matrices, identical on every rank.
+        key: the collective's key.
+
+    Returns:
+        K tensors `[sum(counts[t][:, rank]), ...]`, grouped by source rank.
+    """
+    if len(parts) == 1:
+        return [comm.exchange(parts[0], counts[0], key=key)]
+    n, me, k = comm.num_ranks, comm.rank, len(parts)
+    stacked = tf.stack(counts)  # [K, N, N]
+    # Out: block (j, t) is piece t's rows for rank j.
+    mine = stacked[:, me, :]  # [K, N]
+    part_base = tf.cumsum(tf.reduce_sum(mine, 1), exclusive=True)  # [K]
+    starts = part_base[:, None] + tf.cumsum(mine, axis=1, exclusive=True)
+    packed = lookup_ops.gather_blocks(
+        tf.concat(parts, 0), tf.reshape(tf.transpose(starts), [-1]),
+        tf.reshape(tf.transpose(mine), [-1]), site=key)
+    received = comm.exchange(packed, tf.reduce_sum(stacked, 0), key=key)
+    # In: block (i, t) is piece t's rows from rank i.
+    incoming = tf.transpose(stacked[:, :, me])  # [N(src), K]
+    in_starts = tf.reshape(
+        tf.cumsum(tf.reshape(incoming, [-1]), exclusive=True), [n, k])
+    return [lookup_ops.gather_blocks(received, in_starts[:, t],
+                                     incoming[:, t], site=key)
+            for t in range(k)]
+
+
+def _owner_rows(tables, received):
+    """Stage 4: on the owner, the row of every received id (each distinct
+    row gathered once, see `_owned_rows`), in the order received."""
+    out = []
+    for (p, name), ids in zip(tables, received):
+        owned, recv_inverse = _owned_rows(p, ids, name)
+        out.append(tf.gather(owned, recv_inverse))
+    return out
+
+
+def _rows_back(comm, tables, outgoing, counts, key):
+    """Stage 5: the owners' rows home, one all-to-all per row dtype.
+
+    Tables of one dtype and width travel as rows; tables of one dtype and
+    different widths are flattened to scalars, so that they share the
+    all-to-all.
+
+    Args:
+        comm: the communicator.
+        tables: a list of `(param, name)`.
+        outgoing: per table, the rows this rank owns for every requester,
+            grouped by requesting rank (`_owner_rows`).
+        counts: the checked count matrices of the ids (`_agree_counts`).
+        key: the call site's key.
+
+    Returns:
+        Per table, `[U_t, dim_t]` rows in the order of its distinct ids.
+    """
+    by_dtype = {}
+    for t, (p, _) in enumerate(tables):
+        by_dtype.setdefault(p.value.dtype, []).append(t)
+    results = [None] * len(tables)
+    for dtype, group in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
+        site = key + "/rows"
+        if len(by_dtype) > 1:
+            site += "/" + dtype.name
+        dims = [tables[t][0].global_shape[1] for t in group]
+        if len(set(dims)) == 1:
+            parts = [outgoing[t] for t in group]
+            sizes = [tf.transpose(counts[t]) for t in group]
+        else:  # scalars: rank a sends b dim_t values per id of table t
+            parts = [tf.reshape(outgoing[t], [-1])[:, None] for t in group]
+            sizes = [tf.transpose(counts[t]) * d for t, d in zip(group, dims)]
+        home = _exchange_parts(comm, parts, sizes, site)
+        for t, d, rows in zip(group, dims, home):
+            results[t] = tf.reshape(rows, [-1, d])
+    return results
+
+
+def _rows_home(comm, tables, deduped, counts, key):
+    """Stages 3-5: distinct ids out, the owners' rows back (per table)."""
+    received = _exchange_parts(comm, [d.unique_ids for d in deduped], counts,
+                               key + "/ids")
+    return _rows_back(comm, tables, _owner_rows(tables, received), counts,
+                      key)
+
+
+def _exchange_rows(comm, params, ids_list, names):
+    """The rows of K >= 1 tables' ids from their owners, on several ranks:
+    3 collectives forward (counts, ids, rows per dtype). Returns a list of
+    `(rows, inverse)` as `gather_rows`."""
+    tables = list(zip(params, names))
+    for p, name in tables:
+        _check_world(p, name)
+    key = _call_site_key("+".join(_table_key(p) for p in params))
+    deduped = _dedup(tables, ids_list)
+    counts, _ = _agree_counts(comm, tables, deduped, key)
+    rows = _rows_home(comm, tables, deduped, counts, key)
+    return [(r, d.inverse) for r, d in zip(rows, deduped)]
 
 
 def gather_rows(param, ids, table_name=None):
@@ -217,28 +405,7 @@ def gather_rows(param, ids, table_name=None):
     if param.num_ranks == 1:
         # One rank: the owner is here; dedup and gather, no exchange.
         return _owned_rows(param, ids, name)
-    _check_world(param, name)
-    key = _call_site_key(_table_key(param))
-    unique, _, inverse, counts, error = lookup_ops.dedup_bucketize(
-        ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name, raise_on_error=False)
-    gathered = world.communicator().all_gather(
-        tf.concat([counts, error], 0)[None, :], key=key + "/counts")
-    counts_matrix = lookup_ops.check_exchange(
-        gathered, param.vocabulary_size, name)
-    rows = _rows_from_owners(param, unique, counts_matrix, name, key)
-    return rows, inverse
-
-
-def _block_index(starts, lengths):
-    """Flat indices of consecutive blocks: concat(range(s, s + l))."""
-    starts = tf.reshape(tf.cast(starts, tf.int64), [-1])
-    lengths = tf.reshape(tf.cast(lengths, tf.int64), [-1])
-    return tf.ragged.range(starts, starts + lengths).flat_values
-
-
-def _exclusive_cumsum(x):
-    return tf.cumsum(x, exclusive=True)
+    return _exchange_rows(world.communicator(), [param], [ids], [name])[0]
 
 
 def gather_rows_fused(params, ids_list, names):
@@ -256,87 +423,11 @@ def gather_rows_fused(params, ids_list, names):
     Returns:
         A list of `(rows, inverse)`, one per table, as `gather_rows`.
     """
-    n = world.num_ranks()
-    if n == 1 or len(params) == 1:
+    if world.num_ranks() == 1 or len(params) == 1:
         return [gather_rows(p, ids, table_name=name)
                 for p, ids, name in zip(params, ids_list, names)]
-    for p, name in zip(params, names):
-        _check_world(p, name)
-    comm = world.communicator()
-    me = world.rank()
-    k = len(params)
-    key = _call_site_key("+".join(_table_key(p) for p in params))
-    deduped = [
-        lookup_ops.dedup_bucketize(
-            ids, num_ranks=n, vocab_size=p.vocabulary_size,
-            owner=p.target_rank, table_name=name, raise_on_error=False)
-        for p, ids, name in zip(params, ids_list, names)
-    ]
-    header = tf.concat(
-        [tf.concat([d.counts, d.error], 0) for d in deduped], 0)[None, :]
-    gathered = comm.all_gather(header, key=key + "/counts")
-    width = n + 2
-    counts = [  # C_t[i, j]: distinct ids of table t rank i sends to rank j
-        lookup_ops.check_exchange(
-            gathered[:, t * width:(t + 1) * width], p.vocabulary_size, name)
-        for t, (p, name) in enumerate(zip(params, names))
-    ]
-    stacked = tf.stack(counts)  # [K, N, N]
-
-    # Ids out, grouped by destination rank, then by table.
-    mine = stacked[:, me, :]  # [K, N] sent by this rank
-    table_base = _exclusive_cumsum(tf.reduce_sum(mine, 1))  # [K]
-    within = tf.cumsum(mine, axis=1, exclusive=True)  # [K, N]
-    starts = tf.transpose(table_base[:, None] + within)  # [N, K]
-    lengths = tf.transpose(mine)
-    all_unique = tf.concat([d.unique_ids for d in deduped], 0)
-    ids_out = tf.gather(all_unique, _block_index(starts, lengths))
-    total = tf.reduce_sum(stacked, 0)  # [N, N]
-    received = comm.exchange(ids_out, total, key=key + "/ids")
-
-    # Ids in, grouped by source rank, then by table: split per table.
-    incoming = tf.transpose(stacked[:, :, me])  # [N(src), K]
-    in_offsets = tf.reshape(
-        _exclusive_cumsum(tf.reshape(incoming, [-1])), [n, k])
-    outgoing_by_table = []
-    for t, (p, name) in enumerate(zip(params, names)):
-        recv_t = tf.gather(
-            received, _block_index(in_offsets[:, t], incoming[:, t]))
-        owned, recv_inverse = _owned_rows(p, recv_t, name)
-        outgoing_by_table.append(tf.gather(owned, recv_inverse))
-
-    # Rows back, one exchange per dtype, flattened to scalars and grouped by
-    # destination (the requesting rank), then by table.
-    results = [None] * k
-    by_dtype = {}
-    for t, p in enumerate(params):
-        by_dtype.setdefault(p.value.dtype, []).append(t)
-    for dtype, group in sorted(by_dtype.items(), key=lambda kv: kv[0].name):
-        dims = tf.constant([params[t].global_shape[1] for t in group],
-                           tf.int64)
-        rows_in = tf.stack([incoming[:, t] for t in group], 1) * dims  # [N,G]
-        flat = tf.concat(
-            [tf.reshape(outgoing_by_table[t], [-1]) for t in group], 0)
-        base = _exclusive_cumsum(tf.reduce_sum(rows_in, 0))  # [G]
-        within = tf.cumsum(rows_in, axis=0, exclusive=True)  # [N, G]
-        flat_out = tf.gather(
-            flat, _block_index(base[None, :] + within, rows_in))
-        # Scalars rank a sends to rank b: the rows of b's ids that a owns.
-        scalars = tf.add_n([
-            tf.transpose(counts[t]) * params[t].global_shape[1]
-            for t in group])
-        flat_in = comm.exchange(flat_out[:, None], scalars,
-                                key=f"{key}/rows/{dtype.name}")[:, 0]
-        # At home: grouped by owner rank, then by table.
-        home = tf.stack([stacked[t, me, :] for t in group], 1) * dims  # [N,G]
-        home_offsets = tf.reshape(
-            _exclusive_cumsum(tf.reshape(home, [-1])), tf.shape(home))
-        for g, t in enumerate(group):
-            dim = params[t].global_shape[1]
-            part = tf.gather(
-                flat_in, _block_index(home_offsets[:, g], home[:, g]))
-            results[t] = (tf.reshape(part, [-1, dim]), deduped[t].inverse)
-    return results
+    return _exchange_rows(world.communicator(), list(params), list(ids_list),
+                          list(names))
 
 
 def pool(rows, inverse, feat, combiner):
@@ -396,41 +487,54 @@ def _check_combiner(combiner, where):
 POOLING_MODES = ("auto", "home", "owner")
 
 
-def _home_pooled(param, feat, combiner, name, key, unique, inverse,
-                 counts_matrix):
-    """Rows come home (one per distinct id), pooled at home."""
-    rows = _rows_from_owners(param, unique, counts_matrix, name, key)
-    return pool(rows, inverse, feat, combiner)
+def _owner_pooled(comm, param, feat, combiner, name, key, order,
+                  occ_matrix, batches):
+    """Pooling on the owner: every occurrence (id, sample, weight) goes to
+    its owner, which pools per requesting sample; one partial sum per
+    sample comes home, where they are added (and divided for `mean` and
+    `sqrtn`).
 
+    Args:
+        comm: the communicator.
+        param, feat, combiner, name: as `lookup_one` (`feat` an `_Ids`).
+        key: the call site's key.
+        order: the occurrences sorted by owner rank (stable).
+        occ_matrix: the checked `[N, N]` occurrence counts.
+        batches: `[N]` every rank's batch size.
 
-def _owner_pooled(param, feat, combiner, name, key, order, occ_matrix,
-                  batches):
-    """Every occurrence (id, sample, weight) goes to the owner, which pools
-    per requesting sample; one partial sum per sample comes home."""
-    comm = world.communicator()
-    n, me = param.num_ranks, world.rank()
+    Returns:
+        `[batch, dim]`.
+    """
+    me = comm.rank
     dtype = param.value.dtype
     dim = param.global_shape[1]
+    # Sample b of requester i is partial-sum row offsets[i] + b on every
+    # owner: the requester adds its own offset before sending.
+    offsets = tf.cumsum(batches, exclusive=True)
     ids_segs = tf.stack([tf.gather(feat.values, order),
-                         tf.gather(feat.segment_ids, order)], 1)
-    received = comm.exchange(ids_segs, occ_matrix, key=key + "/occ")
+                         tf.gather(feat.segment_ids, order) + offsets[me]], 1)
+    # Stage 3: the occurrences (and weights) out.
+    (received,) = _exchange_parts(comm, [ids_segs], [occ_matrix],
+                                  key + "/occ")
     if feat.weights is None:
         w_in = tf.zeros([0], dtype)
     else:
-        w_in = comm.exchange(
-            tf.gather(tf.cast(feat.weights, dtype), order)[:, None],
-            occ_matrix, key=key + "/weights")[:, 0]
-    # Sample b of requester i is partial-sum row offset[i] + b.
-    requester = tf.repeat(tf.range(n, dtype=tf.int64), occ_matrix[:, me])
-    offsets = tf.cumsum(batches, exclusive=True)
-    segments = received[:, 1] + tf.gather(offsets, requester)
+        (w_in,) = _exchange_parts(
+            comm, [tf.gather(tf.cast(feat.weights, dtype), order)[:, None]],
+            [occ_matrix], key + "/weights")
+        w_in = w_in[:, 0]
+    # Stage 4: gather each distinct row once, pool per requesting sample.
     owned, recv_inverse = _owned_rows(param, received[:, 0], name)
     partial = lookup_ops.segment_combine(
-        owned, recv_inverse, segments, w_in, tf.reduce_sum(batches), "sum")
-    # An owner sends requester b its B_b partial sums if b asked it anything.
+        owned, recv_inverse, received[:, 1], w_in, tf.reduce_sum(batches),
+        "sum")
+    # Stage 5: an owner sends requester b its B_b partial sums if b asked it
+    # anything.
     sends = _partials_matrix(occ_matrix, batches)
-    partial = tf.gather(partial, _block_index(offsets, sends[me]))
-    back = comm.exchange(partial, sends, key=key + "/partials")
+    partial = lookup_ops.gather_blocks(partial, offsets, sends[me],
+                                       site=key + "/partials")
+    (back,) = _exchange_parts(comm, [partial], [sends], key + "/partials")
+    # Combine at home.
     summed = tf.reduce_sum(tf.reshape(back, [-1, feat.batch_size, dim]), 0)
     if combiner == "sum":
         return summed
@@ -460,7 +564,25 @@ def _owner_of(param, ids):
     return tf.cast(tf.math.floormod(ids, param.num_ranks), tf.int32)
 
 
-def _pooled_exchange(param, feat, combiner, name, pooling):
+def _owner_is_cheaper(param, feat, counts_matrix, occ_matrix, batches):
+    """Whether pooling on the owner moves fewer bytes than rows home.
+
+    Home: each distinct id (8 bytes) out and its row back. Owner: each
+    occurrence (id and sample, 16 bytes, and its weight) out and one partial
+    sum per sample and owner back. Rows and weights are counted in the
+    table's dtype. Every input is the same on every rank, so is the answer.
+    """
+    item = param.value.dtype.size
+    row_bytes = item * param.global_shape[1]
+    home_bytes = tf.reduce_sum(counts_matrix) * (8 + row_bytes)
+    weights_bytes = 0 if feat.weights is None else item
+    owner_bytes = (tf.reduce_sum(occ_matrix) * (16 + weights_bytes)
+                   + tf.reduce_sum(_partials_matrix(occ_matrix, batches))
+                   * row_bytes)
+    return owner_bytes < home_bytes
+
+
+def _pooled_exchange(comm, param, feat, combiner, name, pooling):
     """A pooled lookup on several ranks, on the owner or chosen per step.
 
     (`pooling="home"` never comes here: it is `gather_rows` + `pool`.)
@@ -469,56 +591,44 @@ def _pooled_exchange(param, feat, combiner, name, pooling):
     the owner (`"owner"`) sends every occurrence and brings back one partial
     sum per sample and owner. `"auto"` compares the bytes both would move,
     from the counts every rank has after the first all-gather, so all ranks
-    take the same branch in every step.
+    take the same branch in every step. Both branches are stages of the one
+    pipeline (see `_dedup`).
     """
-    comm = world.communicator()
-    n = param.num_ranks
+    n = comm.num_ranks
+    tables = [(param, name)]
     key = _call_site_key(_table_key(param))
-    dedup = lookup_ops.dedup_bucketize(
-        feat.values, num_ranks=n, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name, raise_on_error=False)
+    (dedup,) = _dedup(tables, [feat.values])
     # Occurrences per owner (the owner branch sorts them by owner), from
     # the ids themselves: nothing here may depend on the dedup counts, which
     # are zero on a rank that saw an invalid id, until every rank has
-    # checked every rank's error (SokCheckExchange below).
+    # checked every rank's error (SokCheckExchange in _agree_counts).
     occ_owner = _owner_of(param, feat.values)
     occ_counts = tf.math.bincount(occ_owner, minlength=n, maxlength=n,
                                   dtype=tf.int64)
     batch = tf.reshape(tf.cast(feat.batch_size, tf.int64), [1])
-    header = tf.concat([dedup.counts, dedup.error, occ_counts, batch], 0)
-    gathered = comm.all_gather(header[None, :], key=key + "/counts")
-    counts_matrix = lookup_ops.check_exchange(
-        gathered[:, :n + 2], param.vocabulary_size, name)
-    # Everything after the check waits for it: in a graph, an exchange that
-    # did not depend on it could start on one rank while the check fails
-    # on the other, and leave that collective unpaired.
-    # (A control dependency is not enough: grappler drops it. The check's
-    # output is a real data dependency.)
+    (counts_matrix,), gathered = _agree_counts(
+        comm, tables, [dedup], key, extra=tf.concat([occ_counts, batch], 0))
+    # Everything after the check waits for it: the occurrence counts are
+    # checked against every rank's error too, and are what the owner
+    # branch's exchanges are sized by (a real data dependency).
     occ_matrix = lookup_ops.check_exchange(
         tf.concat([gathered[:, n + 2:2 * n + 2], gathered[:, n:n + 2]], 1),
         param.vocabulary_size, name)
     batches = gathered[:, 2 * n + 2]  # used only with occ_matrix
 
     def home():
-        return _home_pooled(param, feat, combiner, name, key, dedup.unique_ids,
-                            dedup.inverse, counts_matrix)
+        (rows,) = _rows_home(comm, tables, [dedup], [counts_matrix], key)
+        return pool(rows, dedup.inverse, feat, combiner)
 
     def owner():
         order = tf.argsort(occ_owner, stable=True)
-        return _owner_pooled(param, feat, combiner, name, key, order,
+        return _owner_pooled(comm, param, feat, combiner, name, key, order,
                              occ_matrix, batches)
 
     if pooling == "owner":
         return owner()
-    dim = param.global_shape[1]
-    item = param.value.dtype.size
-    row_bytes = item * dim
-    home_bytes = tf.reduce_sum(counts_matrix) * (8 + row_bytes)
-    weights_bytes = 0 if feat.weights is None else item
-    owner_bytes = (tf.reduce_sum(occ_matrix) * (16 + weights_bytes)
-                   + tf.reduce_sum(_partials_matrix(occ_matrix, batches))
-                   * row_bytes)
-    return tf.cond(owner_bytes < home_bytes, owner, home)
+    return tf.cond(_owner_is_cheaper(param, feat, counts_matrix, occ_matrix,
+                                     batches), owner, home)
 
 
 def _bags(ids, weights, name):
@@ -685,7 +795,8 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
     feat = normalize_ids(ids, weights, name)
     if combiner is not None and param.num_ranks > 1 and pooling != "home":
         _check_world(param, name)
-        return _pooled_exchange(param, feat, combiner, name, pooling)
+        return _pooled_exchange(world.communicator(), param, feat, combiner,
+                                name, pooling)
     rows, inverse = gather_rows(param, feat.values, table_name=name)
     if combiner is None:
         return unpooled(rows, inverse, feat)

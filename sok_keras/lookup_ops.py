@@ -170,6 +170,87 @@ def _segment_combine_grad(op, grad):
     return [rows_grad, None, None, None, None]
 
 
+def gather_blocks(values, starts, lengths, site=""):
+    """Concatenates consecutive blocks of rows (`SokGatherBlocks`).
+
+    `concat([values[s:s + l] for s, l in zip(starts, lengths)])` as one
+    compiled op: the packing and unpacking of the fused exchange's buckets.
+    `starts` and `lengths` are small (one entry per rank and table) and live
+    in host memory; on a GPU the rows move with device-to-device copies.
+    Differentiable with respect to `values` (the gradient is
+    `scatter_blocks`, which needs disjoint blocks).
+
+    Args:
+        values: a tensor `[n, ...]` of any plain-old-data dtype.
+        starts: int `[m]`, the first row of each block.
+        lengths: int `[m]`, the rows of each block (`>= 0`, and
+            `starts[i] + lengths[i] <= n`).
+        site: a name for error messages.
+
+    Returns:
+        A tensor `[sum(lengths), ...]`.
+
+    Raises:
+        tf.errors.InvalidArgumentError: if a block is out of range (the
+            message names it).
+
+    Example:
+
+    >>> gather_blocks(tf.range(10), [6, 1], [2, 3])
+    [6, 7, 1, 2, 3]
+    """
+    return ops().sok_gather_blocks(
+        values=values, starts=tf.cast(starts, tf.int64),
+        lengths=tf.cast(lengths, tf.int64), site=str(site))
+
+
+def scatter_blocks(grad, starts, lengths, num_rows, site=""):
+    """Writes blocks of rows back into zeros (`SokScatterBlocks`).
+
+    The inverse layout of `gather_blocks`: `out[starts[i] + p]` is row
+    `sum(lengths[:i]) + p` of `grad`, every other row of `out` is zero.
+    It is `gather_blocks`' gradient.
+
+    Args:
+        grad: a tensor `[sum(lengths), ...]`.
+        starts: int `[m]`, where each block goes.
+        lengths: int `[m]`, the rows of each block; the blocks must be
+            disjoint.
+        num_rows: the rows of the result (an int or int scalar tensor).
+        site: a name for error messages.
+
+    Returns:
+        A tensor `[num_rows, ...]` of the dtype of `grad`.
+
+    Raises:
+        tf.errors.InvalidArgumentError: if a block is out of range, two
+            blocks overlap or `grad` does not have `sum(lengths)` rows.
+    """
+    return ops().sok_scatter_blocks(
+        grad=grad, starts=tf.cast(starts, tf.int64),
+        lengths=tf.cast(lengths, tf.int64),
+        num_rows=tf.cast(num_rows, tf.int64), site=str(site))
+
+
+@register_gradient_once("SokGatherBlocks")
+def _gather_blocks_grad(op, grad):
+    values, starts, lengths = op.inputs
+    site = op.get_attr("site")
+    if isinstance(site, bytes):
+        site = site.decode()
+    num_rows = tf.shape(values, out_type=tf.int64)[0]
+    return [scatter_blocks(grad, starts, lengths, num_rows, site), None, None]
+
+
+@register_gradient_once("SokScatterBlocks")
+def _scatter_blocks_grad(op, grad):
+    _, starts, lengths, _ = op.inputs
+    site = op.get_attr("site")
+    if isinstance(site, bytes):
+        site = site.decode()
+    return [gather_blocks(grad, starts, lengths, site), None, None, None]
+
+
 def _no_gradient(op_type):
     try:
         tf.no_gradient(op_type)

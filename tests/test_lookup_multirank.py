@@ -32,15 +32,17 @@ def test_pooling_on_the_owner_equals_pooling_at_home():
 
 
 def test_invalid_id_on_one_rank_raises_on_every_rank():
-    """Every pooling mode: rank 1's bad id raises the same error on both
-    ranks (naming table, rank and id), nothing changes, the ranks stay in
-    step. Before the fix, pooling 'auto'/'owner' failed on rank 1 alone."""
+    """Every pooling mode and the fused multi-table exchange: rank 1's bad
+    id raises the same error on both ranks (naming table, rank and id),
+    nothing changes, the ranks stay in step. Before the fix, pooling
+    'auto'/'owner' failed on rank 1 alone."""
     results = run_workers(worker_path("bad_id"), 2, timeout=120)
     expected_after = [[9.0, 11.0, 13.0], [9.0, 10.0, 11.0]]
     for r in results:
         assert r["unchanged"]
         names = [k for k in r["cases"] if not k.endswith("/after")]
-        assert len(names) == 8
+        assert len(names) == 10
+        assert {"eager/fused", "function/fused"} <= set(names)
         for name in names:
             msg = r["cases"][name]
             assert "rank 1" in msg and "40" in msg, (name, msg)

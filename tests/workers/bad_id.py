@@ -1,6 +1,7 @@
 """An invalid id on one rank: every rank raises the same error, for every
-pooling mode and the unpooled lookup, eagerly and in a tf.function, and the
-ranks stay in step (a valid lookup afterwards gives the right rows)."""
+pooling mode, the fused multi-table lookup and the unpooled lookup, eagerly
+and in a tf.function, and the ranks stay in step (a valid lookup afterwards
+gives the right rows)."""
 
 import sok_keras as sok
 
@@ -38,6 +39,22 @@ for pooling in ("auto", "owner", "home"):
 
     run(f"eager/{pooling}", pooled)
     run(f"function/{pooling}", tf.function(pooled))
+
+
+# The fused exchange of several tables: the bad id is in the second table,
+# whose check must stop every rank before the first table's ids travel.
+other = sok.Variable(np.ones((9, 2), np.float32), name="other",
+                     mode="localized:0")
+other_ids = tf.constant([[0, 8], [4, -1]], tf.int64)
+
+
+def fused(ids):
+    outs = sok.lookup_sparse([other, v], [other_ids, ids], combiners="sum")
+    return outs[1]
+
+
+run("eager/fused", fused)
+run("function/fused", tf.function(fused))
 
 
 def unpooled(ids):
