@@ -383,9 +383,11 @@ def test_dump_killed_midway_leaves_the_previous_checkpoint(tmp_path):
                    for r in job.results.values()), job.output
     m = _manifest(path)
     data = sorted(d for d in os.listdir(path) if d.startswith("data-"))
-    # The killed dump's folder is there, unreferenced; the manifest still
-    # names the first dump's folder, which is whole.
-    assert len(data) == 2 and m["data"] in data, (data, job.output)
+    # The manifest still names the first dump's folder, which is whole; the
+    # killed dump's folder is either left unreferenced or (when the
+    # surviving rank learns of the exit in time, sok_keras.divergence)
+    # removed by its failed dump.
+    assert m["data"] in data and len(data) in (1, 2), (data, job.output)
     saved = _npz(os.path.join(out, "saved.npz"))
     model, _ = _dlrm()
     sok.load(path, model)
