@@ -26,8 +26,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import sok_keras._ops as o; print('build', o.build_info())" 2>&1 | tail -1 | tee -a "$out/summary.log"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu_tests timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
-      tests/test_gpu.py tests/test_ops_loading.py
-  step multirank_shared_gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 6 \
+      tests/test_gpu.py tests/test_gpu_blocks.py tests/test_ops_loading.py
+  step multirank_shared_gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_seed_example_multirank.py tests/test_training_multirank.py \
       tests/layers/test_layers_multirank.py tests/test_lookup_multirank.py \
       tests/test_save_load_multirank.py tests/test_seed_example.py \

@@ -40,6 +40,8 @@ import tensorflow as tf
 from sok_keras import bucket_ops
 
 GROUP_KEY = 0x50C000
+# The group of HostCollectiveCommunicator: host-side agreements.
+HOST_GROUP_KEY = GROUP_KEY + 1
 """The collective group key of sok_keras's communicator (all ranks)."""
 
 _OPS = ("sum", "mean", "max", "min")
@@ -576,3 +578,41 @@ class CollectiveCommunicator(Communicator):
         got = tf.reshape(self._guarded(what, padded, run), [-1] + rest)
         # Unpad: rows from source j sit at j * bucket + [0, C[j, rank]).
         return bucket_ops.bucket_unpad(got, c, e, r, site=site)
+
+
+class HostCollectiveCommunicator(CollectiveCommunicator):
+    """`CollectiveCommunicator` pinned to the CPU, in a group of its own.
+
+    For small host-side agreements (`agree`, the cross-rank consistency
+    checks, checkpoint bookkeeping): a TensorFlow collective group has one
+    device type, fixed by the first collective that uses it, so host-side
+    collectives must not share the data's group, which lives on the GPU
+    when the tables do (a CPU collective joining it fails with "joining a
+    group with incompatible device type GPU"). Get it with
+    `sok_keras.world.control_communicator()`.
+    """
+
+    def __init__(self, rank, num_ranks, timeout=300.0,
+                 group_key=HOST_GROUP_KEY):
+        super().__init__(rank, num_ranks, timeout=timeout,
+                         group_key=group_key)
+
+    def all_reduce(self, x, key, op="sum"):
+        with tf.device("/CPU:0"):
+            return super().all_reduce(x, key, op=op)
+
+    def all_gather(self, x, key):
+        with tf.device("/CPU:0"):
+            return super().all_gather(x, key)
+
+    def broadcast(self, x, key, root=0):
+        with tf.device("/CPU:0"):
+            return super().broadcast(x, key, root=root)
+
+    def exchange(self, x, counts_matrix, key):
+        with tf.device("/CPU:0"):
+            return super().exchange(x, counts_matrix, key)
+
+    def agree(self, what, value, timeout):
+        with tf.device("/CPU:0"):
+            return super().agree(what, value, timeout)

@@ -557,7 +557,7 @@ def _abort_collectives(message):
     from sok_keras import world
 
     w = world.world()
-    for comm in (w.collective, w.communicator):
+    for comm in (w.collective, w.communicator, getattr(w, "host", None)):
         if comm is not None and hasattr(comm, "aborted"):
             if comm.aborted is None:
                 comm.aborted = message

@@ -134,6 +134,7 @@ class World:
         self.communicator = None
         self.backend = "local"
         self.collective = None  # the gRPC communicator, when N > 1
+        self.host = None  # its CPU-pinned twin for agreements, when N > 1
         self.gpu = None  # the name of this rank's GPU, if any
 
     @property
@@ -397,7 +398,8 @@ def _nccl_unavailable(world, collective):
     fingerprint = _gpu_fingerprint(world)
     if collective is None:
         return None if fingerprint != -1 else "this process sees no GPU"
-    prints = collective.all_gather(
+    agreer = world.host if world.host is not None else collective
+    prints = agreer.all_gather(
         tf.constant([fingerprint], tf.int64), "init/gpus").numpy().tolist()
     if -1 in prints:
         return f"rank {prints.index(-1)} sees no GPU"
@@ -414,7 +416,9 @@ def _nccl_communicator(world, collective):
 
     uid = comm_nccl.NcclCommunicator.new_unique_id() if world.rank == 0 else (
         tf.zeros([128], tf.uint8))
-    if collective is not None:
+    if world.host is not None:  # a host-side agreement (CPU)
+        uid = world.host.broadcast(uid, "init/nccl_id")
+    elif collective is not None:
         uid = collective.broadcast(uid, "init/nccl_id")
     return comm_nccl.NcclCommunicator(world.rank, world.num_ranks, uid,
                                       timeout=world.timeout)
@@ -454,6 +458,15 @@ def _choose_communicator(world, backend):
         world.communicator = collective
         world.backend = "collective"
     world.collective = collective
+
+
+def _start_host_communicator(world):
+    """The CPU-pinned communicator of host-side agreements (N > 1)."""
+    from sok_keras import comm
+
+    if world.num_ranks > 1:
+        world.host = comm.HostCollectiveCommunicator(
+            world.rank, world.num_ranks, timeout=world.timeout)
 
 
 def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
@@ -522,6 +535,8 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
             if timeout is not None:
                 _WORLD.timeout = float(timeout)
                 _WORLD.communicator.timeout = float(timeout)
+                if _WORLD.host is not None:
+                    _WORLD.host.timeout = float(timeout)
             return _WORLD
         world = world_from_env()
         world.timeout = (
@@ -544,6 +559,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
                 _start_collectives(world)
         else:
             _pin_gpu(world)
+        _start_host_communicator(world)
         _choose_communicator(world, backend)
         if world.num_ranks > 1:
             from sok_keras import divergence
@@ -589,11 +605,13 @@ def world():
 
 
 def control_communicator():
-    """The communicator for small host-side agreements (`agree`): the
-    gRPC collective communicator when there are several ranks (also under
-    the NCCL backend), the local one otherwise."""
-    if _WORLD is not None and _WORLD.collective is not None:
-        return _WORLD.collective
+    """The communicator for small host-side agreements (`agree`, the
+    consistency checks): with several ranks a gRPC collective communicator
+    pinned to the CPU in its own collective group (also under the NCCL
+    backend; see `comm.HostCollectiveCommunicator`), the local one
+    otherwise."""
+    if _WORLD is not None and _WORLD.host is not None:
+        return _WORLD.host
     return communicator()
 
 

@@ -91,3 +91,16 @@ def test_next_pow2_exponent():
     for m in list(range(0, 70)) + [2**20 - 1, 2**20, 2**20 + 1, 2**40 + 1]:
         e = int(_next_pow2_exponent(tf.constant(m, tf.int64)))
         assert (1 << e) >= max(m, 1) and (e == 0 or (1 << (e - 1)) < m), m
+
+
+def test_host_agreements_have_their_own_collective_group():
+    """A TF collective group has one device type: host-side agreements
+    (pinned to the CPU) must not share the data's group, which is on the
+    GPU when the tables are (found on the H200: "joining a group with
+    incompatible device type GPU")."""
+    from sok_keras import comm
+
+    host = comm.HostCollectiveCommunicator(0, 2, timeout=None)
+    data = comm.CollectiveCommunicator(0, 2, timeout=None)
+    assert host.group_key != data.group_key
+    assert isinstance(host, comm.CollectiveCommunicator)
