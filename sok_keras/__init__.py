@@ -28,6 +28,8 @@ from sok_keras._version import __version__
 from sok_keras.checkpoint import CheckpointError
 from sok_keras.checkpoint import dump
 from sok_keras.checkpoint import load
+from sok_keras.consistency import InconsistentRanksError
+from sok_keras.divergence import RankDivergedError
 from sok_keras.data import shard_batches
 from sok_keras.layers import All2AllDenseEmbedding
 from sok_keras.layers import DistributedEmbedding
@@ -72,9 +74,10 @@ _auto_wrap.install()
 __all__ = [
     "__version__",
     "All2AllDenseEmbedding", "CheckpointError", "DistributedEmbedding",
-    "EmbeddingCollection",
+    "EmbeddingCollection", "InconsistentRanksError",
     "Init",
-    "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper", "Variable",
+    "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper",
+    "RankDivergedError", "Variable",
     "all2all_dense_embedding", "callbacks", "checkpoint", "data", "dump",
     "filter_variables",
     "init", "layers", "load", "lookup_sparse", "num_ranks", "optimizers",
