@@ -3,7 +3,10 @@
 # GPU tests, the CPU suite with the GPU visible, the same with
 # CUDA_VISIBLE_DEVICES="", the demo on 1 and 2 ranks sharing the GPU, the
 # notebook, and the P5 benchmark. Logs go to $OUT (or bench/_out).
-#   source .gpu/small/device_setup.sh && bash bench/run_gpu.sh [tests|bench|all]
+#   source .gpu/small/device_setup.sh && bash bench/run_gpu.sh [tests|multirank|bench|all]
+# (tests: GPU kernels, the multi-rank suite on the shared GPU, no-GPU runs;
+# multirank: the checkpoint/consistency/divergence jobs and the demo on 1
+# and 2 ranks; bench: the demo and the P5 benchmark; all: everything.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -35,9 +38,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   step no_gpu env CUDA_VISIBLE_DEVICES= timeout 100 python3 -m pytest -q \
       -p no:cacheprovider -n 4 tests/test_lookup.py tests/test_notebooks.py
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" = multirank ] || [ "$what" = all ]; then
+  step multirank_checks timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 \
+      tests/test_checkpoint.py tests/test_consistency.py tests/test_divergence.py \
+      tests/test_launch.py tests/test_comm.py
+fi
+if [ "$what" = bench ] || [ "$what" = multirank ] || [ "$what" = all ]; then
   step demo_1rank timeout 120 python3 -m sokrun -np 1 --timeout 110 python3 -m sok_keras.examples.train_dlrm
   step demo_2ranks timeout 150 python3 -m sokrun -np 2 --timeout 140 python3 -m sok_keras.examples.train_dlrm
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench timeout 280 python3 bench/gpu_step.py --out "$out/gpu_step.json"
 fi
 exit $status
