@@ -448,6 +448,12 @@ class CollectiveCommunicator(Communicator):
             raise ValueError(f"`op` must be one of {_OPS}, got {op!r}")
         x = tf.convert_to_tensor(x)
         x, back = _to_wire(x, "all_reduce", op)
+        if x.dtype == tf.int32:
+            # TF's collective all-reduce refuses int32 on a GPU device
+            # ("does not support datatype DT_INT32 on DEVICE_GPU"): reduce
+            # as int64 on every device (the same values; back to int32).
+            return back(tf.cast(
+                self._all_reduce(tf.cast(x, tf.int64), key, op), tf.int32))
         return back(self._all_reduce(x, key, op))
 
     def _all_reduce(self, x, key, op):
