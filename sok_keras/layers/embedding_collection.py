@@ -3,6 +3,8 @@
 import keras
 import tensorflow as tf
 
+from sok_keras import lookup
+from sok_keras.layers import feature_config
 from sok_keras.layers.base_embedding import check_combiner
 from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import get_table_optimizer
@@ -25,6 +27,25 @@ def _checked_spec(layer_name, kind, key, spec, allowed):
     return spec
 
 
+# Arguments of keras_rs' TensorFlow DistributedEmbedding that only mean
+# something on a TPU.
+_TPU_ONLY_KWARGS = ("optimizer", "pipeline_execution_with_tensor_core",
+                    "sparse_core_embedding_config")
+_PREPROCESSED = "preprocessed_inputs_per_placement"
+
+
+class _KerasRsSpec:
+    """The keras-rs form of a collection: the structure of its features
+    (`feature_config.FeaturePath` leaves), each feature and each table,
+    normalized. A plain object, so that Keras' attribute tracking leaves the
+    structure's types alone."""
+
+    def __init__(self, skeleton, features, tables):
+        self.skeleton = skeleton
+        self.features = features
+        self.tables = tables
+
+
 @keras.saving.register_keras_serializable(package="sok_keras")
 class EmbeddingCollection(keras.layers.Layer):
     """Several sharded tables shared by named features, looked up together.
@@ -35,24 +56,59 @@ class EmbeddingCollection(keras.layers.Layer):
     width, sharding mode, initializer and (optionally) optimizer; several
     features may share a table.
 
+    It takes its configuration in one of two forms:
+
+    - sok's own: `EmbeddingCollection(tables, features)`, two flat dicts;
+    - keras-rs': `EmbeddingCollection(feature_configs)`, the argument of
+      `keras_rs.layers.DistributedEmbedding`: a nested structure (dicts,
+      lists, tuples) of `keras_rs.layers.FeatureConfig` (each naming a
+      `keras_rs.layers.TableConfig`), or of plain dicts with the same fields
+      (keras-rs need not be installed). keras-rs' defaults apply: combiner
+      `"mean"` per table, initializer `VarianceScaling(mode="fan_out")`
+      (a copy per table), and each table trained by its own
+      `TableConfig.optimizer` (default `"adam"`, applied lazily), as
+      keras-rs documents. Inputs, weights and outputs have the structure of
+      `feature_configs`. `placement` `"auto"`/`"default_device"` means a
+      table sharded over every rank (`"localized:<rank>"` puts it on one
+      rank); `"sparsecore"` is rejected (TPU only). See `docs/keras_rs.md`.
+
     Args:
-        tables: dict `{table_name: spec}`; a spec is a dict with
+        tables: sok's form: dict `{table_name: spec}`; a spec is a dict with
             `vocabulary_size` (int), `embedding_dim` (int), and optionally
             `mode` (`"distributed"`, default, or `"localized:<rank>"`),
             `initializer` (default `"uniform"`) and `optimizer` (a Keras
             optimizer for this table only, as on `DistributedEmbedding`).
-        features: dict `{feature_name: spec}`; a spec is a dict with `table`
-            (a key of `tables`) and optionally `combiner` (`"sum"`, default,
-            `"mean"`, `"sqrtn"`, or `None` for unpooled rows).
+            Passed alone (without `features`), it is read as
+            `feature_configs`, so that `EmbeddingCollection(feature_configs)`
+            reads like keras-rs.
+        features: sok's form: dict `{feature_name: spec}`; a spec is a dict
+            with `table` (a key of `tables`) and optionally `combiner`
+            (`"sum"`, default, `"mean"`, `"sqrtn"`, or `None` for unpooled
+            rows).
+        feature_configs: keras-rs' form (see above). Defaults to `None`.
+        use_table_optimizers: keras-rs' form only. `True` (default): each
+            table is trained by its `TableConfig.optimizer` (the model's
+            optimizer still clips and averages across ranks, and trains the
+            rest of the model). `False`: `TableConfig.optimizer` is ignored
+            and the model's optimizer trains the tables too, which is what
+            keras-rs' own layer does on CPU and GPU.
+        table_stacking: keras-rs' argument, accepted and unused (all tables
+            already share one exchange per direction). Defaults to `"auto"`.
+        update_stats: keras-rs' argument (JAX SparseCore only); must be
+            `False` (default).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
-        inputs: dict `{feature_name: ids}`, ids dense (`-1` padding), ragged
-            or sparse, as for `DistributedEmbedding`.
-        weights: optional dict `{feature_name: per-id weights}`.
+        inputs: sok's form: dict `{feature_name: ids}`, ids dense (`-1`
+            padding), ragged or sparse, as for `DistributedEmbedding`.
+            keras-rs' form: ids in the structure of `feature_configs` (or
+            the output of `preprocess`).
+        weights: optional per-id weights, in the structure of `inputs`.
+        training: unused (keras-rs' signature).
 
     Returns:
-        A dict `{feature_name: embeddings}`.
+        sok's form: a dict `{feature_name: embeddings}`. keras-rs' form: the
+        embeddings in the structure of `feature_configs`.
 
     Example:
 
@@ -64,11 +120,49 @@ class EmbeddingCollection(keras.layers.Layer):
     ...               "clicked": {"table": "item", "combiner": "mean"}})
     >>> out = emb({"user_id": np.array([[3]]),
     ...            "clicked": np.array([[5, 9, -1]])})
+
+    The same layer written for keras-rs (only the class differs from
+    `keras_rs.layers.DistributedEmbedding(feature_configs)`):
+
+    >>> item = keras_rs.layers.TableConfig(
+    ...     name="item", vocabulary_size=50_000, embedding_dim=32,
+    ...     optimizer=keras.optimizers.Adagrad(0.05))
+    >>> feature_configs = {"clicked": keras_rs.layers.FeatureConfig(
+    ...     name="clicked", table=item, input_shape=(256, 3),
+    ...     output_shape=(256, 32))}
+    >>> emb = sok.layers.EmbeddingCollection(feature_configs)
+    >>> out = emb({"clicked": np.array([[5, 9, 2]])})  # {"clicked": [1, 32]}
     """
 
-    def __init__(self, tables, features, **kwargs):
+    def __init__(self, tables=None, features=None, *, feature_configs=None,
+                 use_table_optimizers=True, table_stacking="auto",
+                 update_stats=False, **kwargs):
+        tpu_only = sorted(set(kwargs) & set(_TPU_ONLY_KWARGS))
+        if tpu_only:
+            raise ValueError(
+                f"EmbeddingCollection: {tpu_only} are arguments of keras-rs' "
+                "DistributedEmbedding for TPUs only. Give each table its "
+                "optimizer in `TableConfig.optimizer`.")
         super().__init__(**kwargs)
         name = self.name
+        if feature_configs is None and features is None and (
+                tables is not None):
+            feature_configs, tables = tables, None  # keras-rs' positional
+        self._keras_rs = None
+        if feature_configs is not None:
+            self._init_keras_rs(feature_configs, tables, features,
+                                use_table_optimizers, table_stacking,
+                                update_stats)
+            self.supports_jit = False
+            return
+        if use_table_optimizers is not True or table_stacking != "auto" or (
+                update_stats):
+            raise ValueError(
+                f"EmbeddingCollection '{name}': `use_table_optimizers`, "
+                "`table_stacking` and `update_stats` belong to the keras-rs "
+                "form (`feature_configs`). Received: use_table_optimizers="
+                f"{use_table_optimizers!r}, table_stacking="
+                f"{table_stacking!r}, update_stats={update_stats!r}.")
         if not isinstance(tables, dict) or not tables:
             raise ValueError(
                 f"EmbeddingCollection '{name}': `tables` must be a non-empty "
@@ -110,6 +204,45 @@ class EmbeddingCollection(keras.layers.Layer):
             }
         self.supports_jit = False
 
+    def _init_keras_rs(self, feature_configs, tables, features,
+                       use_table_optimizers, table_stacking, update_stats):
+        where = f"EmbeddingCollection '{self.name}'"
+        if features is not None:
+            raise ValueError(
+                f"{where}: pass either `feature_configs` (keras-rs' form) or "
+                "`tables` and `features` (sok's form), not both.")
+        if not isinstance(use_table_optimizers, bool):
+            raise ValueError(
+                f"{where}: `use_table_optimizers` must be True or False. "
+                f"Received: use_table_optimizers={use_table_optimizers!r}.")
+        if update_stats is not False:
+            raise ValueError(
+                f"{where}: `update_stats` is keras-rs' option for JAX on "
+                "SparseCore; it must be False here. Received: "
+                f"update_stats={update_stats!r}.")
+        skeleton, feats, tabs = feature_config.parse(
+            feature_configs, where, tables_list=tables)
+        self._keras_rs = _KerasRsSpec(skeleton, feats, tabs)
+        self.use_table_optimizers = use_table_optimizers
+        self.table_stacking = table_stacking
+        self.update_stats = update_stats
+        self.tables = {}
+        self._table_optimizers = {}
+        for t, spec in tabs.items():
+            self.tables[t] = {
+                "vocabulary_size": spec["vocabulary_size"],
+                "embedding_dim": spec["embedding_dim"],
+                "mode": feature_config.mode_of(spec["placement"], where),
+                "initializer": spec["initializer"],
+            }
+            self._table_optimizers[t] = get_table_optimizer(
+                spec["optimizer"] if use_table_optimizers else None,
+                f"{where}, table '{t}'")
+        self.features = {
+            path: {"table": f["table"],
+                   "combiner": tabs[f["table"]]["combiner"]}
+            for path, f in feats.items()}
+
     def build(self, input_shape=None):
         if self.built:
             return
@@ -126,15 +259,22 @@ class EmbeddingCollection(keras.layers.Layer):
             self.embeddings[t] = var
         self.built = True
 
-    def call(self, inputs, weights=None):
-        from sok_keras import lookup
+    def call(self, inputs, weights=None, training=None):
+        del training
+        if self._keras_rs is None:
+            missing = sorted(set(self.features) - set(inputs))
+            if missing:
+                raise ValueError(
+                    f"EmbeddingCollection '{self.name}': no ids for features "
+                    f"{missing}. Received: {sorted(inputs)}.")
+            return self._lookup(inputs, weights or {})
+        flat_ids, flat_weights = self._flat_keras_rs_inputs(inputs, weights)
+        out = self._lookup(flat_ids, flat_weights)
+        return feature_config.map_structure(
+            lambda _, p: out[p], self._keras_rs.skeleton,
+            is_leaf=feature_config.is_path)
 
-        missing = sorted(set(self.features) - set(inputs))
-        if missing:
-            raise ValueError(
-                f"EmbeddingCollection '{self.name}': no ids for features "
-                f"{missing}. Received: {sorted(inputs)}.")
-        weights = weights or {}
+    def _lookup(self, inputs, weights):
         names = list(self.features)
         feats = [
             lookup.normalize_ids(inputs[f], weights.get(f),
@@ -155,16 +295,135 @@ class EmbeddingCollection(keras.layers.Layer):
             out[f] = tf.cast(value, self.compute_dtype)
         return out
 
+    # -- keras-rs' form ---------------------------------------------------
+    def _where(self):
+        return f"EmbeddingCollection '{self.name}'"
+
+    def _flat_keras_rs_inputs(self, inputs, weights):
+        """`({path: ids}, {path: weights})` of keras-rs-structured (or
+        preprocessed) inputs, their shapes checked against the configs."""
+        paths = self._keras_rs.features
+        where = self._where()
+        if isinstance(inputs, dict) and _PREPROCESSED in inputs:
+            if weights is not None:
+                raise ValueError(
+                    f"{where}: preprocessed inputs carry their weights; "
+                    "pass no `weights` with them.")
+            per_placement = inputs[_PREPROCESSED]
+            if not isinstance(per_placement, dict) or set(per_placement) - {
+                    "default_device"}:
+                raise ValueError(
+                    f"{where}: preprocessed inputs must be the output of "
+                    "`preprocess` (placement 'default_device'). Received: "
+                    f"{_PREPROCESSED}={per_placement!r}.")
+            part = per_placement.get("default_device", {})
+            flat_ids = dict(part.get("inputs", {}))
+            flat_weights = dict(part.get("weights") or {})
+            missing = sorted(set(paths) - set(flat_ids))
+            extra = sorted(set(flat_ids) - set(paths))
+            if missing or extra:
+                raise ValueError(
+                    f"{where}: preprocessed inputs lack features {missing} "
+                    f"and hold unknown ones {extra}.")
+        else:
+            flat_ids = feature_config.gather(inputs, paths, "`inputs`",
+                                             where)
+            flat_weights = {} if weights is None else feature_config.gather(
+                weights, paths, "`weights`", where)
+        for path, ids in flat_ids.items():
+            self._check_input_shape(path, ids)
+        return flat_ids, flat_weights
+
+    def _check_input_shape(self, path, ids):
+        want = self._keras_rs.features[path]["input_shape"]
+        if want is None:
+            return
+        got = getattr(ids, "shape", None)
+        if got is None:
+            got = tf.convert_to_tensor(ids).shape
+        got = tuple(tf.TensorShape(got).as_list()) if tf.TensorShape(
+            got).rank is not None else None
+        if got is None:
+            return
+        # The batch dimension is keras-rs' global batch: not checked.
+        if len(got) != len(want) or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(got[1:], want[1:])):
+            raise ValueError(
+                f"{self._where()}: feature '{path}' "
+                f"('{self._keras_rs.features[path]['name']}') got ids of "
+                f"shape {got}, but its FeatureConfig says input_shape="
+                f"{want} (the batch dimension is not compared).")
+
+    def preprocess(self, inputs, weights=None, training=False):
+        """keras-rs' `preprocess`: bundles `inputs` and `weights` by
+        feature path, in keras-rs' layout, for `call`.
+
+        It is optional (as with keras-rs on CPU and GPU); `call` takes
+        inputs preprocessed by this layer or by keras-rs' layer with the
+        same `feature_configs`.
+
+        Args:
+            inputs: ids in the structure of `feature_configs`.
+            weights: optional weights in the same structure.
+            training: unused.
+
+        Returns:
+            `{"preprocessed_inputs_per_placement": {"default_device":
+            {"inputs": {path: ids}, "weights": {path: weights}}}}` (no
+            `"weights"` without weights).
+        """
+        del training
+        if self._keras_rs is None:
+            raise ValueError(
+                f"{self._where()}: `preprocess` belongs to the keras-rs form "
+                "(`feature_configs`).")
+        flat_ids, flat_weights = self._flat_keras_rs_inputs(inputs, weights)
+        part = {"inputs": flat_ids}
+        if weights is not None:
+            part["weights"] = flat_weights
+        return {_PREPROCESSED: {"default_device": part}}
+
+    def get_embedding_tables(self):
+        """The whole tables by name, as keras-rs' method returns them.
+
+        Returns:
+            A dict `{table_name: numpy array [vocabulary_size, dim]}` in
+            global row order (gathered from every rank: with several ranks
+            every rank must call it).
+        """
+        self._check_built("get_embedding_tables")
+        return {t: var.read_global() for t, var in self.embeddings.items()}
+
+    def _check_built(self, what):
+        if not self.built:
+            raise ValueError(
+                f"{self._where()}: `{what}` needs a built layer (call it, or "
+                "`build()` it, first).")
+
     def compute_output_shape(self, inputs_shape, weights_shape=None):
+        if self._keras_rs is None:
+            shapes = inputs_shape
+        elif isinstance(inputs_shape, dict) and _PREPROCESSED in (
+                inputs_shape):
+            shapes = inputs_shape[_PREPROCESSED]["default_device"]["inputs"]
+        else:
+            shapes = feature_config.gather(
+                inputs_shape, self._keras_rs.features, "the input shapes",
+                self._where())
         out = {}
         for f, spec in self.features.items():
-            shape = tuple(inputs_shape[f])
+            shape = tuple(shapes[f])
             dim = self.tables[spec["table"]]["embedding_dim"]
             if spec["combiner"] is not None or len(shape) == 1:
                 out[f] = (shape[0], dim)
             else:
                 out[f] = shape + (dim,)
-        return out
+        if self._keras_rs is None:
+            return out
+        return feature_config.map_structure(
+            lambda _, p: out[p], self._keras_rs.skeleton,
+            is_leaf=feature_config.is_path)
 
     # -- saving: each table (and its slots) whole, in global row order.
     def save_own_variables(self, store):
@@ -190,6 +449,15 @@ class EmbeddingCollection(keras.layers.Layer):
                     var.restore_slot(k[len(prefix):], store[k])
 
     def get_config(self):
+        if self._keras_rs is not None:
+            feature_configs, tables = feature_config.serialize(
+                self._keras_rs.skeleton, self._keras_rs.features,
+                self._keras_rs.tables)
+            return {**super().get_config(),
+                    "feature_configs": feature_configs, "tables": tables,
+                    "use_table_optimizers": self.use_table_optimizers,
+                    "table_stacking": self.table_stacking,
+                    "update_stats": self.update_stats}
         tables = {}
         for t, spec in self.tables.items():
             spec = dict(spec)

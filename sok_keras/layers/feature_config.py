@@ -1,0 +1,413 @@
+"""keras-rs feature configurations for `EmbeddingCollection`.
+
+`keras_rs.layers.DistributedEmbedding(feature_configs)` takes a nested
+structure (dicts, lists, tuples) of `keras_rs.layers.FeatureConfig`, each
+naming a `keras_rs.layers.TableConfig`. This module reads that structure —
+keras-rs objects, or plain dicts of the same fields, so that keras-rs stays
+optional — and turns it into `EmbeddingCollection`'s tables and features.
+
+keras-rs is never imported here: its objects are recognised only when the
+caller has imported it already (it is in `sys.modules`).
+
+Field by field (keras-rs 0.4.0):
+
+- `TableConfig.name`: the table's name. Features whose tables have the same
+  name share one table, and their table settings must agree.
+- `vocabulary_size`, `embedding_dim`: positive ints.
+- `initializer` (default `VarianceScaling(mode="fan_out")`): any Keras
+  initializer. Each table gets its own copy (keras-rs' default is one shared
+  instance, which gives every default table the same values).
+- `optimizer` (default `"adam"`): the table's own optimizer, as keras-rs
+  documents it (independent of `model.compile`'s): sok's per-table
+  optimizer, applied lazily. Each table gets its own copy.
+- `combiner` (default `"mean"`): `"mean"`, `"sum"` or `"sqrtn"` (sok also
+  takes `None`: unpooled rows).
+- `placement` (default `"auto"`): `"auto"` and `"default_device"` mean a
+  table sharded over every rank (`"distributed"`); sok's modes
+  `"distributed"` and `"localized:<rank>"` are accepted too; `"sparsecore"`
+  (TPU only) is rejected.
+- `max_ids_per_partition`, `max_unique_ids_per_partition` (default 256):
+  TPU buffer sizes; checked to be positive ints and otherwise unused (sok
+  sizes every exchange from the batch).
+- `FeatureConfig.name`, `table`, `input_shape`, `output_shape`: as in
+  keras-rs; the batch dimension of the shapes is not checked (keras-rs'
+  is the global batch, a rank sees its share). `input_shape` and
+  `output_shape` may be left out of a plain dict.
+"""
+
+import copy
+import sys
+
+import keras
+
+from sok_keras.layers.base_embedding import check_combiner
+from sok_keras.layers.base_embedding import check_positive_int
+from sok_keras.layers.base_embedding import get_table_optimizer
+
+TABLE_FIELDS = (
+    "name", "vocabulary_size", "embedding_dim", "initializer", "optimizer",
+    "combiner", "placement", "max_ids_per_partition",
+    "max_unique_ids_per_partition",
+)
+FEATURE_FIELDS = ("name", "table", "input_shape", "output_shape")
+# keras-rs' placements, and what they mean here.
+PLACEMENTS = {"auto": "distributed", "default_device": "distributed"}
+
+
+def table_defaults():
+    """keras-rs' `TableConfig` defaults (a fresh initializer each call)."""
+    return {
+        "initializer": keras.initializers.serialize(
+            keras.initializers.VarianceScaling(mode="fan_out")),
+        "optimizer": "adam",
+        "combiner": "mean",
+        "placement": "auto",
+        "max_ids_per_partition": 256,
+        "max_unique_ids_per_partition": 256,
+    }
+
+
+def _keras_rs_classes():
+    """`(FeatureConfig, TableConfig)` of keras-rs if it is imported, else
+    `()`: objects of keras-rs can only exist once it is."""
+    if sys.modules.get("keras_rs") is None:
+        return ()
+    from keras_rs import layers
+
+    return layers.FeatureConfig, layers.TableConfig
+
+
+def _is_feature_object(obj):
+    classes = _keras_rs_classes()
+    return bool(classes) and isinstance(obj, classes[0])
+
+
+def _is_table_object(obj):
+    classes = _keras_rs_classes()
+    return bool(classes) and isinstance(obj, classes[1])
+
+
+def is_feature_leaf(obj):
+    """Whether `obj` is one feature: a keras-rs `FeatureConfig`, or a dict
+    with a `"table"` entry that is a table (a dict, a `TableConfig`, or a
+    table index in a serialized config)."""
+    if _is_feature_object(obj):
+        return True
+    if isinstance(obj, dict) and "table" in obj:
+        table = obj["table"]
+        if isinstance(table, dict):
+            # {"table": <a feature>} is a structure holding one feature.
+            return not is_feature_leaf(table)
+        return (isinstance(table, int) and not isinstance(table, bool)) or (
+            _is_table_object(table))
+    return False
+
+
+def _is_tpu_feature(obj):
+    return type(obj).__module__.startswith("tensorflow") and (
+        type(obj).__name__ == "FeatureConfig")
+
+
+def flatten(structure, where):
+    """`[(path, leaf)]` of a nested structure of features, in keras-rs'
+    order (dict keys sorted, as `keras.tree.flatten_with_path`), `path` the
+    keys joined with dots (keras-rs' feature path)."""
+    out = []
+
+    def walk(node, path):
+        if is_feature_leaf(node):
+            out.append((".".join(str(p) for p in path), node))
+        elif isinstance(node, dict):
+            for key in sorted(node):
+                walk(node[key], path + (key,))
+        elif isinstance(node, (list, tuple)):
+            for i, item in enumerate(node):
+                walk(item, path + (i,))
+        elif _is_tpu_feature(node):
+            raise ValueError(
+                f"{where}: feature '{'.'.join(map(str, path))}' is a "
+                "`tf.tpu.experimental.embedding.FeatureConfig`, which is "
+                "TPU-only. Use `keras_rs.layers.FeatureConfig` or a dict of "
+                f"its fields {list(FEATURE_FIELDS)}.")
+        else:
+            at = ".".join(str(p) for p in path) or "<top>"
+            raise ValueError(
+                f"{where}: `feature_configs` must be a nested structure "
+                "(dicts, lists, tuples) of `keras_rs.layers.FeatureConfig` "
+                "or dicts with the fields "
+                f"{list(FEATURE_FIELDS)}. At '{at}' it holds "
+                f"{node!r} (of type {type(node).__name__}). (For sok's own "
+                "form, pass both `tables` and `features`.)")
+
+    walk(structure, ())
+    if not out:
+        raise ValueError(
+            f"{where}: `feature_configs` holds no feature. Received: "
+            f"feature_configs={structure!r}.")
+    return out
+
+
+def map_structure(fn, structure, is_leaf=is_feature_leaf):
+    """`structure` with each leaf replaced by `fn(path, leaf)`; the dicts
+    keep their key order."""
+
+    def walk(node, path):
+        if is_leaf(node):
+            return fn(".".join(str(p) for p in path), node)
+        if isinstance(node, dict):
+            return {k: walk(v, path + (k,)) for k, v in node.items()}
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*[walk(v, path + (i,))
+                                for i, v in enumerate(node)])
+        return type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
+
+    return walk(structure, ())
+
+
+def gather(values, paths, what, where):
+    """`{path: value}` from `values`, a nested structure shaped like the
+    feature configs (`paths` their paths). Raises if a feature is missing
+    or `values` holds anything else."""
+    found = {}
+
+    def walk(node, path):
+        key = ".".join(str(p) for p in path)
+        if key in paths:
+            found[key] = node
+            return
+        if not any(p.startswith(key + ".") or not key for p in paths):
+            raise ValueError(
+                f"{where}: {what} holds '{key}', which is no feature of the "
+                f"layer's feature_configs. Features: {sorted(paths)}.")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, path + (k,))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, path + (i,))
+        else:
+            raise ValueError(
+                f"{where}: {what} must have the structure of the layer's "
+                f"feature_configs; at '{key or '<top>'}' it holds a "
+                f"{type(node).__name__}, where the features "
+                f"{sorted(p for p in paths if p.startswith(key))} belong.")
+
+    walk(values, ())
+    missing = sorted(set(paths) - set(found))
+    if missing:
+        raise ValueError(
+            f"{where}: {what} has no entry for features {missing} (paths in "
+            "the structure of feature_configs).")
+    return found
+
+
+def _fields(obj, fields, kind, where):
+    """A keras-rs config object or a dict as a dict of known fields."""
+    if isinstance(obj, dict):
+        spec = dict(obj)
+    elif kind == "table" and _is_table_object(obj) or (
+            kind == "feature" and _is_feature_object(obj)):
+        spec = {f: getattr(obj, f) for f in fields}
+    else:
+        raise ValueError(
+            f"{where}: a {kind} must be a keras_rs.layers."
+            f"{kind.capitalize()}Config or a dict of its fields "
+            f"{list(fields)}. Received: {obj!r} (of type "
+            f"{type(obj).__name__}).")
+    unknown = sorted(set(spec) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"{where}: {kind} has unknown keys {unknown}; allowed: "
+            f"{list(fields)}.")
+    return spec
+
+
+def normalize_table(table, where):
+    """A table (`TableConfig` or dict) as a complete dict of its fields,
+    initializer and optimizer serialized. Raises on a bad field."""
+    spec = _fields(table, TABLE_FIELDS, "table", where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"{where}: a table needs a `name` (a non-empty string). "
+            f"Received: name={name!r}.")
+    where = f"{where}, table '{name}'"
+    merged = {**table_defaults(), **spec}
+    out = {k: merged.get(k) for k in TABLE_FIELDS}
+    for arg in ("vocabulary_size", "embedding_dim", "max_ids_per_partition",
+                "max_unique_ids_per_partition"):
+        out[arg] = check_positive_int(out.get(arg), arg, where)
+    out["combiner"] = check_combiner(out["combiner"], where)
+    mode_of(out["placement"], where)
+    init = out["initializer"]
+    if isinstance(init, dict):
+        init = copy.deepcopy(init)  # Keras edits configs it deserializes
+    try:
+        init = keras.initializers.get(init)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{where}: bad `initializer`: {e} Received: "
+            f"initializer={out['initializer']!r}.") from e
+    out["initializer"] = keras.initializers.serialize(init)
+    opt = out["optimizer"]
+    if opt is not None:
+        checked = get_table_optimizer(opt, where)  # raises if unsupported
+        if not isinstance(opt, (str, dict)):
+            # An instance: its config (every table makes its own copy).
+            out["optimizer"] = keras.saving.serialize_keras_object(checked)
+    return out
+
+
+def mode_of(placement, where):
+    """The sok table mode of a keras-rs `placement`."""
+    if placement in PLACEMENTS:
+        return PLACEMENTS[placement]
+    if placement == "distributed" or (
+            isinstance(placement, str) and placement.startswith(
+                "localized:")):
+        return placement  # checked against the world when built
+    if placement == "sparsecore":
+        raise ValueError(
+            f"{where}: `placement='sparsecore'` needs a TPU with "
+            "SparseCore; sok_keras shards the table over the ranks instead. "
+            "Use 'auto' or 'default_device' (sharded over every rank), or "
+            "'localized:<rank>' (the whole table on one rank).")
+    raise ValueError(
+        f"{where}: `placement` must be one of {sorted(PLACEMENTS)}, "
+        "'distributed' or 'localized:<rank>'. Received: "
+        f"placement={placement!r}.")
+
+
+def _shape(value, arg, where):
+    if value is None:
+        return None
+    try:
+        shape = tuple(value)
+    except TypeError:
+        shape = None
+    if shape is None or not shape or not all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool)
+                          and d >= 0) for d in shape):
+        raise ValueError(
+            f"{where}: `{arg}` must be a non-empty tuple of ints or None. "
+            f"Received: {arg}={value!r}.")
+    return shape
+
+
+def normalize_feature(path, feature, tables, where):
+    """A feature as `{name, table: <table name>, input_shape,
+    output_shape}`; its table, normalized, goes into `tables` (by name)."""
+    spec = _fields(feature, FEATURE_FIELDS, "feature", where)
+    name = spec.get("name", path)
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"{where}: feature '{path}' needs a `name` (a non-empty string). "
+            f"Received: name={name!r}.")
+    where_f = f"{where}, feature '{path}'"
+    if "table" not in spec:
+        raise ValueError(f"{where_f}: no `table`.")
+    table = normalize_table(spec["table"], where_f)
+    known = tables.get(table["name"])
+    if known is None:
+        tables[table["name"]] = table
+    elif _differences(known, table):
+        diff = _differences(known, table)
+        raise ValueError(
+            f"{where_f}: its table '{table['name']}' differs from another "
+            f"feature's table of that name in {diff}. Tables are known by "
+            "name: give different tables different names.")
+    dim = table["embedding_dim"]
+    input_shape = _shape(spec.get("input_shape"), "input_shape", where_f)
+    output_shape = _shape(spec.get("output_shape"), "output_shape", where_f)
+    if input_shape is not None and len(input_shape) > 2:
+        raise ValueError(
+            f"{where_f}: `input_shape` must be (batch,) or (batch, n). "
+            f"Received: input_shape={input_shape}.")
+    if output_shape is not None:
+        if table["combiner"] is None:
+            rank = None if input_shape is None else len(input_shape) + 1
+        else:
+            rank = 2
+        if output_shape[-1] not in (None, dim) or (
+                rank is not None and len(output_shape) != rank):
+            raise ValueError(
+                f"{where_f}: `output_shape` {output_shape} does not fit its "
+                f"table '{table['name']}' (embedding_dim={dim}, combiner="
+                f"{table['combiner']!r}): expected (batch, {dim}).")
+    return {"name": name, "table": table["name"],
+            "input_shape": input_shape, "output_shape": output_shape}
+
+
+def _comparable(table, key):
+    value = table[key]
+    if key == "optimizer" and isinstance(value, dict):
+        # Keras numbers the names of optimizers made from one string.
+        config = {k: v for k, v in value.get("config", {}).items()
+                  if k != "name"}
+        return {**value, "config": config}
+    return value
+
+
+def _differences(a, b):
+    # Serialized, an unseeded initializer is the same whatever its object.
+    return sorted(k for k in TABLE_FIELDS
+                  if _comparable(a, k) != _comparable(b, k))
+
+
+class FeaturePath(str):
+    """A feature's path, standing for the feature in a skeleton of the
+    feature configs' structure."""
+
+
+def is_path(obj):
+    return isinstance(obj, FeaturePath)
+
+
+def parse(feature_configs, where, tables_list=None):
+    """Reads keras-rs feature configs.
+
+    Args:
+        feature_configs: a nested structure of `FeatureConfig`s or dicts.
+            In a serialized config (`get_config`), a feature's `table` is an
+            index into `tables_list`.
+        where: the layer, for error messages.
+        tables_list: the serialized tables of a config, or None.
+
+    Returns:
+        `(skeleton, features, tables)`: `skeleton` is `feature_configs`
+        with each feature replaced by its `FeaturePath`, `features` maps
+        each path to the feature's normalized dict, `tables` each table's
+        name to its normalized dict (in first-use order).
+    """
+    if tables_list is not None and not isinstance(tables_list, (list,
+                                                                tuple)):
+        raise ValueError(
+            f"{where}: with `feature_configs`, `tables` is the list of "
+            "serialized tables of a saved config (features refer to them by "
+            f"index). Received: tables={tables_list!r}.")
+    features, tables = {}, {}
+    for path, leaf in flatten(feature_configs, where):
+        if isinstance(leaf, dict) and isinstance(leaf["table"], int):
+            index = leaf["table"]
+            if tables_list is None or not 0 <= index < len(tables_list):
+                raise ValueError(
+                    f"{where}: feature '{path}' refers to table index "
+                    f"{index}, but `tables` has "
+                    f"{0 if tables_list is None else len(tables_list)} "
+                    "entries.")
+            leaf = dict(leaf, table=tables_list[index])
+        features[path] = normalize_feature(path, leaf, tables, where)
+    skeleton = map_structure(lambda p, _: FeaturePath(p), feature_configs)
+    return skeleton, features, tables
+
+
+def serialize(skeleton, features, tables):
+    """keras-rs' config layout: `(feature_configs, tables)`, the features
+    referring to the flat `tables` list by index (a shared table is stored
+    once)."""
+    names = list(tables)
+    feature_configs = map_structure(
+        lambda _, p: {**features[p],
+                      "table": names.index(features[p]["table"])},
+        skeleton, is_leaf=is_path)
+    return feature_configs, [dict(tables[n]) for n in names]
