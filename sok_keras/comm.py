@@ -31,6 +31,7 @@ the key instead of hanging. After that the collective runtime of the
 process is unusable (a TensorFlow limitation): the job must restart.
 """
 
+import functools
 import threading
 import time
 import zlib
@@ -603,22 +604,18 @@ class HostCollectiveCommunicator(CollectiveCommunicator):
         super().__init__(rank, num_ranks, timeout=timeout,
                          group_key=group_key)
 
-    def all_reduce(self, x, key, op="sum"):
-        with tf.device("/CPU:0"):
-            return super().all_reduce(x, key, op=op)
+def _pinned_to_cpu(name):
+    """`CollectiveCommunicator.<name>`, run under `tf.device("/CPU:0")`."""
+    method = getattr(CollectiveCommunicator, name)
 
-    def all_gather(self, x, key):
+    @functools.wraps(method)
+    def pinned(self, *args, **kwargs):
         with tf.device("/CPU:0"):
-            return super().all_gather(x, key)
+            return method(self, *args, **kwargs)
 
-    def broadcast(self, x, key, root=0):
-        with tf.device("/CPU:0"):
-            return super().broadcast(x, key, root=root)
+    return pinned
 
-    def exchange(self, x, counts_matrix, key):
-        with tf.device("/CPU:0"):
-            return super().exchange(x, counts_matrix, key)
 
-    def agree(self, what, value, timeout):
-        with tf.device("/CPU:0"):
-            return super().agree(what, value, timeout)
+for _name in ("all_reduce", "all_gather", "broadcast", "exchange", "agree"):
+    setattr(HostCollectiveCommunicator, _name, _pinned_to_cpu(_name))
+del _name

@@ -122,7 +122,7 @@ def _gather_texts(text, key):
     """Every rank's `text`, in rank order (one eager all-gather)."""
     comm = world.control_communicator()
     data = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    with tf.init_scope(), tf.device("/CPU:0"):
+    with tf.init_scope():  # eager; the host communicator pins the CPU
         sizes = comm.all_gather(tf.constant([data.size], tf.int64),
                                 f"{key}/size").numpy()
         width = int(sizes.max())
