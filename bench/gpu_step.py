@@ -103,8 +103,7 @@ def main():
     p.add_argument("--small", action="store_true")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--forward-only", action="store_true",
-                   help="time only the forward lookup (for comparing "
-                   "SOK_POOLED_LOOKUP_UNROLL settings)")
+                   help="time only the forward lookup")
     p.add_argument("--out", default=os.path.join(_common.RESULTS,
                                                  "gpu_step.json"))
     args = p.parse_args()
@@ -159,9 +158,8 @@ def main():
         fwd, sync, args.steps * 3)
 
     if args.forward_only:
-        result["unroll"] = os.environ.get("SOK_POOLED_LOOKUP_UNROLL", "8")
         _common.finish(args.out, result, t0)
-        print("forward_only", result["unroll"], result["sok_forward_ms"],
+        print("forward_only", result["sok_forward_ms"],
               result["sok_forward_rounds"])
         return
 

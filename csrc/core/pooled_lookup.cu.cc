@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
@@ -50,7 +49,7 @@ struct Loader<float, 4> {
 
 // Ids of one bag are read UNROLL at a time and their rows loaded before any
 // of them is added (UNROLL independent row loads in flight per lane; see
-// Unroll() for what pays on the H200); the adds run in position order, as
+// kUnroll for what pays on the H200); the adds run in position order, as
 // on the CPU.
 template <typename T, typename Tid, int VEC, int UNROLL>
 __global__ void PooledLookupKernel(const T* __restrict__ table,
@@ -158,19 +157,11 @@ __global__ void InitError(DeviceError* e, int64_t nnz, int64_t batch) {
   e->bad_bag = static_cast<unsigned long long>(batch);
 }
 
-// Ids per batch of row loads: SOK_POOLED_LOOKUP_UNROLL (1, the default, 4
-// or 8), read once; a tuning knob for bench/gpu_step.py (on the H200, 10M x
-// 128 fp32, 8 ids per bag: 0.93 ms with 1, 1.01 with 4, 1.20 with 8; more
-// registers cost more occupancy than the loads in flight gain). Results do
-// not depend on it.
-int Unroll() {
-  static const int unroll = [] {
-    const char* v = std::getenv("SOK_POOLED_LOOKUP_UNROLL");
-    const int u = v == nullptr ? 1 : std::atoi(v);
-    return u == 4 || u == 8 ? u : 1;
-  }();
-  return unroll;
-}
+// UNROLL: ids per batch of row loads. 1 is what runs: on the H200 (10M x
+// 128 fp32, 8 ids per bag) 1 took 0.93 ms, 4 took 1.01 and 8 took 1.20 (more
+// registers cost more occupancy than the extra loads in flight gain;
+// bench/results/gpu/forward_unroll_*.json). Results do not depend on it.
+constexpr int kUnroll = 1;
 
 template <typename T, typename Tid, int VEC>
 Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
@@ -184,22 +175,9 @@ Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
   const int threads = 256;
   const int blocks = ::sok::gpu::BlocksFor(batch << lanes_log2, threads);
   const cudaStream_t stream = ::sok::gpu::StreamOf(d);
-  switch (Unroll()) {
-    case 8:
-      PooledLookupKernel<T, Tid, VEC, 8><<<blocks, threads, 0, stream>>>(
-          table, vocab_size, dim, ids, nnz, splits, batch, weights,
-          static_cast<int>(combiner), lanes_log2, out, error);
-      break;
-    case 4:
-      PooledLookupKernel<T, Tid, VEC, 4><<<blocks, threads, 0, stream>>>(
-          table, vocab_size, dim, ids, nnz, splits, batch, weights,
-          static_cast<int>(combiner), lanes_log2, out, error);
-      break;
-    default:
-      PooledLookupKernel<T, Tid, VEC, 1><<<blocks, threads, 0, stream>>>(
-          table, vocab_size, dim, ids, nnz, splits, batch, weights,
-          static_cast<int>(combiner), lanes_log2, out, error);
-  }
+  PooledLookupKernel<T, Tid, VEC, kUnroll><<<blocks, threads, 0, stream>>>(
+      table, vocab_size, dim, ids, nnz, splits, batch, weights,
+      static_cast<int>(combiner), lanes_log2, out, error);
   SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup");
   return Status::Ok();
 }
