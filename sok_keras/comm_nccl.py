@@ -98,6 +98,19 @@ class NcclCommunicator(Communicator):
             msg = ops().sok_nccl_health(handle=self._handle)
         return msg.numpy().decode() if hasattr(msg, "numpy") else msg
 
+    def abort(self, reason):
+        """Aborts the communicator: no collective starts after this, and
+        those in flight fail with `reason` instead of waiting (NCCL's
+        `ncclCommAbort`, from the op library's watchdog). For when another
+        rank has failed (`sok_keras.divergence`); the process's NCCL
+        collectives cannot be used again.
+
+        Args:
+            reason: the message the failing collectives raise with.
+        """
+        with tf.device("/CPU:0"):
+            ops().sok_nccl_abort(handle=self._handle, reason=str(reason))
+
     def _h(self):
         return tf.constant(self._handle, tf.int64)
 

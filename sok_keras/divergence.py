@@ -41,9 +41,9 @@ Limits. A rank alive but stalled says nothing: the communicator's watchdog
 its connections (power loss, network partition) is found by the
 coordination service's heartbeat (`SOK_HEARTBEAT_TIMEOUT`, 10 s). If rank 0
 is gone, the others learn it but can no longer tell each other anything.
-Under the NCCL backend an aborted step's NCCL collectives are not
-interrupted (the op library only aborts its communicator on its own
-timeout); the gRPC collectives and the checks in `fit` are.
+Under the NCCL backend the NCCL communicator is aborted too
+(`NcclCommunicator.abort`: the op library's watchdog calls
+`ncclCommAbort`), so a step waiting in an NCCL collective fails as well.
 """
 
 import atexit
@@ -561,6 +561,12 @@ def _abort_collectives(message):
         if comm is not None and hasattr(comm, "aborted"):
             if comm.aborted is None:
                 comm.aborted = message
+    nccl = w.communicator
+    if nccl is not None and hasattr(nccl, "abort"):  # NcclCommunicator
+        try:
+            nccl.abort(message)
+        except Exception as e:  # noqa: BLE001 - never kill the reader thread
+            _LOG.warning("sok_keras: could not abort NCCL: %s", e)
     try:
         context.context().abort_collective_ops(tf.errors.ABORTED, message)
     except Exception as e:  # noqa: BLE001 - never kill the reader thread

@@ -440,6 +440,28 @@ def test_nccl_communicator_with_one_rank():
     assert comm.health() == ""
 
 
+def test_nccl_abort_fails_later_collectives_with_the_reason():
+    """`abort` (what sok_keras.divergence calls when another rank failed):
+    the communicator reports the reason, and a collective after it raises
+    with that reason instead of running or waiting."""
+    import time
+
+    from sok_keras import comm_nccl
+
+    uid = comm_nccl.NcclCommunicator.new_unique_id()
+    comm = comm_nccl.NcclCommunicator(0, 1, uid, timeout=60)
+    x = tf.ones([8])
+    np.testing.assert_array_equal(comm.all_reduce(x, "before").numpy(),
+                                  np.ones(8))
+    comm.abort("rank 1 failed: test reason")
+    deadline = time.monotonic() + 10
+    while "test reason" not in comm.health() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "rank 1 failed: test reason" in comm.health()
+    with pytest.raises(tf.errors.OpError, match="test reason"):
+        comm.all_reduce(x, "after").numpy()
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_segment_combine_grad_hot_rows_match_cpu_exactly(weighted):
     """A Zipf head row seen 300,000 times (four levels of the kGradChunk

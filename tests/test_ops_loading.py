@@ -42,7 +42,7 @@ def test_reimporting_wrappers_does_not_register_gradients_twice():
 # Host-side bookkeeping ops that never touch a table: they run on the CPU
 # whatever the device (their inputs and outputs are scalars and strings).
 HOST_ONLY_OPS = {"SokBuildInfo", "SokInflightSnapshot", "SokNcclUniqueId",
-                 "SokNcclHealth"}
+                 "SokNcclHealth", "SokNcclAbort"}
 
 
 def test_every_op_has_a_gpu_kernel_when_built_with_cuda():

@@ -864,6 +864,11 @@ Status NcclComm::Broadcast(const void* in, void* out, int64_t count,
 
 Status NcclComm::Health() const { return state_->Health(); }
 
+void NcclComm::Abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->MarkAbortedLocked(reason);
+}
+
 // ---------------------------------------------------------------------------
 
 namespace {

@@ -101,6 +101,14 @@ class NcclComm {
   // Ok while healthy; otherwise the error that aborted the communicator.
   Status Health() const;
 
+  // Condemns the communicator with `reason` (the first reason wins): no
+  // collective starts after it, and the watchdog calls ncclCommAbort within
+  // a poll (20 ms), or once an op thread inside NCCL calls has left them,
+  // so that collectives in flight end in an error instead of waiting for a
+  // peer that will not come (sok_keras.divergence calls it when another
+  // rank has failed).
+  void Abort(const std::string& reason);
+
   int rank() const { return rank_; }
   int num_ranks() const { return num_ranks_; }
   int device() const { return device_; }

@@ -237,6 +237,20 @@ REGISTER_OP("SokNcclHealth")
 The error that aborted the communicator (CPU), or "" while it is healthy.
 )doc");
 
+REGISTER_OP("SokNcclAbort")
+    .Input("handle: int64")
+    .Input("reason: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(ScalarHandle(c, 0));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Aborts the communicator (CPU) with `reason`: no collective starts after it,
+and those in flight fail (ncclCommAbort from the watchdog) instead of
+waiting. Used when another rank has failed.
+)doc");
+
 // ----------------------------------------------------------------------------
 // CPU kernels (every build).
 
@@ -322,6 +336,33 @@ class SokNcclHealthOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("SokNcclHealth").Device(DEVICE_CPU),
                         SokNcclHealthOp);
+
+class SokNcclAbortOp : public OpKernel {
+ public:
+  explicit SokNcclAbortOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    int64_t handle = 0;
+    if (!ReadHandle(ctx, 0, &handle)) return;
+    const Tensor& reason = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(reason.shape()),
+                errors::InvalidArgument(
+                    "sok_keras: SokNcclAbort: reason must be a scalar, got "
+                    "shape ",
+                    reason.shape().DebugString()));
+#ifdef SOK_WITH_CUDA
+    std::shared_ptr<comm::NcclComm> c;
+    const Status s = comm::LookupComm(handle, &c);
+    OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
+    c->Abort(std::string(reason.scalar<::tensorflow::tstring>()()));
+#else
+    ctx->CtxFailure(NoCuda("SokNcclAbort"));
+#endif
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("SokNcclAbort").Device(DEVICE_CPU),
+                        SokNcclAbortOp);
 
 // ----------------------------------------------------------------------------
 // GPU kernels.
