@@ -670,6 +670,9 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
             # SOK recipe): reuse its collective runtime.
             _adopt_user_runtime(world, strategy)
             _pin_gpu(world)
+            from sok_keras.compat import keras_mwms
+
+            keras_mwms.install()  # Keras' fit under MWMS (keras#20585)
         elif world.num_ranks > 1:
             _check_tf_not_started()
             _guard_servers(world)
