@@ -604,6 +604,7 @@ class HostCollectiveCommunicator(CollectiveCommunicator):
         super().__init__(rank, num_ranks, timeout=timeout,
                          group_key=group_key)
 
+
 def _pinned_to_cpu(name):
     """`CollectiveCommunicator.<name>`, run under `tf.device("/CPU:0")`."""
     method = getattr(CollectiveCommunicator, name)
@@ -619,3 +620,135 @@ def _pinned_to_cpu(name):
 for _name in ("all_reduce", "all_gather", "broadcast", "exchange", "agree"):
     setattr(HostCollectiveCommunicator, _name, _pinned_to_cpu(_name))
 del _name
+
+
+class ReplicaCommunicator(Communicator):
+    """Collectives between the replicas of one process (no gRPC).
+
+    The exchange layer for strategies whose replicas live in one process
+    (`tf.distribute.MirroredStrategy` over several local devices, logical
+    CPUs included): each replica is a rank, its rank the replica id of the
+    current replica context (`replica_id_in_sync_group`), not the process's
+    `sok_keras.rank()`. Every collective is one `merge_call` of the
+    replica context: the cross-replica function sees every replica's
+    tensor and routes them with ordinary ops, each result placed on its
+    replica's device. That works eagerly (where MirroredStrategy runs the
+    replicas' threads one at a time, so blocking collective ops between
+    them would deadlock) and inside `tf.function`. Call every method inside
+    `strategy.run`, from every replica, in the same order.
+
+    This is a building block: sok tables and layers do not use it yet
+    (a lookup inside a replica of such a strategy is refused; see
+    docs/recipes.md).
+
+    Args:
+        num_replicas: the strategy's `num_replicas_in_sync` (> 1).
+
+    Example:
+
+    >>> comm = ReplicaCommunicator(strategy.num_replicas_in_sync)
+    >>> strategy.run(lambda: comm.all_reduce(tf.ones([2]), "ones"))
+    """
+
+    def __init__(self, num_replicas):
+        if not isinstance(num_replicas, int) or num_replicas < 2:
+            raise ValueError(
+                "ReplicaCommunicator needs `num_replicas` >= 2 (an int); "
+                f"got {num_replicas!r}.")
+        super().__init__(0, num_replicas)
+
+    def _context(self):
+        ctx = tf.distribute.get_replica_context()
+        strategy = tf.distribute.get_strategy()
+        if ctx is None or ctx.num_replicas_in_sync != self._num_ranks or (
+                len(strategy.extended.worker_devices) != self._num_ranks):
+            found = "none" if ctx is None else (
+                f"{ctx.num_replicas_in_sync} replicas")
+            raise RuntimeError(
+                "ReplicaCommunicator: call it inside `strategy.run` of a "
+                f"strategy with {self._num_ranks} replicas in this process "
+                f"(replica context found: {found}).")
+        return ctx
+
+    @property
+    def rank(self):
+        """The current replica's id."""
+        rid = tf.get_static_value(self._context().replica_id_in_sync_group)
+        if rid is None:
+            raise RuntimeError(
+                "ReplicaCommunicator: the replica id is not known when "
+                "tracing (strategies whose replicas share one trace, e.g. "
+                "TPUStrategy, are not supported).")
+        return int(rid)
+
+    def _merge(self, fn, *tensors):
+        """fn(list of every replica's tensor per argument) -> one result
+        per replica; returns this replica's."""
+        from tensorflow.python.distribute import values as values_lib
+
+        def merge_fn(strategy, *per_replica):
+            local = [list(strategy.experimental_local_results(p))
+                     for p in per_replica]
+            outs = fn(*local)
+            devices = strategy.extended.worker_devices
+            placed = []
+            for d, o in zip(devices, outs):
+                with tf.device(d):
+                    placed.append(tf.identity(o))
+            return values_lib.PerReplica(tuple(placed))
+
+        return self._context().merge_call(
+            merge_fn, args=tuple(tf.convert_to_tensor(t) for t in tensors))
+
+    def all_reduce(self, x, key, op="sum"):
+        if op not in _OPS:
+            raise ValueError(f"`op` must be one of {_OPS}, got {op!r}")
+        n = self._num_ranks
+
+        def reduce(xs):
+            stacked = tf.stack(xs)
+            if op == "sum":
+                y = tf.reduce_sum(stacked, 0)
+            elif op == "max":
+                y = tf.reduce_max(stacked, 0)
+            elif op == "min":
+                y = tf.reduce_min(stacked, 0)
+            elif stacked.dtype.is_integer:
+                y = tf.math.truncatediv(tf.reduce_sum(stacked, 0),
+                                        tf.cast(n, stacked.dtype))
+            else:
+                y = tf.reduce_sum(stacked, 0) / tf.cast(n, stacked.dtype)
+            return [y] * n
+
+        return self._merge(reduce, x)
+
+    def all_gather(self, x, key):
+        x = tf.convert_to_tensor(x)
+        if x.shape.rank == 0:
+            raise ValueError(
+                f"all_gather needs a tensor of rank >= 1, got shape {x.shape}"
+            )
+        return self._merge(lambda xs: [tf.concat(xs, 0)] * len(xs), x)
+
+    def broadcast(self, x, key, root=0):
+        if not 0 <= root < self._num_ranks:
+            raise ValueError(
+                f"`root` must be a rank in [0, {self._num_ranks}), got {root}"
+            )
+        return self._merge(lambda xs: [xs[root]] * len(xs), x)
+
+    def _exchange(self, x, counts_matrix, site):
+        n = self._num_ranks
+
+        def route(xs, cs):
+            c = tf.cast(cs[0], tf.int64)
+            blocks = [tf.split(xs[i], c[i], num=n) for i in range(n)]
+            return [tf.concat([blocks[i][j] for i in range(n)], 0)
+                    for j in range(n)]
+
+        return self._merge(route, x, counts_matrix)
+
+    def agree(self, what, value, timeout):
+        raise NotImplementedError(
+            "ReplicaCommunicator has no host-side agreement; the replicas "
+            "of one process share its state.")

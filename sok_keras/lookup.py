@@ -172,6 +172,25 @@ def normalize_ids(ids, weights=None, name="lookup"):
     )
 
 
+def _check_no_local_replicas(name):
+    """Refuses a lookup in a replica of a strategy with several replicas
+    in this process (MirroredStrategy, MWMS with several local devices):
+    the table would be replicated, not sharded, and each replica's update
+    applied on its own."""
+    if not tf.distribute.has_strategy():
+        return
+    strategy = tf.distribute.get_strategy()
+    local = len(strategy.extended.worker_devices)
+    if local > 1:
+        raise NotImplementedError(
+            f"Table '{name}': sok_keras does not support "
+            f"{type(strategy).__name__} with {local} replicas in one "
+            "process yet (each replica would need its own shard). Run one "
+            "process per device: `sokrun -np N python train.py` (no "
+            "strategy), or MultiWorkerMirroredStrategy with one device per "
+            "worker. See docs/recipes.md.")
+
+
 def _check_world(param, name):
     """Raises unless `param` is a table sharded over the current world."""
     _check_table(param)
@@ -402,6 +421,7 @@ def gather_rows(param, ids, table_name=None):
         and `inverse` `[nnz]` maps every id to its row in `rows`.
     """
     name = table_name or _table_key(param)
+    _check_no_local_replicas(name)
     if param.num_ranks == 1:
         # One rank: the owner is here; dedup and gather, no exchange.
         return _owned_rows(param, ids, name)
@@ -423,6 +443,8 @@ def gather_rows_fused(params, ids_list, names):
     Returns:
         A list of `(rows, inverse)`, one per table, as `gather_rows`.
     """
+    for name in names:
+        _check_no_local_replicas(name)
     if world.num_ranks() == 1 or len(params) == 1:
         return [gather_rows(p, ids, table_name=name)
                 for p, ids, name in zip(params, ids_list, names)]
@@ -780,6 +802,7 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
     """
     consistency.record_lookup(param, f"lookup_one[{combiner},{pooling}]")
     name = name or _table_key(param)
+    _check_no_local_replicas(name)
     _check_combiner(combiner, name)
     if pooling not in POOLING_MODES:
         raise ValueError(

@@ -177,6 +177,21 @@ class Variable(keras.Variable):
             value, dtype=dtype, trainable=trainable, name=name, autocast=False
         )
 
+    def _initialize(self, value):
+        # A shard belongs to this rank alone: under a tf.distribute
+        # strategy's scope it must not become a mirrored variable (the
+        # strategy would copy rank 0's rows to every replica, or fail on
+        # shards of other shapes). A ResourceVariable built directly skips
+        # the strategy's variable creator.
+        if not isinstance(value, tf.Variable) and tf.distribute.has_strategy():
+            from tensorflow.python.ops import resource_variable_ops
+
+            self._value = resource_variable_ops.ResourceVariable(
+                value, dtype=self._dtype, trainable=self.trainable,
+                name=self.name)
+            return
+        super()._initialize(value)
+
     # -- sharding facts ---------------------------------------------------
     @property
     def mode(self):

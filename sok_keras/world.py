@@ -14,10 +14,20 @@ print(sok.rank(), sok.num_ranks())
 `init` reads the world from the environment, in this order:
 
 1. `SOK_RANK`, `SOK_NUM_RANKS`, `SOK_WORKER_ADDRS` (set by `sokrun`);
-2. `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` (Open MPI's `mpirun`);
-3. `PMI_RANK`, `PMI_SIZE` (MPICH / Intel MPI);
-4. `SLURM_PROCID`, `SLURM_NTASKS` (`srun`);
-5. `RANK`, `WORLD_SIZE` with `MASTER_ADDR`, `MASTER_PORT` (torchrun style).
+2. `HOROVOD_RANK`, `HOROVOD_SIZE` (`horovodrun` with Gloo);
+3. `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` (Open MPI's `mpirun`);
+4. `PMI_RANK`, `PMI_SIZE` (MPICH / Intel MPI);
+5. `SLURM_PROCID`, `SLURM_NTASKS` (`srun`);
+6. `RANK`, `WORLD_SIZE` with `MASTER_ADDR`, `MASTER_PORT` (torchrun style);
+7. `TF_CONFIG` (MultiWorkerMirroredStrategy's): rank = the worker's task
+   index, addresses = its cluster's workers.
+
+If the program imported and initialized `horovod.tensorflow`, its rank and
+size must agree with these. If the program built its own
+`tf.distribute.MultiWorkerMirroredStrategy` before `init` (SOK's recipe:
+`sok.Init` inside `strategy.scope()`), `init` reuses that strategy's
+collective runtime instead of starting one, after checking that its
+replicas are the world's ranks (one device per worker).
 
 Worker addresses come from `SOK_WORKER_ADDRS` (comma-separated `host:port`,
 rank order) when it is set; otherwise rank i listens on
@@ -88,10 +98,12 @@ _DEFAULT_HEARTBEAT = 10.0
 
 _BACKENDS = ("auto", "nccl", "collective")
 _LOCAL_RANK_VARS = ("SOK_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-                    "SLURM_LOCALID", "MPI_LOCALRANKID", "LOCAL_RANK")
+                    "HOROVOD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID",
+                    "LOCAL_RANK")
 
 _SOURCES = (
     ("sokrun", "SOK_RANK", "SOK_NUM_RANKS"),
+    ("horovodrun (Gloo)", "HOROVOD_RANK", "HOROVOD_SIZE"),
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("PMI (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE"),
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"),
@@ -201,6 +213,8 @@ def world_from_env(env=None):
         if rank_var in env and size_var in env:
             break
     else:
+        if env.get("TF_CONFIG"):
+            return _world_from_tf_config(env["TF_CONFIG"])
         return World(0, 1)
     rank = _int_env(rank_var, env)
     size = _int_env(size_var, env)
@@ -232,6 +246,91 @@ def world_from_env(env=None):
                 "launch with `sokrun -np N`."
             )
     return World(rank, size, addrs, source)
+
+
+def _world_from_tf_config(text):
+    """The world of a `TF_CONFIG` (MultiWorkerMirroredStrategy's variable):
+    rank = the worker's task index, one rank per worker."""
+    import json
+
+    try:
+        config = json.loads(text)
+        workers = list(config["cluster"]["worker"])
+        task = config.get("task", {})
+        kind, index = task.get("type", "worker"), int(task.get("index", 0))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise RuntimeError(
+            "sok_keras: TF_CONFIG must be JSON with cluster.worker (a list "
+            "of host:port) and task.type/index; got "
+            f"{text!r} ({type(e).__name__}: {e}).") from None
+    other = sorted(set(config["cluster"]) - {"worker"})
+    if kind != "worker" or other:
+        raise RuntimeError(
+            "sok_keras: TF_CONFIG may only describe workers (one rank per "
+            f"worker, MultiWorkerMirroredStrategy); got task type {kind!r} "
+            f"and other jobs {other}.")
+    if not 0 <= index < len(workers):
+        raise RuntimeError(
+            f"sok_keras: TF_CONFIG task index {index} is not a worker of "
+            f"the cluster's {len(workers)}.")
+    return World(index, len(workers), workers if len(workers) > 1 else (),
+                 "TF_CONFIG")
+
+
+def _horovod_world():
+    """(rank, size) of an initialized `horovod.tensorflow`, if the program
+    imported it, else None."""
+    import sys
+
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None:
+        return None
+    try:
+        if hasattr(hvd, "is_initialized") and not hvd.is_initialized():
+            return None
+        return int(hvd.rank()), int(hvd.size())
+    except Exception:  # Horovod imported but not initialized
+        return None
+
+
+def _user_runtime():
+    """The collective runtime the program started itself, if any.
+
+    Returns `(strategy, configured)`: the `MultiWorkerMirroredStrategy`
+    whose scope is entered (or None), and whether TensorFlow's collective
+    runtime is already configured (a strategy built from TF_CONFIG).
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    strategy = None
+    if tf.distribute.has_strategy():
+        s = tf.distribute.get_strategy()
+        if isinstance(s, tf.distribute.MultiWorkerMirroredStrategy):
+            strategy = s
+    configured = getattr(context.context(), "_collective_ops_server_def",
+                         None) is not None
+    return strategy, configured
+
+
+def _adopt_user_runtime(world, strategy):
+    """Uses the program's own MultiWorkerMirroredStrategy as the runtime
+    (its ranks must be the world's)."""
+    if strategy is None:
+        return
+    resolver = strategy.cluster_resolver
+    task = getattr(resolver, "task_id", None)
+    replicas = strategy.num_replicas_in_sync
+    if replicas != world.num_ranks or (task is not None
+                                       and int(task) != world.rank):
+        raise RuntimeError(
+            "sok_keras.init(): the MultiWorkerMirroredStrategy in scope has "
+            f"{replicas} replicas and this worker's task index is {task}, "
+            f"but sok_keras's world is rank {world.rank} of "
+            f"{world.num_ranks} (from {world.source}). sok_keras runs one "
+            "rank per worker: give each worker one device "
+            "(CUDA_VISIBLE_DEVICES) and launch one process per rank.")
+    world.strategy = strategy
 
 
 def _check_tf_not_started():
@@ -551,7 +650,30 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
                 "SOK_HEARTBEAT_TIMEOUT", _DEFAULT_HEARTBEAT, os.environ
             )
         )
+        hvd = _horovod_world()
+        if hvd is not None and hvd != (world.rank, world.num_ranks):
+            if world.num_ranks == 1 and hvd[1] > 1:
+                raise RuntimeError(
+                    f"sok_keras.init(): Horovod says rank {hvd[0]} of "
+                    f"{hvd[1]}, but no launcher variable tells sok_keras "
+                    "where the ranks listen: set MASTER_ADDR and "
+                    "MASTER_PORT (one host) or SOK_WORKER_ADDRS.")
+            raise RuntimeError(
+                f"sok_keras.init(): Horovod says rank {hvd[0]} of {hvd[1]} "
+                f"but {world.source} says rank {world.rank} of "
+                f"{world.num_ranks}.")
+        strategy, configured = (None, False)
         if world.num_ranks > 1:
+            strategy, configured = _user_runtime()
+        if configured:
+            # The program built its MultiWorkerMirroredStrategy first (the
+            # SOK recipe): reuse its collective runtime.
+            _adopt_user_runtime(world, strategy)
+            _pin_gpu(world)
+            from sok_keras.compat import keras_mwms
+
+            keras_mwms.install()  # Keras' fit under MWMS (keras#20585)
+        elif world.num_ranks > 1:
             _check_tf_not_started()
             _guard_servers(world)
             _pin_gpu(world)

@@ -38,6 +38,18 @@ def _pack_allreduce_mean(grads, comm, key):
     return out
 
 
+def under_strategy():
+    """Whether a `tf.distribute` strategy with several replicas is in
+    charge (its scope or replica context): it then owns the convention,
+    as in SOK's strategy recipes and Keras' `fit` under a strategy: the
+    loss is divided by the global batch size (by the number of replicas in
+    `fit`), Keras' optimizer sums dense gradients over the replicas, and a
+    table's gradient is the sum the exchange already formed on its owner;
+    mirrored variables start equal."""
+    return (tf.distribute.has_strategy()
+            and tf.distribute.get_strategy().num_replicas_in_sync > 1)
+
+
 def broadcast_variables(variables, root=0, key="broadcast_variables"):
     """Copies the values of `variables` on rank `root` to every rank.
 
@@ -49,7 +61,7 @@ def broadcast_variables(variables, root=0, key="broadcast_variables"):
         root: the rank whose values win. Defaults to 0.
         key: a name for the collective, the same on every rank.
     """
-    if world.num_ranks() == 1:
+    if world.num_ranks() == 1 or under_strategy():
         return
     comm = world.communicator()
     with tf.init_scope():
@@ -68,9 +80,11 @@ def reduce_across_ranks(grads, variables):
     Dense gradients are all-reduced (one packed buffer per dtype). A
     `sok_keras.Variable`'s gradient is only divided by the number of ranks:
     the exchange already summed every rank's contribution on the owner.
+    Under a `tf.distribute` strategy with several replicas the gradients
+    are returned unchanged (see `under_strategy`).
     """
     n = world.num_ranks()
-    if n == 1:
+    if n == 1 or under_strategy():
         return list(grads)
     out, dense_idx = list(grads), []
     for i, (g, v) in enumerate(zip(grads, variables)):
