@@ -71,6 +71,12 @@ from sok_keras.optimizers import auto_wrap as _auto_wrap  # noqa: E402
 
 _auto_wrap.install()
 
+# model.save / load_model of models with sok tables go through files on
+# disk rather than whole in memory (sok_keras/_keras_h5.py).
+from sok_keras import _keras_h5 as _keras_h5  # noqa: E402
+
+_keras_h5.install()
+
 __all__ = [
     "__version__",
     "All2AllDenseEmbedding", "CheckpointError", "DistributedEmbedding",
