@@ -13,7 +13,7 @@ more than one rank, `sok_keras.init()` routes `keras.Model.save` through
 2. rank 0 alone runs Keras' own save into a temporary file beside `path`;
    the other ranks serve it their rows: each time rank 0's layers save a
    table or slot, rank 0 names it (a small broadcast) and every rank sends
-   its rows in bounded chunks (`sok_keras.variable.CHUNK_BYTES` over all
+   its rows in bounded chunks (`sok_keras.variable.CHUNK_BYTES`, 8 MiB, over all
    ranks), which rank 0 writes into the H5 dataset as they arrive
    (`sok_keras.variable.save_entry`). No rank holds a whole table; when
    Keras' save ends (or fails) rank 0 tells the others to stop serving;

@@ -397,7 +397,7 @@ split_embedding_variable_from_others = filter_variables
 # written into the H5 dataset chunk by chunk, and loading reads only this
 # rank's rows of the dataset, a chunk at a time.
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 8 << 20
 """Bytes of rows in one chunk of a streamed save (all ranks together) or
 load (one rank)."""
 
