@@ -267,7 +267,11 @@ def export_for_serving(model, path, verbose=False):
                     return _serving_layer(layer, tables)
                 return layer  # shared, weights and all
 
+            # Not compiled: compiling would build the optimizer wrapper,
+            # whose build is a collective (rank 0 is alone here).
+            compiled = getattr(model, "compiled", False)
             try:
+                model.compiled = False
                 clone = keras.models.clone_model(
                     model, clone_function=clone_function)
             except ValueError as e:
@@ -276,6 +280,8 @@ def export_for_serving(model, path, verbose=False):
                     "cloned (only functional and Sequential models can be "
                     "exported: their sok layers are swapped for plain-TF "
                     f"serving layers). Keras says: {e}") from e
+            finally:
+                model.compiled = compiled
             del tables
             clone.export(tmp, format="tf_saved_model", verbose=verbose)
     except Exception as e:  # reported to every rank below

@@ -192,6 +192,11 @@ def save_model(model, filepath, overwrite=True, **kwargs):
     failed = _agree("save/done", int(error is not None), world.timeout())
     try:
         if failed:
+            # Every rank returns once the temporary file is gone.
+            if rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(target)
+            _agree("save/cleaned", 1, world.timeout())
             if error is not None:
                 raise error
             raise RuntimeError(

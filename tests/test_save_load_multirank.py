@@ -56,3 +56,47 @@ def test_mismatched_collective_order_times_out_with_a_clear_error():
     assert "got no answer from its peers" in job.output, job.output
     assert "rank 1" in job.output or "rank 0" in job.output
     assert job.leftovers == []
+
+
+def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(tmp_path):
+    """One 2-rank job: model.save streams a distributed table, a table
+    localized on rank 1 and an EmbeddingCollection (slots included) in
+    4 KiB chunks; the file holds every table whole; no block rank 0 got
+    was over the chunk size; a write failing half-way through a table
+    raises on both ranks and leaves the file as it was; export_for_serving
+    writes one SavedModel that predicts the same without sok_keras. Then
+    load_model at 3 ranks: each rank reads exactly its own rows of each
+    dataset, and they equal the saved rows."""
+    from tests.test_export import serve_without_sok
+
+    folder = str(tmp_path)
+    saved = run_workers(worker_path("save_streaming"), 2,
+                        args=["save", folder], timeout=300)
+    r0, r1 = saved
+    assert r0["in_file"] and all(r0["in_file"].values()), r0["in_file"]
+    assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
+    assert 0 < r0["max_received"] <= r0["chunk_bytes"]
+    assert "disk full (injected)" in r0["failure"], r0["failure"]
+    assert "failed on another rank" in r1["failure"], r1["failure"]
+    assert r0["unchanged"] and r0["leftovers"] == [] == r1["leftovers"]
+    np.testing.assert_allclose(r0["predictions"], r1["predictions"])
+    expected = np.load(tmp_path / "expected.npz")
+    probe = {k[len("probe_"):]: expected[k] for k in expected.files
+             if k.startswith("probe_")}
+    served = serve_without_sok(str(tmp_path / "serving"), probe, tmp_path)
+    np.testing.assert_allclose(served.ravel(), r0["predictions"],
+                               rtol=1e-6, atol=1e-6)
+
+    loaded = run_workers(worker_path("save_streaming"), 3,
+                         args=["load", folder], timeout=300)
+    for rank, r in enumerate(loaded):
+        assert all(r["same"].values()), (rank, r["same"])
+        assert len(r["same"]) == 9
+        # Every dataset this rank read: exactly its own rows, nothing more
+        # (the localized table: everything on rank 1, nothing elsewhere).
+        expected_reads = {k: n for k, n in r["local_rows"].items() if n}
+        assert r["reads"] == expected_reads, (rank, r["reads"])
+        np.testing.assert_allclose(r["predictions"], r0["predictions"],
+                                   rtol=1e-5, atol=1e-6)
+    assert loaded[1]["local_rows"]["loc"] == 97
+    assert loaded[0]["local_rows"]["loc"] == 0
