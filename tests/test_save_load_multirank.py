@@ -12,6 +12,9 @@ from tests.training_setup import make_model_and_data
 
 
 def test_save_on_two_ranks_load_on_one_and_three(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and at 1: the same slots, and the next
+    5 steps give the losses of the uninterrupted run (the saving job
+    continuing), to 1e-6."""
     path = str(tmp_path / "model.keras")
     saved = run_workers(worker_path("save_load"), 2, args=["save", path],
                         timeout=120)
@@ -19,22 +22,38 @@ def test_save_on_two_ranks_load_on_one_and_three(tmp_path):
                           timeout=120)
     assert [r["local_rows"] for r in loaded3] == [
         len(range(i, sum(VOCAB), 3)) for i in range(3)]
-    # One process, here.
-    _, _, (x, y) = make_model_and_data("sok", "adam", 8, 48)
+    # One process, here: the same 5 steps after loading.
     model = keras.models.load_model(path)
-    model.fit({k: v[:48] for k, v in x.items()}, y[:48], batch_size=48,
-              verbose=0)
-    probe = {k: v[:96] for k, v in x.items()}
-    one = model.predict(probe, verbose=0).ravel()
     emb = model.get_layer("embedding").embeddings
     assert sorted(emb.slots) == ["m", "v"]
+    loaded_slots = {k: emb.slots[k].numpy().ravel().tolist()
+                    for k in sorted(emb.slots)}
+    _, _, (x, y) = make_model_and_data("sok", "adam", 8, 48)
+    probe = {k: v[:96] for k, v in x.items()}
+    _, _, (more_x, more_y) = make_model_and_data("sok", "adam", 5, 48)
+    losses = []
+    for step in range(5):
+        part = {k: v[step * 48:(step + 1) * 48] for k, v in more_x.items()}
+        model.fit(part, more_y[step * 48:(step + 1) * 48], batch_size=48,
+                  verbose=0)
+        losses.append(float(model.test_on_batch(probe, y[:96])))
+    one = model.predict(probe, verbose=0).ravel()
+    # Identical slots after loading, at 1 and 3 ranks.
+    for r in [*loaded3]:
+        assert r["slots_at_save"] == saved[0]["slots_at_save"]
+    assert loaded_slots == saved[0]["slots_at_save"]
+    # The next 5 steps: the losses of the uninterrupted (saving) run.
     for results in (saved, loaded3):
         for r in results:
             assert r["slots"] == ["m", "v"]
+            np.testing.assert_allclose(r["losses"], saved[0]["losses"],
+                                       rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(r["predictions"], one, rtol=1e-5,
                                        atol=1e-6)
             np.testing.assert_allclose(r["table"], emb.numpy().ravel(),
                                        rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, saved[0]["losses"], rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_several_tables_in_one_step_on_two_and_three_ranks():
