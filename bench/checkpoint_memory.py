@@ -1,7 +1,14 @@
-"""P4 benchmark: peak memory that `sok.dump` / `sok.load` add on each rank.
+"""P4 benchmark: peak memory that saving and loading add on each rank.
+
+Two formats (`--format`):
+- `sharded`: `sok.dump` / `sok.load` of one table with its slots;
+- `keras`: `model.save("m.keras")` / `keras.models.load_model` of a model
+  (`DistributedEmbedding` + `Dense(1)`, compiled with
+  `OptimizerWrapper(Adam)`, optimizer built). The load's "added" includes
+  creating the model itself (its table and slots: 1x the share).
 
 One `--rows` x `--dim` float32 table with Adam slots (`m`, `v`: the rank's
-share is its table rows plus its slot rows, 3x the table shard) is dumped
+share is its table rows plus its slot rows, 3x the table shard) is saved
 from `--save-ranks` ranks and loaded at `--load-ranks` ranks (re-sharding).
 Each rank measures its resident set size right before the call (after the
 table, its slots and TensorFlow are set up), resets the kernel's peak RSS
@@ -12,8 +19,10 @@ of the table and slots) checks that the load got what the dump wrote.
 
 Usage (driver; runs both jobs through sokrun):
     python bench/checkpoint_memory.py [--rows 2000000] [--dim 32]
-        [--save-ranks 2] [--load-ranks 3] [--path DIR]
-        [--out bench/results/checkpoint_memory.json]
+        [--save-ranks 2] [--load-ranks 3] [--path DIR] [--format sharded]
+        [--pythonpath DIR] [--out bench/results/checkpoint_memory.json]
+    (--pythonpath: the sok_keras tree the ranks import, e.g. an older
+    checkout for a baseline; defaults to this repository)
 Worker (what the driver runs):
     python -m sokrun -np N python bench/checkpoint_memory.py --worker dump|load
         --rows R --dim D --path DIR --json-dir OUT
@@ -46,7 +55,59 @@ def _reset_peak():
         f.write("5")  # resets VmHWM to the current RSS
 
 
+def _keras_worker(args):
+    """model.save (args.worker == "dump") or load_model ("load")."""
+    import sok_keras as sok
+
+    sok.init()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    if args.chunk_mb and hasattr(sok.variable, "CHUNK_BYTES"):
+        sok.variable.CHUNK_BYTES = int(args.chunk_mb * 2**20)
+    path = os.path.join(args.path, "model.keras")
+    if args.worker == "dump":
+        keras.utils.set_random_seed(1234)
+        ids = keras.Input((4,), dtype="int64", name="ids")
+        emb = sok.layers.DistributedEmbedding(
+            args.rows, args.dim, combiner="sum", name="emb")
+        model = keras.Model(ids, keras.layers.Dense(1, name="head")(
+            emb(ids)))
+        model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+            keras.optimizers.Adam(1e-3)), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        table = emb.embeddings
+        slots = [table.slots[k] for k in sorted(table.slots)]
+        for i, s in enumerate(slots):
+            s.assign(tf.convert_to_tensor(table.value) * float(i + 2))
+        os.makedirs(args.path, exist_ok=True)
+    gc.collect()
+    before_kb = _status_kb("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    if args.worker == "dump":
+        model.save(path)
+    else:
+        model = keras.models.load_model(path)
+    seconds = time.perf_counter() - t0
+    peak_kb = _status_kb("VmHWM")
+    table = model.get_layer("emb").embeddings
+    slots = [table.slots[k] for k in sorted(table.slots)]
+    share = sum(int(np.prod(v.shape)) * 4 for v in [table] + slots)
+    sums = [float(np.sum(v.numpy(), dtype=np.float64))
+            for v in [table] + slots]
+    return share, before_kb, peak_kb, seconds, sums, int(table.shape[0])
+
+
 def _worker(args):
+    if args.format == "keras":
+        share, before_kb, peak_kb, seconds, sums, rows = _keras_worker(args)
+        import sok_keras as sok
+
+        _write(args, share, before_kb, peak_kb, seconds, sums, rows,
+               chunk=getattr(sok.variable, "CHUNK_BYTES", None))
+        return
     import sok_keras as sok
 
     sok.init()
@@ -83,10 +144,18 @@ def _worker(args):
     peak_kb = _status_kb("VmHWM")
     sums = [float(np.sum(v.numpy(), dtype=np.float64))
             for v in [table] + slots]
+    _write(args, share, before_kb, peak_kb, seconds, sums,
+           int(table.shape[0]), chunk=checkpoint.CHUNK_BYTES)
+
+
+def _write(args, share, before_kb, peak_kb, seconds, sums, local_rows,
+           chunk):
+    import sok_keras as sok
+
     added = (peak_kb - before_kb) * 1024
     result = {
         "rank": sok.rank(), "ranks": sok.num_ranks(),
-        "local_rows": int(table.shape[0]),
+        "local_rows": int(local_rows),
         "share_bytes": share, "share_mb": round(share / 2**20, 1),
         "table_share_mb": round(share / 3 / 2**20, 1),
         "rss_before_mb": round(before_kb / 1024, 1),
@@ -94,7 +163,7 @@ def _worker(args):
         "added_mb": round(added / 2**20, 1),
         "added_over_share": round(added / share, 3) if share else None,
         "seconds": round(seconds, 2),
-        "chunk_bytes": checkpoint.CHUNK_BYTES,
+        "chunk_bytes": chunk,
         "sums": sums,
     }
     with open(os.path.join(args.json_dir, f"rank{sok.rank()}.json"),
@@ -104,13 +173,13 @@ def _worker(args):
 
 def _run(action, n, args, json_dir):
     os.makedirs(json_dir, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=_common.REPO,
+    env = dict(os.environ, PYTHONPATH=args.pythonpath or _common.REPO,
                TF_CPP_MIN_LOG_LEVEL="2")
     cmd = [sys.executable, "-m", "sokrun", "-np", str(n), "--timeout",
            str(args.timeout), sys.executable, os.path.abspath(__file__),
            "--worker", action, "--rows", str(args.rows), "--dim",
            str(args.dim), "--path", args.path, "--json-dir", json_dir,
-           "--chunk-mb", str(args.chunk_mb)]
+           "--chunk-mb", str(args.chunk_mb), "--format", args.format]
     proc = subprocess.run(cmd, env=env, cwd=_common.REPO,
                           capture_output=True, text=True)
     if proc.returncode != 0:
@@ -136,6 +205,11 @@ def main():
     p.add_argument("--chunk-mb", type=float, default=0,
                    help="sok_keras.checkpoint.CHUNK_BYTES, in MiB "
                    "(0: the default)")
+    p.add_argument("--format", choices=["sharded", "keras"],
+                   default="sharded",
+                   help="sok.dump/sok.load, or model.save/load_model")
+    p.add_argument("--pythonpath", default=None,
+                   help="the sok_keras tree the ranks import (baseline)")
     p.add_argument("--out", default=os.path.join(
         _common.RESULTS, "checkpoint_memory.json"))
     args = p.parse_args()
@@ -164,11 +238,17 @@ def main():
         "command": _common.command_line(),
         "machine": _common.machine_info(),
         "config": {
+            "format": args.format,
+            "calls": ("model.save / keras.models.load_model"
+                      if args.format == "keras" else "sok.dump / sok.load"),
+            "sok_keras_tree": args.pythonpath or _common.REPO,
             "rows": args.rows, "dim": args.dim, "dtype": "float32",
             "optimizer": "Adam (slots m, v)",
             "table_mb": round(args.rows * args.dim * 4 / 2**20, 1),
             "chunk_bytes": int(args.chunk_mb * 2**20) if args.chunk_mb
-            else "default (sok_keras.checkpoint.CHUNK_BYTES)",
+            else ("default (sok_keras.variable.CHUNK_BYTES)"
+                  if args.format == "keras" else
+                  "default (sok_keras.checkpoint.CHUNK_BYTES)"),
             "save_ranks": args.save_ranks, "load_ranks": args.load_ranks,
             "checkpoint_bytes_on_disk": on_disk,
         },

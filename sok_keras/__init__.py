@@ -30,6 +30,7 @@ from sok_keras.checkpoint import dump
 from sok_keras.checkpoint import load
 from sok_keras.consistency import InconsistentRanksError
 from sok_keras.divergence import RankDivergedError
+from sok_keras.export import export_for_serving
 from sok_keras.data import shard_batches
 from sok_keras.layers import All2AllDenseEmbedding
 from sok_keras.layers import DistributedEmbedding
@@ -71,6 +72,12 @@ from sok_keras.optimizers import auto_wrap as _auto_wrap  # noqa: E402
 
 _auto_wrap.install()
 
+# model.save / load_model of models with sok tables go through files on
+# disk rather than whole in memory (sok_keras/_keras_h5.py).
+from sok_keras import _keras_h5 as _keras_h5  # noqa: E402
+
+_keras_h5.install()
+
 __all__ = [
     "__version__",
     "All2AllDenseEmbedding", "CheckpointError", "DistributedEmbedding",
@@ -79,6 +86,7 @@ __all__ = [
     "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper",
     "RankDivergedError", "Variable",
     "all2all_dense_embedding", "callbacks", "checkpoint", "data", "dump",
+    "export_for_serving",
     "filter_variables",
     "init", "layers", "load", "lookup_sparse", "num_ranks", "optimizers",
     "rank",

@@ -10,9 +10,13 @@ more than one rank, `sok_keras.init()` routes `keras.Model.save` through
    `SOK_SAVE_TIMEOUT`, default 60 s): a rank that does not join — the
    `if sok.rank() == 0: model.save(...)` mistake — gets a clear error
    instead of waiting for the communication timeout;
-2. every rank gathers the tables and their slots (collectives, in the
-   model's order); then rank 0 alone runs Keras' own save into a temporary
-   file beside `path` (the others write nothing);
+2. rank 0 alone runs Keras' own save into a temporary file beside `path`;
+   the other ranks serve it their rows: each time rank 0's layers save a
+   table or slot, rank 0 names it (a small broadcast) and every rank sends
+   its rows in bounded chunks (`sok_keras.variable.CHUNK_BYTES`, 8 MiB, over all
+   ranks), which rank 0 writes into the H5 dataset as they arrive
+   (`sok_keras.variable.save_entry`). No rank holds a whole table; when
+   Keras' save ends (or fails) rank 0 tells the others to stop serving;
 3. the ranks agree on the outcome: if any rank failed, every rank raises
    and the temporary file is removed, so an existing `path` is never
    damaged; otherwise rank 0 renames its file into place (`os.replace`,
@@ -26,11 +30,72 @@ test fails when Keras changes under it (`tests/test_saving.py`).
 import contextlib
 import functools
 import os
+
+import numpy as np
+import tensorflow as tf
+
 from sok_keras import world
-from sok_keras.variable import gathered_for_saving
+from sok_keras.variable import stream_entry
+from sok_keras.variable import table_entries
 
 _ORIGINAL_SAVE = None
 _DEFAULT_TIMEOUT = 60.0
+_STREAM = None  # the _Stream of the model.save in progress (rank 0)
+_DONE, _SEND = 0, 1
+
+
+def active_stream():
+    """The rows stream of the `model.save` in progress on this rank (rank 0
+    of several), or None."""
+    return _STREAM
+
+
+class _Stream:
+    """Rank 0 of a `model.save` names each table or slot its layers save;
+    the other ranks, in `serve`, send their rows of it.
+
+    Every rank lists the same entries (the model's tables and their slots,
+    in the model's order), so one int names one.
+    """
+
+    def __init__(self, tables):
+        self.entries = [e for t in tables for e in table_entries(t)]
+        self.index = {(id(e.table), e.slot): i
+                      for i, e in enumerate(self.entries)}
+        self.comm = world.control_communicator()
+
+    def _command(self, op=0, entry=0):
+        x = tf.constant([op, entry], tf.int64)
+        got = self.comm.broadcast(x, key="save/stream/command", root=0)
+        return [int(v) for v in np.asarray(got)]
+
+    def announce(self, entry):
+        """Rank 0: the peers start sending `entry`'s rows."""
+        i = self.index.get((id(entry.table), entry.slot))
+        if i is None:
+            raise RuntimeError(
+                f"sok_keras: model.save: '{entry.name}' is not one of the "
+                "model's tables or slots; a layer saved a table the model "
+                "does not track.")
+        self._command(_SEND, i)
+
+    def finish(self):
+        """Rank 0: the peers stop serving."""
+        self._command(_DONE, 0)
+
+    def serve(self):
+        """The other ranks: send rows until rank 0 is done."""
+        error = None
+        while True:
+            op, i = self._command()
+            if op == _DONE:
+                break
+            try:
+                stream_entry(self.entries[i], None, writer_only=True)
+            except Exception as e:  # reported once rank 0 is done
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def save_timeout():
@@ -103,17 +168,35 @@ def save_model(model, filepath, overwrite=True, **kwargs):
     base = os.path.basename(path)
     stem, ext = os.path.splitext(base)
     target = os.path.join(folder, f".{stem}.sok-tmp-{os.getpid()}{ext}")
+    global _STREAM
     error = None
     try:
-        # Collectives first (every rank), then rank 0 writes alone.
-        with gathered_for_saving(_tables(model)):
-            if rank == 0:
+        stream = _Stream(_tables(model))
+        count = len(stream.entries)
+        if _agree("save/entries", count, world.timeout()) != n * count:
+            raise RuntimeError(
+                f"sok_keras: rank {rank}: model.save('{path}'): the ranks "
+                "do not hold the same tables and slots (this rank has "
+                f"{count}).")
+        if rank == 0:
+            _STREAM = stream
+            try:
                 original(model, target, overwrite=True, **kwargs)
+            finally:
+                _STREAM = None
+                stream.finish()
+        else:
+            stream.serve()
     except Exception as e:  # reported to every rank below
         error = e
     failed = _agree("save/done", int(error is not None), world.timeout())
     try:
         if failed:
+            # Every rank returns once the temporary file is gone.
+            if rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(target)
+            _agree("save/cleaned", 1, world.timeout())
             if error is not None:
                 raise error
             raise RuntimeError(

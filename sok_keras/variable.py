@@ -1,6 +1,5 @@
 """`sok_keras.Variable`: an embedding table sharded across the ranks."""
 
-import contextlib
 import re
 
 import keras
@@ -254,27 +253,34 @@ class Variable(keras.Variable):
     def restore_slot(self, name, table):
         """Restores slot `name` from its whole table (global row order).
 
-        If the optimizer has not created the slot yet, the value is kept and
-        applied when it does (`add_slot`).
+        Only this rank's rows of `table` are read (an `h5py.Dataset` is
+        read chunk by chunk). If the optimizer has not created the slot yet,
+        this rank's rows are kept and applied when it does (`add_slot`).
         """
+        where = f"{self.path}:{name}"
         if name in self._sok_slots:
-            self._sok_slots[name].assign_global(table, f"{self.path}:{name}")
+            self._sok_slots[name].assign_global(table, where)
         else:
-            self._sok_pending_slots[name] = np.asarray(table[:])
+            _check_global_shape(table, self._sok_global_shape, where)
+            self._sok_pending_slots[name] = read_local_rows(
+                table, self._sok_kind, self._sok_target, self._sok_rank,
+                self._sok_num_ranks, "float32")
 
     def slot_values_for_saving(self):
         """`(name, whole table)` of every slot, in name order.
 
         Includes slots restored from a file whose optimizer has not created
-        them yet, so saving such a model keeps them. A collective with
-        several ranks: every rank must call it.
+        them yet. A collective with several ranks: every rank must call it.
+        Each rank gets every slot whole; `model.save` streams them instead
+        (`save_entry`).
         """
-        names = sorted(set(self._sok_slots) | set(self._sok_pending_slots))
-        for name in names:
-            if name in self._sok_slots:
-                yield name, self._sok_slots[name].read_global()
-            else:
-                yield name, self._sok_pending_slots[name]
+        for name in self.saved_slot_names():
+            yield name, _gather_whole(slot_entry(self, name))
+
+    def saved_slot_names(self):
+        """The slot names that saving this table writes, in name order:
+        the optimizer's slots and those restored but not created yet."""
+        return sorted(set(self._sok_slots) | set(self._sok_pending_slots))
 
     def add_slot(self, name, slot):
         """Registers `slot` (a `Variable` shaped like this table) as `name`."""
@@ -285,8 +291,8 @@ class Variable(keras.Variable):
             )
         self._sok_slots[name] = slot
         pending = self._sok_pending_slots.pop(name, None)
-        if pending is not None:
-            slot.assign_global(pending, f"{self.path}:{name}")
+        if pending is not None:  # this rank's rows, restored from a file
+            _assign_local(slot, pending)
         return slot
 
     def local_ids(self):
@@ -303,8 +309,6 @@ class Variable(keras.Variable):
 
         With several ranks this is a collective: every rank must call it.
         """
-        if getattr(self, "_sok_gathered", None) is not None:
-            return self._sok_gathered  # see gathered_for_saving
         if self._sok_num_ranks == 1:
             return keras.ops.convert_to_numpy(self.value)
         comm = world.communicator()
@@ -327,27 +331,32 @@ class Variable(keras.Variable):
     def assign_global(self, table, name=None):
         """Sets this shard from the whole table (rows in global order).
 
-        Only this rank's rows of `table` are read, so an `h5py.Dataset` or a
-        memory-mapped array never has to be loaded whole.
+        Only this rank's rows of `table` are read, in bounded chunks, so an
+        `h5py.Dataset` or a memory-mapped array is never loaded whole. The
+        shape is checked before anything is read.
 
         Args:
             table: array-like `[rows, dim]` (NumPy, h5py, memmap).
             name: the owner's name for error messages (defaults to the path).
         """
-        shape = tuple(int(s) for s in table.shape)
-        if shape != self._sok_global_shape:
-            raise ValueError(
-                f"'{name or self.path}': the table has shape {shape}, but "
-                f"the variable's whole table has shape "
-                f"{self._sok_global_shape}."
-            )
-        if self._sok_kind == DISTRIBUTED:
-            local = np.asarray(table[self._sok_rank::self._sok_num_ranks])
-        elif self._sok_rank == self._sok_target:
-            local = np.asarray(table[:])
-        else:
-            local = np.zeros((0, shape[1]))
-        self.assign(local.astype(keras.backend.standardize_dtype(self.dtype)))
+        _check_global_shape(table, self._sok_global_shape,
+                            name or self.path)
+        n, rank = self._sok_num_ranks, self._sok_rank
+        local_rows = int(self.shape[0])
+        dtype = keras.backend.standardize_dtype(self.dtype)
+        target = self.value
+        if not hasattr(target, "scatter_update") or local_rows == 0:
+            self.assign(read_local_rows(
+                table, self._sok_kind, self._sok_target, rank, n, dtype))
+            return
+        # In place, chunk by chunk (`target[a:b].assign` would copy the whole
+        # variable each time).
+        step = rows_per_chunk(int(self.shape[1]) * _itemsize(dtype))
+        for a in range(0, local_rows, step):
+            b = min(a + step, local_rows)
+            rows = _read_rows(table, self._sok_kind, rank, n, a, b, dtype)
+            target.scatter_update(tf.IndexedSlices(
+                tf.convert_to_tensor(rows), tf.range(a, b, dtype=tf.int64)))
 
     def __repr__(self):
         return (
@@ -393,21 +402,280 @@ def filter_variables(variables):
 split_embedding_variable_from_others = filter_variables
 
 
-@contextlib.contextmanager
-def gathered_for_saving(tables):
-    """Gathers every table in `tables` and each of its slots once (a
-    collective: every rank, same order), and makes `read_global` return
-    those arrays inside the block, so that writing a file afterwards needs
-    no communication (one rank can write while the others wait, and a
-    write that fails cannot leave a peer inside a collective)."""
-    done = []
+
+
+# -- saving helpers: whole tables in bounded chunks ------------------------
+#
+# `model.save` writes each table and slot whole, in global row order, so the
+# file does not depend on the number of ranks. Nothing here holds a whole
+# table: rows travel in chunks of about `CHUNK_BYTES` (over all ranks), are
+# written into the H5 dataset chunk by chunk, and loading reads only this
+# rank's rows of the dataset, a chunk at a time.
+
+CHUNK_BYTES = 8 << 20
+"""Bytes of rows in one chunk of a streamed save (all ranks together) or
+load (one rank)."""
+
+
+def rows_per_chunk(row_bytes, ranks=1):
+    """Rows per rank in one chunk of `CHUNK_BYTES` over `ranks` ranks."""
+    return max(1, CHUNK_BYTES // max(1, int(row_bytes) * int(ranks)))
+
+
+def _np_dtype(dtype):
+    name = keras.backend.standardize_dtype(dtype)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _itemsize(dtype):
+    return _np_dtype(dtype).itemsize
+
+
+def _check_global_shape(table, expected, where):
+    """Raises unless array-like `table` has the whole table's shape (checked
+    before anything is read or allocated)."""
+    shape = tuple(int(s) for s in getattr(table, "shape", ()))
+    if shape != tuple(expected):
+        raise ValueError(
+            f"'{where}': the table has shape {shape}, but the variable's "
+            f"whole table has shape {tuple(expected)}.")
+
+
+def _as_rows(rows, dtype):
+    rows = np.asarray(rows)
+    if rows.dtype.kind == "V" and rows.dtype.itemsize == 2:
+        import ml_dtypes  # Keras stores bfloat16 as 2-byte opaque data
+
+        rows = rows.view(ml_dtypes.bfloat16)
+    return rows.astype(_np_dtype(dtype), copy=False)
+
+
+def _read_rows(table, kind, rank, num_ranks, a, b, dtype):
+    """Local rows `[a, b)` of this rank, read from the whole `table` (a
+    ranged or strided read: only those rows)."""
+    if b <= a:
+        return np.zeros((0, int(table.shape[1])), _np_dtype(dtype))
+    if kind == DISTRIBUTED and num_ranks > 1:
+        start = rank + a * num_ranks
+        rows = table[start:start + (b - a - 1) * num_ranks + 1:num_ranks]
+    else:
+        rows = table[a:b]
+    return _as_rows(rows, dtype)
+
+
+def read_local_rows(table, kind, target, rank, num_ranks, dtype):
+    """This rank's shard of the whole `table`, read chunk by chunk into one
+    array of the shard's size."""
+    rows, dim = (int(s) for s in table.shape)
+    local = shard_rows(rows, kind, target, rank, num_ranks)
+    out = np.empty((local, dim), _np_dtype(dtype))
+    step = rows_per_chunk(dim * out.itemsize)
+    for a in range(0, local, step):
+        b = min(a + step, local)
+        out[a:b] = _read_rows(table, kind, rank, num_ranks, a, b, dtype)
+    return out
+
+
+def _assign_local(var, local):
+    """Assigns this rank's rows `local` to `var`, chunk by chunk in place."""
+    local = np.asarray(local)
+    target = var.value
+    rows = int(local.shape[0])
+    if not hasattr(target, "scatter_update") or rows == 0:
+        var.assign(local)
+        return
+    step = rows_per_chunk(int(local.shape[1]) * local.itemsize)
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        target.scatter_update(tf.IndexedSlices(
+            tf.convert_to_tensor(local[a:b]),
+            tf.range(a, b, dtype=tf.int64)))
+
+
+class SavedEntry:
+    """One table or one of its slots, as saved: the sharding and a reader
+    of this rank's rows.
+
+    Args:
+        table: the `Variable` (a table, not a slot).
+        slot: None for the table, else the slot's name (a created slot or
+            one restored from a file and not created yet).
+    """
+
+    def __init__(self, table, slot=None):
+        self.table = table
+        self.slot = slot
+        self.kind, self.target = table._sok_kind, table._sok_target
+        self.rank, self.num_ranks = table._sok_rank, table._sok_num_ranks
+        self.rows, self.dim = table._sok_global_shape
+        if slot is None:
+            source = table
+        elif slot in table._sok_slots:
+            source = table._sok_slots[slot]
+        elif slot in table._sok_pending_slots:
+            source = table._sok_pending_slots[slot]
+        else:
+            raise KeyError(f"table '{table.path}' has no slot '{slot}'")
+        self._source = source
+        self.dtype = keras.backend.standardize_dtype(source.dtype)
+        self.local_rows = int(source.shape[0])
+
+    @property
+    def name(self):
+        return self.table.path + ("" if self.slot is None
+                                  else f":{self.slot}")
+
+    def read(self, a, b):
+        """This rank's local rows `[a, b)` as a NumPy array."""
+        if isinstance(self._source, np.ndarray):
+            return self._source[a:b]
+        return keras.ops.convert_to_numpy(self._source.value[a:b])
+
+
+def table_entries(table):
+    """`SavedEntry`s of `table` and of each slot it saves, in save order."""
+    return [SavedEntry(table)] + [
+        SavedEntry(table, s) for s in table.saved_slot_names()]
+
+
+def slot_entry(table, name):
+    return SavedEntry(table, name)
+
+
+def stream_entry(entry, sink, writer_only, key="save/stream"):
+    """Sends a table (or slot) whole, in global row order and bounded
+    chunks, to rank 0 (`writer_only`) or to every rank.
+
+    A collective: every rank calls it with the same entry. `sink(first_row,
+    rows)` is called, on the ranks that receive, with consecutive global
+    rows. A failure to read local rows or in `sink` does not stop the
+    exchange (a peer would be left inside a collective): the chunks keep
+    flowing and the first error is raised once the exchange is complete.
+    """
+    n, rank = entry.num_ranks, entry.rank
+    comm = world.control_communicator() if n > 1 else None
+    dtype = _np_dtype(entry.dtype)
+    receives = rank == 0 or not writer_only
+    errors = []
+
+    def guarded(fn, *args):
+        if errors:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # raised after the exchange
+            errors.append(e)
+            return None
+
+    def padded(a, b, step):
+        rows = guarded(entry.read, a, b) if b > a else None
+        out = np.zeros((step, entry.dim), dtype)
+        if rows is not None:
+            out[:b - a] = rows
+        return out
+
+    row_bytes = entry.dim * dtype.itemsize
+    if entry.kind == DISTRIBUTED:
+        per_rank = -(-entry.rows // n)
+        step = max(1, min(rows_per_chunk(row_bytes, n), per_rank))
+        for a in range(0, per_rank, step):
+            b = min(a + step, per_rank)
+            mine = padded(a, min(b, entry.local_rows), step)
+            if comm is None:
+                got = mine
+            else:
+                got = comm.all_gather(tf.convert_to_tensor(mine),
+                                      key=key).numpy()
+                got = got.reshape(n, step, entry.dim).transpose(1, 0, 2)
+                got = got.reshape(n * step, entry.dim)
+            first = a * n
+            count = min(n * (b - a), entry.rows - first)
+            if receives:
+                guarded(sink, first, got[:count])
+    else:
+        t = entry.target
+        if writer_only and t == 0 and rank != 0:
+            return  # rank 0 holds it all: nothing to send
+        step = max(1, min(rows_per_chunk(row_bytes), entry.rows))
+        for a in range(0, entry.rows, step):
+            b = min(a + step, entry.rows)
+            mine = padded(a, b, step) if rank == t else np.zeros(
+                (step, entry.dim), dtype)
+            if comm is None or (writer_only and t == 0):
+                got = mine
+            else:
+                got = comm.broadcast(tf.convert_to_tensor(mine), key=key,
+                                     root=t).numpy()
+            if receives:
+                guarded(sink, a, got[:b - a])
+    if errors:
+        raise errors[0]
+
+
+def _gather_whole(entry):
+    """The whole table of `entry` on every rank (a collective)."""
+    out = np.empty((entry.rows, entry.dim), _np_dtype(entry.dtype))
+
+    def sink(first, rows):
+        out[first:first + len(rows)] = rows
+
+    stream_entry(entry, sink, writer_only=False, key="gather_whole")
+    return out
+
+
+def save_entry(store, key, entry):
+    """Writes `entry` (a `SavedEntry`) whole to `store[key]`.
+
+    With an H5 weights store (`model.save`, `save_weights`) the dataset is
+    created at its full size and filled chunk by chunk as the rows arrive,
+    so no rank ever holds the whole table; other stores get the whole
+    array. Inside `model.save` on several ranks only rank 0 runs this (the
+    others serve its chunks, `sok_keras.saving`); otherwise every rank must
+    call it (each writes its own store).
+    """
+    from sok_keras import _keras_h5
+    from sok_keras import saving
+
+    stream = saving.active_stream()
+    if stream is not None:
+        stream.announce(entry)  # the other ranks start sending
+    failure = []
+    dataset, whole = None, None
     try:
-        for table in tables:
-            for var in [table] + [table._sok_slots[k]
-                                  for k in sorted(table._sok_slots)]:
-                var._sok_gathered = var.read_global()
-                done.append(var)
-        yield
-    finally:
-        for var in done:
-            var._sok_gathered = None
+        dataset = _keras_h5.create_dataset(
+            store, key, (entry.rows, entry.dim), entry.dtype)
+        if dataset is None:
+            whole = np.empty((entry.rows, entry.dim),
+                             _np_dtype(entry.dtype))
+    except Exception as e:  # raised once the peers are done sending
+        failure.append(e)
+
+    def sink(first, rows):
+        if failure:
+            return
+        target = dataset if dataset is not None else whole
+        target[first:first + len(rows)] = rows
+
+    stream_entry(entry, sink, writer_only=stream is not None)
+    if failure:
+        raise failure[0]
+    if whole is not None:
+        store[key] = whole
+
+
+def saved_array(store, key, where):
+    """`store[key]` without reading it: the h5py dataset when `store` is
+    Keras' H5 store, else the stored array."""
+    from sok_keras import _keras_h5
+
+    keys = list(store.keys())
+    if key not in keys:
+        raise ValueError(
+            f"{where}: no '{key}' entry in the saved weights. Found: "
+            f"{keys}.")
+    dataset = _keras_h5.dataset(store, key)
+    return dataset if dataset is not None else store[key]

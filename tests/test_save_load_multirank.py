@@ -12,6 +12,9 @@ from tests.training_setup import make_model_and_data
 
 
 def test_save_on_two_ranks_load_on_one_and_three(tmp_path):
+    """Saved at 2 ranks, loaded at 3 and at 1: the same slots, and the next
+    5 steps give the losses of the uninterrupted run (the saving job
+    continuing), to 1e-6."""
     path = str(tmp_path / "model.keras")
     saved = run_workers(worker_path("save_load"), 2, args=["save", path],
                         timeout=120)
@@ -19,22 +22,38 @@ def test_save_on_two_ranks_load_on_one_and_three(tmp_path):
                           timeout=120)
     assert [r["local_rows"] for r in loaded3] == [
         len(range(i, sum(VOCAB), 3)) for i in range(3)]
-    # One process, here.
-    _, _, (x, y) = make_model_and_data("sok", "adam", 8, 48)
+    # One process, here: the same 5 steps after loading.
     model = keras.models.load_model(path)
-    model.fit({k: v[:48] for k, v in x.items()}, y[:48], batch_size=48,
-              verbose=0)
-    probe = {k: v[:96] for k, v in x.items()}
-    one = model.predict(probe, verbose=0).ravel()
     emb = model.get_layer("embedding").embeddings
     assert sorted(emb.slots) == ["m", "v"]
+    loaded_slots = {k: emb.slots[k].numpy().ravel().tolist()
+                    for k in sorted(emb.slots)}
+    _, _, (x, y) = make_model_and_data("sok", "adam", 8, 48)
+    probe = {k: v[:96] for k, v in x.items()}
+    _, _, (more_x, more_y) = make_model_and_data("sok", "adam", 5, 48)
+    losses = []
+    for step in range(5):
+        part = {k: v[step * 48:(step + 1) * 48] for k, v in more_x.items()}
+        model.fit(part, more_y[step * 48:(step + 1) * 48], batch_size=48,
+                  verbose=0)
+        losses.append(float(model.test_on_batch(probe, y[:96])))
+    one = model.predict(probe, verbose=0).ravel()
+    # Identical slots after loading, at 1 and 3 ranks.
+    for r in [*loaded3]:
+        assert r["slots_at_save"] == saved[0]["slots_at_save"]
+    assert loaded_slots == saved[0]["slots_at_save"]
+    # The next 5 steps: the losses of the uninterrupted (saving) run.
     for results in (saved, loaded3):
         for r in results:
             assert r["slots"] == ["m", "v"]
+            np.testing.assert_allclose(r["losses"], saved[0]["losses"],
+                                       rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(r["predictions"], one, rtol=1e-5,
                                        atol=1e-6)
             np.testing.assert_allclose(r["table"], emb.numpy().ravel(),
                                        rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, saved[0]["losses"], rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_several_tables_in_one_step_on_two_and_three_ranks():
@@ -56,3 +75,47 @@ def test_mismatched_collective_order_times_out_with_a_clear_error():
     assert "got no answer from its peers" in job.output, job.output
     assert "rank 1" in job.output or "rank 0" in job.output
     assert job.leftovers == []
+
+
+def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(tmp_path):
+    """One 2-rank job: model.save streams a distributed table, a table
+    localized on rank 1 and an EmbeddingCollection (slots included) in
+    4 KiB chunks; the file holds every table whole; no block rank 0 got
+    was over the chunk size; a write failing half-way through a table
+    raises on both ranks and leaves the file as it was; export_for_serving
+    writes one SavedModel that predicts the same without sok_keras. Then
+    load_model at 3 ranks: each rank reads exactly its own rows of each
+    dataset, and they equal the saved rows."""
+    from tests.test_export import serve_without_sok
+
+    folder = str(tmp_path)
+    saved = run_workers(worker_path("save_streaming"), 2,
+                        args=["save", folder], timeout=300)
+    r0, r1 = saved
+    assert r0["in_file"] and all(r0["in_file"].values()), r0["in_file"]
+    assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
+    assert 0 < r0["max_received"] <= r0["chunk_bytes"]
+    assert "disk full (injected)" in r0["failure"], r0["failure"]
+    assert "failed on another rank" in r1["failure"], r1["failure"]
+    assert r0["unchanged"] and r0["leftovers"] == [] == r1["leftovers"]
+    np.testing.assert_allclose(r0["predictions"], r1["predictions"])
+    expected = np.load(tmp_path / "expected.npz")
+    probe = {k[len("probe_"):]: expected[k] for k in expected.files
+             if k.startswith("probe_")}
+    served = serve_without_sok(str(tmp_path / "serving"), probe, tmp_path)
+    np.testing.assert_allclose(served.ravel(), r0["predictions"],
+                               rtol=1e-6, atol=1e-6)
+
+    loaded = run_workers(worker_path("save_streaming"), 3,
+                         args=["load", folder], timeout=300)
+    for rank, r in enumerate(loaded):
+        assert all(r["same"].values()), (rank, r["same"])
+        assert len(r["same"]) == 9
+        # Every dataset this rank read: exactly its own rows, nothing more
+        # (the localized table: everything on rank 1, nothing elsewhere).
+        expected_reads = {k: n for k, n in r["local_rows"].items() if n}
+        assert r["reads"] == expected_reads, (rank, r["reads"])
+        np.testing.assert_allclose(r["predictions"], r0["predictions"],
+                                   rtol=1e-5, atol=1e-6)
+    assert loaded[1]["local_rows"]["loc"] == 97
+    assert loaded[0]["local_rows"]["loc"] == 0

@@ -9,6 +9,9 @@ import tensorflow as tf
 from sok_keras import consistency
 from sok_keras.lookup import SUPPORTED_COMBINERS
 from sok_keras.variable import Variable
+from sok_keras.variable import save_entry
+from sok_keras.variable import saved_array
+from sok_keras.variable import table_entries
 
 
 def check_positive_int(value, arg, layer):
@@ -55,6 +58,34 @@ def check_combiner(combiner, layer):
             f"None. Received: combiner={combiner!r}."
         )
     return combiner
+
+
+def save_table(store, key, slot_prefix, table):
+    """Saves `table` as `store[key]` and each slot as
+    `store[slot_prefix + name]`, whole and in global row order, streamed
+    in bounded chunks."""
+    for entry in table_entries(table):
+        name = key if entry.slot is None else slot_prefix + entry.slot
+        save_entry(store, name, entry)
+
+
+def load_table(store, key, slot_prefix, table, where):
+    """Loads `table` and its slots from what `save_table` wrote, reading
+    only this rank's rows. Every entry's shape is checked before any is
+    assigned."""
+    value = saved_array(store, key, where)
+    slots = {k[len(slot_prefix):]: saved_array(store, k, where)
+             for k in list(store.keys()) if k.startswith(slot_prefix)}
+    owner = f"{where}, '{key}'"
+    from sok_keras.variable import _check_global_shape
+
+    _check_global_shape(value, table.global_shape, owner)
+    for name, array in slots.items():
+        _check_global_shape(array, table.global_shape,
+                            f"{where}, '{slot_prefix}{name}'")
+    table.assign_global(value, owner)
+    for name, array in sorted(slots.items()):
+        table.restore_slot(name, array)
 
 
 class BaseEmbedding(keras.layers.Layer):
@@ -138,23 +169,16 @@ class BaseEmbedding(keras.layers.Layer):
         return input_shape + (self.embedding_dim,)
 
     # -- saving: the table (and its optimizer slots) are stored whole, in
-    # global row order, so that they load at any number of ranks.
+    # global row order, so that they load at any number of ranks. Rows are
+    # streamed in bounded chunks (no rank holds a whole table) and loading
+    # reads only this rank's rows (sok_keras/variable.py, _keras_h5.py).
     def save_own_variables(self, store):
-        store["embeddings"] = self.embeddings.read_global()
-        for name, value in self.embeddings.slot_values_for_saving():
-            store[f"slot.{name}"] = value
+        save_table(store, "embeddings", "slot.", self.embeddings)
 
     def load_own_variables(self, store):
-        if "embeddings" not in store:
-            raise ValueError(
-                f"Layer '{self.name}': no 'embeddings' entry in the saved "
-                f"weights. Found: {list(store.keys())}."
-            )
         consistency.check_table(self.embeddings, "load")
-        self.embeddings.assign_global(store["embeddings"], self.name)
-        for key in store.keys():
-            if key.startswith("slot."):
-                self.embeddings.restore_slot(key[len("slot."):], store[key])
+        load_table(store, "embeddings", "slot.", self.embeddings,
+                   f"Layer '{self.name}'")
 
     def get_config(self):
         config = super().get_config()

@@ -8,6 +8,8 @@ from sok_keras.layers import feature_config
 from sok_keras.layers.base_embedding import check_combiner
 from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import get_table_optimizer
+from sok_keras.layers.base_embedding import load_table
+from sok_keras.layers.base_embedding import save_table
 from sok_keras.variable import Variable
 from sok_keras.variable import parse_mode
 
@@ -425,28 +427,24 @@ class EmbeddingCollection(keras.layers.Layer):
             lambda _, p: out[p], self._keras_rs.skeleton,
             is_leaf=feature_config.is_path)
 
-    # -- saving: each table (and its slots) whole, in global row order.
+    # -- saving: each table (and its slots) whole, in global row order,
+    # streamed in bounded chunks; loading reads only this rank's rows.
     def save_own_variables(self, store):
         for t in sorted(self.embeddings):
-            var = self.embeddings[t]
-            store[f"table.{t}"] = var.read_global()
-            for name, value in var.slot_values_for_saving():
-                store[f"table.{t}.slot.{name}"] = value
+            save_table(store, f"table.{t}", f"table.{t}.slot.",
+                       self.embeddings[t])
 
     def load_own_variables(self, store):
         keys = list(store.keys())
         for t in sorted(self.embeddings):
-            key = f"table.{t}"
-            if key not in keys:
+            if f"table.{t}" not in keys:
                 raise ValueError(
-                    f"EmbeddingCollection '{self.name}': no '{key}' entry in "
-                    f"the saved weights. Found: {keys}.")
-            var = self.embeddings[t]
-            var.assign_global(store[key], f"{self.name}/{t}")
-            prefix = f"{key}.slot."
-            for k in keys:
-                if k.startswith(prefix):
-                    var.restore_slot(k[len(prefix):], store[k])
+                    f"EmbeddingCollection '{self.name}': no 'table.{t}' "
+                    f"entry in the saved weights. Found: {keys}.")
+        for t in sorted(self.embeddings):
+            load_table(store, f"table.{t}", f"table.{t}.slot.",
+                       self.embeddings[t],
+                       f"EmbeddingCollection '{self.name}', table '{t}'")
 
     def get_config(self):
         if self._keras_rs is not None:

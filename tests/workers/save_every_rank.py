@@ -1,7 +1,9 @@
 """The README's save pattern: every rank calls model.save on one path,
 repeatedly; rank 0 checks each file (a valid zip, the right rows). Then a
 save that fails on one rank: every rank raises, the file is unchanged.
-With the argument "rank0-only", only rank 0 saves (the common mistake)."""
+With the argument "rank0-only", only rank 0 saves (the common mistake).
+With "killed", rank 0 is killed (SIGKILL) half-way through writing a
+table during the second save; the first file must stay loadable."""
 
 import os
 import sys
@@ -43,6 +45,39 @@ if mode == "rank0-only":
     else:
         time.sleep(float(os.environ["SOK_SAVE_TIMEOUT"]) + 10)
     write_result(result)
+    sys.exit(0)
+
+if mode == "killed":
+    import signal
+
+    from sok_keras import _keras_h5
+
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    model.save(path)
+    np.save(os.path.join(folder, "first.npy"), emb.embeddings.read_global())
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    original_create = _keras_h5.create_dataset
+
+    class Dying:
+        def __init__(self, ds):
+            self.ds, self.writes = ds, 0
+
+        def __setitem__(self, sel, rows):
+            self.ds[sel] = rows
+            self.writes += 1
+            if self.writes == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def dying_create(*args, **kwargs):
+        ds = original_create(*args, **kwargs)
+        return None if ds is None else Dying(ds)
+
+    import sok_keras.variable as sok_variable
+
+    sok_variable.CHUNK_BYTES = 4096
+    _keras_h5.create_dataset = dying_create
+    model.save(path)  # rank 0 dies in here; rank 1 is stopped by sokrun
+    write_result({"error": "the save was not killed"})
     sys.exit(0)
 
 checks = []

@@ -1,0 +1,130 @@
+"""The one place where sok_keras relies on Keras' saving internals.
+
+Keras' public saving API hands a layer's `save_own_variables` /
+`load_own_variables` a store that takes and returns whole NumPy arrays, and
+`keras.saving.save_model` / `load_model` keep the whole `model.weights.h5`
+in memory when `is_memory_sufficient(model)` says so. For sharded tables
+that means every table whole on every rank. So, for models with sok
+tables, sok_keras:
+
+1. makes `keras.src.saving.saving_lib.is_memory_sufficient` answer False,
+   which selects Keras' own on-disk paths: the writer builds the weights in
+   a temporary file beside the `.keras` file and copies it into the zip,
+   and a reader extracts the weights to a temporary folder beside the file
+   and opens them with h5py (bounded memory, at the cost of a temporary
+   copy on disk);
+2. reaches the `h5py` group behind an `H5IOStore` entry
+   (`_h5_entry_group`, `_create_h5_group`, `safe_get_h5_dataset`) to
+   create a table's dataset at its full size and fill it chunk by chunk,
+   and to read only this rank's rows of it.
+
+The datasets are the ones Keras writes itself (contiguous, the table's
+dtype; bfloat16 as Keras stores it: 2-byte opaque data with a `dtype`
+attribute), so files load with plain Keras code. Any other store (npz,
+sharded `save_weights`, a dict) falls back to whole arrays.
+`tests/test_keras_h5.py` fails loudly when Keras changes any of this.
+"""
+
+import functools
+
+_INSTALLED = False
+
+
+def _saving_lib():
+    from keras.src.saving import saving_lib
+
+    return saving_lib
+
+
+def _has_sok_tables(model):
+    from sok_keras.variable import Variable
+
+    try:
+        return any(isinstance(v, Variable) for v in model.variables)
+    except Exception:  # not a model we know; let Keras decide
+        return False
+
+
+def install():
+    """Makes Keras save and load models with sok tables through files on
+    disk, not whole in memory (idempotent)."""
+    global _INSTALLED
+    lib = _saving_lib()
+    original = lib.is_memory_sufficient
+    if getattr(original, "_sok_keras", False):
+        _INSTALLED = True
+        return
+
+    @functools.wraps(original)
+    def is_memory_sufficient(model):
+        if _has_sok_tables(model):
+            return False
+        return original(model)
+
+    is_memory_sufficient._sok_keras = True
+    is_memory_sufficient._sok_original = original
+    lib.is_memory_sufficient = is_memory_sufficient
+    _INSTALLED = True
+
+
+def _is_h5_store(store):
+    # Exactly H5IOStore: ShardedH5IOStore accounts the bytes it writes in
+    # its own __setitem__, so it gets whole arrays.
+    return type(store) is _saving_lib().H5IOStore
+
+
+def create_dataset(store, key, shape, dtype):
+    """Creates `key` in the store's current entry at its full `shape`.
+
+    Returns:
+        The `h5py.Dataset` to fill (`ds[a:b] = rows`), or None when `store`
+        is not Keras' H5 store in write mode (then the caller assigns the
+        whole array, `store[key] = array`).
+    """
+    if not _is_h5_store(store) or store.mode != "w":
+        return None
+    from sok_keras.variable import _np_dtype
+
+    if not store._h5_entry_initialized:
+        store._create_h5_group(store._h5_entry_path)
+    group = store._h5_entry_group
+    ds = group.create_dataset(key, shape=tuple(shape),
+                              dtype=_np_dtype(dtype))
+    if str(dtype) == "bfloat16":
+        ds.attrs["dtype"] = "bfloat16"  # as H5IOStore.__setitem__ does
+    return ds
+
+
+def dataset(store, key):
+    """The `h5py.Dataset` behind `store[key]`, unread (Keras' own checks
+    for links, external and virtual datasets, shape bombs applied), or None
+    when `store` is not Keras' H5 store."""
+    if not _is_h5_store(store):
+        return None
+    group = store._h5_entry_group
+    if isinstance(group, dict):  # the entry has no group
+        return None
+    return _saving_lib().safe_get_h5_dataset(group, key)
+
+
+def check_keras_internals():
+    """Raises AssertionError naming what changed in Keras, if anything
+    sok_keras relies on is gone (see the module docstring)."""
+    import inspect
+
+    lib = _saving_lib()
+    missing = [name for name in (
+        "is_memory_sufficient", "H5IOStore", "safe_get_h5_dataset",
+        "_save_model_to_fileobj", "_load_model_from_fileobj")
+        if not hasattr(lib, name)]
+    assert not missing, f"keras saving_lib lacks {missing}"
+    for fn in (lib._save_model_to_fileobj, lib._load_model_from_fileobj):
+        assert "is_memory_sufficient" in fn.__code__.co_names, (
+            f"{fn.__name__} no longer asks is_memory_sufficient")
+    store_attrs = ("_h5_entry_group", "_h5_entry_path",
+                   "_h5_entry_initialized", "_create_h5_group", "mode")
+    source = inspect.getsource(lib.H5IOStore)
+    gone = [a for a in store_attrs if a not in source]
+    assert not gone, f"H5IOStore lacks {gone}"
+    params = list(inspect.signature(lib.safe_get_h5_dataset).parameters)
+    assert params == ["group", "name"], params

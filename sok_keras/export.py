@@ -1,0 +1,307 @@
+"""`sok.export_for_serving`: a SavedModel that serves with plain TensorFlow.
+
+Keras' own `model.export(path)` traces the model's `call`, which for sok
+layers runs sok_keras' compiled ops and, on several ranks, collectives: the
+result would not load where sok_keras is not installed, nor run in one
+process. `export_for_serving` instead
+
+1. gathers every sok table whole on rank 0, streamed in bounded chunks
+   (every rank calls it; the others send their rows);
+2. on rank 0, clones the model with each sok layer replaced by a plain
+   serving layer that holds the whole table as an ordinary variable and
+   looks ids up with `tf.gather` and `tf.math.unsorted_segment_sum` (the
+   same dense `-1`-padded, ragged or sparse ids, per-id weights and
+   combiners as the sok layer; other layers are shared, not copied);
+3. writes it with Keras' `ExportArchive` (`clone.export`) into a
+   temporary folder beside `path`, renamed into place only when complete
+   (an existing export is replaced only then); every rank returns once it
+   is there, and an error on any rank raises on all.
+
+The SavedModel's `serve` endpoint takes the model's inputs and returns its
+outputs; `tf.saved_model.load(path).serve(inputs)` works in a Python
+without sok_keras (`tests/test_export.py`).
+"""
+
+import contextlib
+import os
+import shutil
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from sok_keras import world
+
+
+def _np_dtype(dtype):
+    from sok_keras.variable import _np_dtype as np_dtype
+
+    return np_dtype(dtype)
+
+
+def _whole_table(table):
+    """The whole table on rank 0 (None elsewhere); a collective."""
+    from sok_keras.variable import SavedEntry
+    from sok_keras.variable import stream_entry
+
+    entry = SavedEntry(table)
+    if entry.num_ranks == 1:
+        return keras.ops.convert_to_numpy(table.value)
+    out = (np.empty((entry.rows, entry.dim), _np_dtype(entry.dtype))
+           if world.rank() == 0 else None)
+
+    def sink(first, rows):
+        out[first:first + len(rows)] = rows
+
+    stream_entry(entry, sink, writer_only=True, key="export/stream")
+    return out
+
+
+def _plain_lookup(table, ids, weights, combiner, name):
+    """A sok lookup of `ids` in the whole `table`, in plain TF ops."""
+    from sok_keras.lookup import normalize_ids
+    from sok_keras.lookup import unpooled
+
+    feat = normalize_ids(ids, weights, name)
+    if combiner is None:
+        return unpooled(table, feat.values, feat)
+    compute = tf.float32 if table.dtype in (tf.float16, tf.bfloat16) else (
+        table.dtype)
+    rows = tf.cast(tf.gather(table, feat.values), compute)
+    segs = tf.cast(feat.segment_ids, tf.int64)
+    n = tf.cast(feat.batch_size, tf.int64)
+    w = (tf.ones_like(rows[:, 0]) if feat.weights is None
+         else tf.cast(feat.weights, compute))
+    total = tf.math.unsorted_segment_sum(rows * w[:, None], segs, n)
+    if combiner == "mean":
+        den = tf.math.unsorted_segment_sum(w, segs, n)
+    elif combiner == "sqrtn":
+        den = tf.sqrt(tf.math.unsorted_segment_sum(w * w, segs, n))
+    else:
+        den = None
+    if den is not None:
+        total = tf.math.divide_no_nan(total, den[:, None])
+    return tf.cast(total, table.dtype)
+
+
+class ServingEmbedding(keras.layers.Layer):
+    """What a sok embedding layer becomes in a serving export: the whole
+    table as a plain variable, looked up with plain TF ops.
+
+    Args:
+        table: the whole table, `[rows, dim]` NumPy array.
+        combiner: `"sum"`, `"mean"`, `"sqrtn"` or None (unpooled).
+        fixed_shape: for `All2AllDenseEmbedding`: ids of any shape, every
+            id valid, output `ids.shape + [dim]`.
+        **kwargs: base layer arguments (`name`, `dtype`).
+    """
+
+    def __init__(self, table, combiner="sum", fixed_shape=False, **kwargs):
+        super().__init__(**kwargs)
+        self.combiner = combiner
+        self.fixed_shape = fixed_shape
+        self.table = self.add_weight(
+            shape=table.shape, dtype=str(table.dtype), initializer="zeros",
+            trainable=False, name="embeddings")
+        self.table.assign(table)
+
+    def compute_mask(self, inputs, mask=None):
+        """As the sok layer's: `ids != -1` for unpooled dense ids."""
+        if self.fixed_shape or self.combiner is not None or isinstance(
+                inputs, (tf.RaggedTensor, tf.SparseTensor)):
+            return None
+        if len(getattr(inputs, "shape", ())) != 2:
+            return None
+        return keras.ops.not_equal(inputs, -1)
+
+    def call(self, inputs, weights=None):
+        table = tf.convert_to_tensor(self.table)
+        if self.fixed_shape:
+            ids = tf.convert_to_tensor(inputs)
+            out = tf.gather(table, tf.cast(ids, tf.int64))
+        else:
+            out = _plain_lookup(table, inputs, weights, self.combiner,
+                                self.name)
+        return tf.cast(out, self.compute_dtype)
+
+
+class ServingEmbeddingCollection(keras.layers.Layer):
+    """What an `EmbeddingCollection` becomes in a serving export.
+
+    Args:
+        tables: dict `{table_name: whole table (NumPy)}`.
+        features: dict `{feature_name: {"table": ..., "combiner": ...}}`.
+        **kwargs: base layer arguments.
+    """
+
+    def __init__(self, tables, features, **kwargs):
+        super().__init__(**kwargs)
+        self.features = {f: dict(s) for f, s in features.items()}
+        self.tables = {}
+        for t, value in tables.items():
+            var = self.add_weight(
+                shape=value.shape, dtype=str(value.dtype),
+                initializer="zeros", trainable=False, name=t)
+            var.assign(value)
+            self.tables[t] = var
+
+    def call(self, inputs, weights=None):
+        weights = weights or {}
+        out = {}
+        for f, spec in self.features.items():
+            table = tf.convert_to_tensor(self.tables[spec["table"]])
+            value = _plain_lookup(table, inputs[f], weights.get(f),
+                                  spec["combiner"], f"{self.name}/{f}")
+            out[f] = tf.cast(value, self.compute_dtype)
+        return out
+
+
+def _is_sok_layer(layer):
+    from sok_keras.layers import EmbeddingCollection
+    from sok_keras.layers.base_embedding import BaseEmbedding
+
+    return isinstance(layer, (BaseEmbedding, EmbeddingCollection))
+
+
+def _sok_layers(model):
+    return [layer for layer in model._flatten_layers(include_self=False)
+            if _is_sok_layer(layer)]
+
+
+def _serving_layer(layer, tables):
+    from sok_keras.layers import All2AllDenseEmbedding
+    from sok_keras.layers import EmbeddingCollection
+
+    kw = {"name": layer.name, "dtype": layer.dtype_policy}
+    if isinstance(layer, EmbeddingCollection):
+        return ServingEmbeddingCollection(
+            {t: tables[id(v)] for t, v in layer.embeddings.items()},
+            layer.features, **kw)
+    return ServingEmbedding(
+        tables[id(layer.embeddings)], combiner=layer.combiner,
+        fixed_shape=isinstance(layer, All2AllDenseEmbedding), **kw)
+
+
+def _check_exportable(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "export_for_serving: `model` must be a keras.Model. "
+            f"Received: {type(model).__name__}.")
+    if not model.built:
+        raise ValueError(
+            f"export_for_serving: model '{model.name}' is not built.")
+
+
+def _replace_dir(tmp, path):
+    """Moves folder `tmp` to `path`, replacing an existing `path` only once
+    `tmp` is complete."""
+    old = None
+    if os.path.lexists(path):
+        old = f"{tmp}.old"
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except Exception:
+        if old is not None:
+            os.replace(old, path)
+        raise
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(old)
+
+
+def export_for_serving(model, path, verbose=False):
+    """Writes a TF SavedModel of `model` that serves with plain TF ops.
+
+    Every rank must call it (the tables are gathered onto rank 0, in
+    bounded chunks); rank 0 writes `path` atomically (a temporary folder
+    beside it, renamed into place). The result runs in one process and
+    loads with `tf.saved_model.load` where sok_keras is not installed: its
+    `serve` endpoint takes the model's inputs and returns its outputs.
+    Rank 0 holds every table whole while it exports (about twice the
+    tables' size).
+
+    Args:
+        model: a built functional or Sequential `keras.Model` with sok
+            layers (`DistributedEmbedding`, `LocalizedEmbedding`,
+            `All2AllDenseEmbedding`, `EmbeddingCollection`).
+        path: the SavedModel folder (a local path).
+        verbose: passed to Keras' export.
+
+    Raises:
+        ValueError: for a subclassed or unbuilt model.
+        RuntimeError: if another rank failed (its error is in its output);
+            the rank that failed raises its own error. `path` is unchanged.
+
+    Example:
+
+    >>> sok.export_for_serving(model, "/models/ranker/1")
+    >>> served = tf.saved_model.load("/models/ranker/1")  # no sok_keras
+    >>> scores = served.serve(ids)
+    """
+    _check_exportable(model)
+    n, rank = world.num_ranks(), world.rank()
+    path = os.fspath(path)
+    layers = _sok_layers(model)
+    error = None
+    tmp = None
+    try:
+        tables = {}
+        for layer in layers:
+            variables = (list(layer.embeddings.values())
+                         if isinstance(layer.embeddings, dict)
+                         else [layer.embeddings])
+            for v in variables:
+                tables[id(v)] = _whole_table(v)
+        if rank == 0:
+            folder = os.path.dirname(os.path.abspath(path))
+            tmp = os.path.join(
+                folder, f".{os.path.basename(path)}.sok-tmp-{os.getpid()}")
+            replaced = {id(layer) for layer in layers}
+
+            def clone_function(layer):
+                if id(layer) in replaced:
+                    return _serving_layer(layer, tables)
+                return layer  # shared, weights and all
+
+            # Not compiled: compiling would build the optimizer wrapper,
+            # whose build is a collective (rank 0 is alone here).
+            compiled = getattr(model, "compiled", False)
+            try:
+                model.compiled = False
+                clone = keras.models.clone_model(
+                    model, clone_function=clone_function)
+            except ValueError as e:
+                raise ValueError(
+                    f"export_for_serving: model '{model.name}' cannot be "
+                    "cloned (only functional and Sequential models can be "
+                    "exported: their sok layers are swapped for plain-TF "
+                    f"serving layers). Keras says: {e}") from e
+            finally:
+                model.compiled = compiled
+            del tables
+            clone.export(tmp, format="tf_saved_model", verbose=verbose)
+    except Exception as e:  # reported to every rank below
+        error = e
+    control = world.control_communicator()
+    failed = control.agree("export/done", int(error is not None),
+                           world.timeout()) if n > 1 else int(
+        error is not None)
+    try:
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                f"sok_keras: export_for_serving('{path}') failed on another "
+                f"rank ({failed} of {n}); its error is in that rank's "
+                "output. Nothing was written.")
+        if rank == 0:
+            _replace_dir(tmp, path)
+        if n > 1:
+            control.agree("export/renamed", 1, world.timeout())
+    finally:
+        if rank == 0 and tmp is not None and os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,143 @@
+"""sok.export_for_serving: a SavedModel of plain TF ops that loads where
+sok_keras is not installed and predicts what the Keras model predicts."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+from tests.multiprocess import REPO
+
+CHECK = os.path.join(REPO, "tests", "serving_check.py")
+
+
+def serve_without_sok(saved_model, probe, tmp_path):
+    """Predictions of `saved_model` on `probe`, from a Python in which
+    `import sok_keras` fails."""
+    inputs = os.path.join(tmp_path, "probe.npz")
+    np.savez(inputs, **{f"probe_{k}": v for k, v in probe.items()})
+    out = os.path.join(tmp_path, "served.npy")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    proc = subprocess.run(
+        [sys.executable, CHECK, saved_model, inputs, out], env=env,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return np.load(out)
+
+
+def _model():
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((3,), dtype="int64", name="ids")
+    w = keras.Input((3,), dtype="float32", name="w")
+    seq = keras.Input((4,), dtype="int64", name="seq")
+    grid = keras.Input((2, 3), dtype="int64", name="grid")
+    pooled = sok.layers.DistributedEmbedding(
+        60, 4, combiner="mean", name="pooled")(ids, w)
+    summed = sok.layers.LocalizedEmbedding(
+        40, 3, combiner="sqrtn", name="loc")(ids % 40, w)
+    unpooled = sok.layers.DistributedEmbedding(
+        50, 4, combiner=None, name="unpooled")(seq)
+    unpooled = keras.layers.GlobalAveragePooling1D()(unpooled)  # mask
+    dense = sok.layers.All2AllDenseEmbedding(
+        max_vocabulary_size_per_gpu=20, embedding_vec_size=2, slot_num=2,
+        nnz_per_slot=3, name="a2a")(grid)
+    dense = keras.layers.Flatten()(dense)
+    col = sok.layers.EmbeddingCollection(
+        tables={"t": {"vocabulary_size": 30, "embedding_dim": 2},
+                "u": {"vocabulary_size": 10, "embedding_dim": 3}},
+        features={"f": {"table": "t", "combiner": "sum"},
+                  "g": {"table": "t", "combiner": None},
+                  "h": {"table": "u", "combiner": "mean"}},
+        name="col")({"f": ids % 30, "g": ids % 30, "h": seq % 10})
+    x = keras.layers.Concatenate()(
+        [pooled, summed, unpooled, dense, col["f"],
+         keras.layers.Flatten()(col["g"]), col["h"]])
+    out = keras.layers.Dense(2, name="head")(x)
+    model = keras.Model({"ids": ids, "w": w, "seq": seq, "grid": grid}, out)
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adam(0.05)), loss="mse")
+    return model
+
+
+def _data(seed, batch):
+    rng = np.random.default_rng(seed)
+    return {"ids": rng.integers(-1, 60, (batch, 3)),
+            "w": rng.random((batch, 3)).astype("float32"),
+            "seq": rng.integers(-1, 50, (batch, 4)),
+            "grid": rng.integers(0, 20, (batch, 2, 3))}
+
+
+def test_export_serves_the_same_predictions_without_sok_keras(tmp_path):
+    """Pooled (weights, mean / sqrtn) and unpooled layers (a mask-aware
+    pooling after one), All2AllDenseEmbedding and an EmbeddingCollection,
+    trained a little: the SavedModel predicts what the model does, in a
+    Python where sok_keras cannot be imported."""
+    model = _model()
+    model.fit(_data(0, 64), np.random.default_rng(1).normal(
+        size=(64, 2)).astype("float32"), batch_size=32, verbose=0)
+    probe = _data(5, 16)
+    expected = model.predict(probe, verbose=0)
+    path = os.path.join(tmp_path, "serving")
+    sok.export_for_serving(model, path)
+    assert os.path.isfile(os.path.join(path, "saved_model.pb"))
+    assert [n for n in os.listdir(tmp_path) if "sok-tmp" in n] == []
+    np.testing.assert_allclose(serve_without_sok(path, probe, tmp_path),
+                               expected, rtol=1e-6, atol=1e-6)
+    # The graph holds only TensorFlow's own ops.
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    graph = proto.meta_graphs[0].graph_def
+    ops = {n.op for n in graph.node} | {
+        n.op for fn in graph.library.function for n in fn.node_def}
+    assert {"GatherV2", "UnsortedSegmentSum"} <= ops, sorted(ops)
+    assert not [o for o in ops if o.startswith("Sok")], sorted(ops)
+
+
+def test_export_replaces_an_existing_export_only_when_complete(tmp_path):
+    model = _model()
+    path = os.path.join(tmp_path, "serving")
+    sok.export_for_serving(model, path)
+    before = sorted(os.listdir(path))
+    from sok_keras import export
+
+    original = keras.Model.export
+
+    def failing(self, filepath, *args, **kwargs):
+        os.makedirs(filepath, exist_ok=True)
+        with open(os.path.join(filepath, "saved_model.pb"), "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full (injected)")
+
+    keras.Model.export = failing
+    try:
+        with pytest.raises(OSError, match="disk full"):
+            export.export_for_serving(model, path)
+    finally:
+        keras.Model.export = original
+    assert sorted(os.listdir(path)) == before
+    assert tf.saved_model.load(path) is not None
+    assert [n for n in os.listdir(tmp_path) if "sok-tmp" in n] == []
+
+
+def test_export_of_a_subclassed_model_says_why_it_cannot():
+    class Ranker(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = sok.layers.DistributedEmbedding(10, 2, name="emb")
+
+        def call(self, x):
+            return self.emb(x)
+
+    model = Ranker()
+    model(np.zeros((2, 3), np.int64))
+    with pytest.raises(ValueError, match="only functional and Sequential"):
+        sok.export_for_serving(model, "/nonexistent/never-written")
