@@ -22,9 +22,12 @@ more than one rank, `sok_keras.init()` routes `keras.Model.save` through
    damaged; otherwise rank 0 renames its file into place (`os.replace`,
    atomic on one file system) and every rank returns once it is there.
 
-The file's layout does not depend on the number of ranks. This is the one
-module that changes Keras' behaviour (it wraps `keras.Model.save`); its
-test fails when Keras changes under it (`tests/test_saving.py`).
+`model.save_weights` follows the same protocol (so do
+`keras.callbacks.BackupAndRestore` and `ModelCheckpoint`, which call it on
+every rank), and `BackupAndRestore` deletes its shared folder at the end of
+training from rank 0 only. The file's layout does not depend on the number
+of ranks. This module wraps `keras.Model.save` and `save_weights`; its test
+fails when Keras changes under it (`tests/test_saving.py`).
 """
 
 import contextlib
@@ -38,7 +41,7 @@ from sok_keras import world
 from sok_keras.variable import stream_entry
 from sok_keras.variable import table_entries
 
-_ORIGINAL_SAVE = None
+_ORIGINAL = {"save": None, "save_weights": None}  # Keras' own
 _DEFAULT_TIMEOUT = 60.0
 _STREAM = None  # the _Stream of the model.save in progress (rank 0)
 _DONE, _SEND = 0, 1
@@ -132,6 +135,15 @@ def _agree(what, value, timeout):
     return world.control_communicator().agree(what, value, timeout)
 
 
+def _temporary_path(path):
+    """A hidden name beside `path` that keeps its full suffix (Keras
+    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<pid>.keras`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    stem, dot, rest = os.path.basename(path).partition(".")
+    return os.path.join(folder,
+                        f".{stem}.sok-tmp-{os.getpid()}{dot}{rest}")
+
+
 def save_model(model, filepath, overwrite=True, **kwargs):
     """Saves `model` from every rank into one file written by rank 0.
 
@@ -146,28 +158,59 @@ def save_model(model, filepath, overwrite=True, **kwargs):
             `SOK_SAVE_TIMEOUT`, or failed to save (the rank is named).
         FileExistsError: if `overwrite=False` and the file exists.
     """
-    original = _ORIGINAL_SAVE or type(model).save
+    original = _ORIGINAL["save"] or type(model).save
+    return _save_on_every_rank(model, filepath, overwrite, "model.save",
+                               lambda target: original(
+                                   model, target, overwrite=True, **kwargs),
+                               lambda: original(model, filepath,
+                                                overwrite=overwrite,
+                                                **kwargs))
+
+
+def save_weights(model, filepath, overwrite=True, **kwargs):
+    """`model.save_weights` from every rank: one file, written by rank 0.
+
+    The same protocol as `save_model` (`keras.callbacks.BackupAndRestore`
+    and `ModelCheckpoint(save_weights_only=True)` call it on every rank).
+
+    Args:
+        model: a Keras model (called on every rank).
+        filepath: the destination, ending in `.weights.h5`.
+        overwrite: whether an existing file may be replaced.
+        **kwargs: passed to Keras' own `Model.save_weights`.
+    """
+    original = _ORIGINAL["save_weights"] or type(model).save_weights
+    return _save_on_every_rank(model, filepath, overwrite,
+                               "model.save_weights",
+                               lambda target: original(
+                                   model, target, overwrite=True, **kwargs),
+                               lambda: original(model, filepath,
+                                                overwrite=overwrite,
+                                                **kwargs))
+
+
+def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
+    """One writer (rank 0, `write(temporary_path)`), the others serving
+    their rows; atomic rename; the same outcome on every rank. `plain()`
+    is Keras' own save, for one rank or a model without sok tables."""
     n = world.num_ranks()
     if n == 1 or not _has_sok_tables(model):
-        return original(model, filepath, overwrite=overwrite, **kwargs)
+        return plain()
     rank = world.rank()
     path = os.fspath(filepath)
     try:
         _agree("save/enter", 1, save_timeout())
     except Exception as e:
         raise RuntimeError(
-            f"sok_keras: rank {rank}: model.save('{path}') must be called on "
+            f"sok_keras: rank {rank}: {what}('{path}') must be called on "
             f"every rank ({n} ranks), but not all of them called it within "
-            f"{save_timeout():g} s (SOK_SAVE_TIMEOUT). Call model.save on "
+            f"{save_timeout():g} s (SOK_SAVE_TIMEOUT). Call {what} on "
             "every rank; rank 0 writes the file.") from e
     exists = int(rank == 0 and os.path.exists(path))
     if not overwrite and _agree("save/exists", exists, world.timeout()):
         raise FileExistsError(
             f"sok_keras: '{path}' exists and overwrite=False.")
-    folder = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
-    stem, ext = os.path.splitext(base)
-    target = os.path.join(folder, f".{stem}.sok-tmp-{os.getpid()}{ext}")
+    target = _temporary_path(path)
     global _STREAM
     error = None
     try:
@@ -175,13 +218,13 @@ def save_model(model, filepath, overwrite=True, **kwargs):
         count = len(stream.entries)
         if _agree("save/entries", count, world.timeout()) != n * count:
             raise RuntimeError(
-                f"sok_keras: rank {rank}: model.save('{path}'): the ranks "
+                f"sok_keras: rank {rank}: {what}('{path}'): the ranks "
                 "do not hold the same tables and slots (this rank has "
                 f"{count}).")
         if rank == 0:
             _STREAM = stream
             try:
-                original(model, target, overwrite=True, **kwargs)
+                write(target)
             finally:
                 _STREAM = None
                 stream.finish()
@@ -200,7 +243,7 @@ def save_model(model, filepath, overwrite=True, **kwargs):
             if error is not None:
                 raise error
             raise RuntimeError(
-                f"sok_keras: model.save('{path}') failed on another rank "
+                f"sok_keras: {what}('{path}') failed on another rank "
                 f"({failed} of {n}); its error is in that rank's output. "
                 "The file was not changed.")
         if rank == 0:
@@ -213,18 +256,43 @@ def save_model(model, filepath, overwrite=True, **kwargs):
     return None
 
 
+def _backup_on_train_end(original):
+    """`BackupAndRestore.on_train_end` on several ranks: the ranks share one
+    backup folder, so rank 0 alone deletes it (two ranks removing the same
+    tree race, and one fails with FileNotFoundError)."""
+
+    @functools.wraps(original)
+    def on_train_end(self, logs=None):
+        if world.num_ranks() > 1 and world.rank() != 0:
+            return None
+        return original(self, logs)
+
+    on_train_end._sok_keras = True
+    return on_train_end
+
+
 def install():
-    """Routes `keras.Model.save` through `save_model` (idempotent)."""
-    global _ORIGINAL_SAVE
+    """Routes `keras.Model.save` and `save_weights` through `save_model`
+    and `save_weights`, and makes `keras.callbacks.BackupAndRestore` delete
+    its shared folder from rank 0 only (idempotent)."""
     import keras
 
-    if _ORIGINAL_SAVE is not None:
+    if _ORIGINAL["save"] is not None:
         return
-    _ORIGINAL_SAVE = keras.Model.save
+    _ORIGINAL["save"] = keras.Model.save
+    _ORIGINAL["save_weights"] = keras.Model.save_weights
 
-    @functools.wraps(_ORIGINAL_SAVE)
+    @functools.wraps(_ORIGINAL["save"])
     def save(self, filepath, overwrite=True, **kwargs):
         return save_model(self, filepath, overwrite=overwrite, **kwargs)
 
+    @functools.wraps(_ORIGINAL["save_weights"])
+    def save_weights_(self, filepath, overwrite=True, **kwargs):
+        return save_weights(self, filepath, overwrite=overwrite, **kwargs)
+
     save._sok_keras = True
+    save_weights_._sok_keras = True
     keras.Model.save = save
+    keras.Model.save_weights = save_weights_
+    backup = keras.callbacks.BackupAndRestore
+    backup.on_train_end = _backup_on_train_end(backup.on_train_end)

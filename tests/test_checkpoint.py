@@ -437,10 +437,18 @@ def test_sharded_checkpoint_one_rank_keeps_last_k_and_restores(tmp_path):
     assert empty.restore_latest(fresh) is None
 
 
-def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
-    directory, out = str(tmp_path / "ckpts"), str(tmp_path)
-    run_workers(FIT_WORKER, 2, args=["uninterrupted", directory + "-u", out],
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """final_uninterrupted.npz of 2 epochs on 2 ranks, no interruption."""
+    out = str(tmp_path_factory.mktemp("uninterrupted"))
+    run_workers(FIT_WORKER, 2, args=["uninterrupted", out + "/u", out],
                 timeout=240)
+    return _npz(os.path.join(out, "final_uninterrupted.npz"))
+
+
+def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(
+        tmp_path, uninterrupted):
+    directory, out = str(tmp_path / "ckpts"), str(tmp_path)
     job = launch(FIT_WORKER, 2, args=["killed", directory, out], timeout=120,
                  env={"SOK_COMM_TIMEOUT": "10"})
     assert job.returncode != 0, job.output
@@ -456,7 +464,7 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
     assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2}
     assert r0["iterations"] == 8 and r1["iterations"] == 8
     assert r0["checkpoints"] == [10, 12]
-    expected = _npz(os.path.join(out, "final_uninterrupted.npz"))
+    expected = uninterrupted
     got = _npz(os.path.join(out, "final_resume.npz"))
     assert sorted(expected) == sorted(got)
     for k in expected:
@@ -474,6 +482,36 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(tmp_path):
     for k in expected:
         np.testing.assert_allclose(got3[k], expected[k], rtol=0, atol=1e-6,
                                    err_msg=f"{k} at 3 ranks")
+
+
+def test_backup_and_restore_resumes_a_killed_fit(tmp_path, uninterrupted):
+    """keras.callbacks.BackupAndRestore on 2 ranks (its backups go through
+    model.save_weights, called on every rank): rank 1 killed mid-epoch, the
+    same command run again resumes from the last backup and ends with the
+    uninterrupted run's weights, tables and slots; the folder is deleted
+    once (by rank 0) at the end."""
+    directory, out = str(tmp_path / "backup"), str(tmp_path)
+    job = launch(FIT_WORKER, 2, args=["backup-killed", directory, out],
+                 timeout=120, env={"SOK_COMM_TIMEOUT": "10"})
+    assert job.returncode != 0, job.output
+    assert job.leftovers == []
+    # One epoch's backup (6 steps), written by rank 0 alone.
+    assert os.path.exists(os.path.join(directory, "latest.weights.h5"))
+    assert not [n for n in os.listdir(directory) if "sok-tmp" in n]
+    r0, r1 = run_workers(FIT_WORKER, 2, args=["backup-resume", directory,
+                                              out], timeout=240)
+    assert r0["iterations"] == 6 and r1["iterations"] == 6
+    assert not r0["backup_left"] and not r1["backup_left"]
+    got = _npz(os.path.join(out, "final_backup-resume.npz"))
+    # Restored before fit's first step, the wrapped Adam builds its slots
+    # outside the wrapper's name scope: the same variables, paths
+    # "adam/..." instead of "optimizer_wrapper/adam/...".
+    expected = {k.replace("optimizer_wrapper/adam/", "adam/"): v
+                for k, v in uninterrupted.items()}
+    assert sorted(got) == sorted(expected)
+    for k in expected:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0,
+                                   atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])

@@ -8,16 +8,23 @@ from tests.multiprocess import run_workers
 from tests.multiprocess import worker_path
 
 
-def test_keras_still_has_the_save_we_wrap():
-    """sok_keras wraps keras.Model.save(filepath, overwrite=True, **kw):
-    fail loudly if Keras changes it."""
+def test_keras_still_has_the_saves_we_wrap():
+    """sok_keras wraps keras.Model.save / save_weights(filepath,
+    overwrite=True, **kw) and BackupAndRestore.on_train_end(logs): fail
+    loudly if Keras changes them."""
     import inspect
 
     from sok_keras import saving
 
-    original = saving._ORIGINAL_SAVE or keras.Model.save
-    params = list(inspect.signature(original).parameters)
-    assert params[:3] == ["self", "filepath", "overwrite"], params
+    saving.install()  # what sok.init() does on several ranks (idempotent)
+    for name in ("save", "save_weights"):
+        original = saving._ORIGINAL[name] or getattr(keras.Model, name)
+        params = list(inspect.signature(original).parameters)
+        assert params[:3] == ["self", "filepath", "overwrite"], (name, params)
+    end = keras.callbacks.BackupAndRestore.on_train_end
+    assert getattr(end, "_sok_keras", False)
+    assert list(inspect.signature(end.__wrapped__).parameters) == [
+        "self", "logs"]
 
 
 def test_every_rank_saves_one_file_atomically(tmp_path):

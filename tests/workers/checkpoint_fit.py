@@ -9,7 +9,13 @@ ACTION:
                  second epoch (global step 10);
   resume         ShardedCheckpoint(DIR, ...).restore_latest(model), then
                  fit what is left (the rest of the interrupted epoch, then
-                 the remaining epochs) with the callback on; OUT/final.npz.
+                 the remaining epochs) with the callback on; OUT/final.npz;
+  backup-killed  fit with keras.callbacks.BackupAndRestore(DIR) (a backup
+                 at each epoch's end, through model.save_weights on every
+                 rank); rank 1 dies in the second epoch, as in `killed`;
+  backup-resume  the same fit command again: BackupAndRestore restores the
+                 last backup, fit runs from the interrupted epoch, and the
+                 folder is deleted at the end; OUT/final_backup-resume.npz.
 """
 
 import os
@@ -68,6 +74,28 @@ elif action == "killed":
                 os._exit(9)  # killed mid-epoch
 
     fit(epoch_ds, EPOCHS, [ckpt, Die()])
+elif action in ("backup-killed", "backup-resume"):
+    backup = keras.callbacks.BackupAndRestore(directory)
+    callbacks = [backup]
+    if action == "backup-killed":
+        class Die(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_begin(self, batch, logs=None):
+                if RANK == 1 and self.epoch == 1 and batch == 3:
+                    os._exit(9)  # killed mid-epoch
+
+        callbacks.append(Die())
+    else:
+        class Begin(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):  # after the restore
+                result["iterations"] = int(
+                    model.optimizer.iterations.numpy())
+
+        callbacks.append(Begin())
+    fit(epoch_ds, EPOCHS, callbacks)
+    result["backup_left"] = os.path.exists(directory)
 elif action == "resume":
     meta = ckpt.restore_latest(model)
     result["meta"] = meta

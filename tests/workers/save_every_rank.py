@@ -100,7 +100,7 @@ leftovers = [n for n in os.listdir(folder) if "sok-tmp" in n]
 before = open(path, "rb").read() if RANK == 0 else None
 from sok_keras import saving  # noqa: E402
 
-original = saving._ORIGINAL_SAVE
+original = saving._ORIGINAL["save"]
 
 
 def failing(self, filepath, *args, **kwargs):
@@ -109,13 +109,13 @@ def failing(self, filepath, *args, **kwargs):
     raise OSError("disk full (injected)")
 
 
-saving._ORIGINAL_SAVE = failing
+saving._ORIGINAL["save"] = failing
 try:
     model.save(path)
     failure = "no error"
 except Exception as e:  # noqa: BLE001 - the message is checked
     failure = f"{type(e).__name__}: {e}"
-saving._ORIGINAL_SAVE = original
+saving._ORIGINAL["save"] = original
 unchanged = RANK != 0 or open(path, "rb").read() == before
 write_result({"checks": checks, "leftovers": leftovers, "failure": failure,
               "unchanged": unchanged,
