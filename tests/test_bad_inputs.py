@@ -238,6 +238,57 @@ def test_variable_with_nan_rows_looks_them_up_as_nan():
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all()
 
 
+def _slices(values, indices, rows=cases.V):
+    values = tf.constant(values, tf.float32)
+    return tf.IndexedSlices(values, tf.constant(indices, tf.int64),
+                            tf.constant([rows, values.shape[1]], tf.int64))
+
+
+@pytest.mark.parametrize("grad,error,words", [
+    (lambda: _slices(np.ones((2, 3)), [1, 40]), tf.errors.InvalidArgumentError,
+     ["40", "17"]),
+    (lambda: _slices(np.ones((2, 3)), [1, -1]), tf.errors.InvalidArgumentError,
+     ["-1", "17"]),
+    (lambda: _slices(np.ones((2, 4)), [1, 2]), ValueError,
+     ["'t'", "(2, 4)", "(3,)"]),
+    (lambda: _slices(np.ones((3, 3)), [1, 2]), ValueError,
+     ["'t'", "(3, 3)", "indices shape=(2,)"]),
+    (lambda: tf.ones((16, 3)), ValueError, ["'t'", "(17, 3)", "(16, 3)"]),
+])
+@pytest.mark.parametrize("in_function", [False, True])
+def test_optimizer_wrapper_bad_gradients_change_nothing(grad, error, words,
+                                                        in_function):
+    v = sok.Variable(cases.TABLE, name="t")
+    opt = sok.OptimizerWrapper(keras.optimizers.Adagrad(0.1))
+
+    def step():
+        opt.apply_gradients([(grad(), v)])
+
+    with pytest.raises(error) as e:
+        tf.function(step)() if in_function else step()
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    np.testing.assert_array_equal(v.numpy(), cases.TABLE)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_optimizer_wrapper_nan_gradient(skip):
+    """A NaN in a table's gradient: skipped and counted with
+    skip_nonfinite (nothing changes), else applied to its row only."""
+    v = sok.Variable(cases.TABLE, name="t")
+    opt = sok.OptimizerWrapper(keras.optimizers.Adagrad(0.1),
+                               skip_nonfinite=skip)
+    opt.apply_gradients([(_slices([[np.nan] * 3, [1.0] * 3], [1, 2]), v)])
+    table = v.numpy()
+    if skip:
+        np.testing.assert_array_equal(table, cases.TABLE)
+        assert int(opt.skipped_steps.numpy()) == 1
+    else:
+        assert np.isnan(table[1]).all() and not np.isnan(table[2]).any()
+        np.testing.assert_array_equal(np.delete(table, [1, 2], 0),
+                                      np.delete(cases.TABLE, [1, 2], 0))
+
+
 def test_optimizer_wrapper_arguments():
     with pytest.raises(TypeError, match="skip_nonfinite"):
         sok.OptimizerWrapper(keras.optimizers.SGD(), skip_nonfinite="yes")
