@@ -84,7 +84,8 @@ class _Ids:
         # ("ragged", row_splits) / ("sparse", indices, dense_shape).
         self.layout = layout
         # int64 scalar: 0, or the index in _PROBLEMS of what is wrong with
-        # the structure of this rank's input (see `normalize_ids`).
+        # the structure of this rank's input (see `normalize_ids`); None if
+        # nothing can be.
         self.problem = problem
 
 
@@ -129,7 +130,11 @@ def _same(a, b):
 
 
 def _first_problem(checks):
-    """The code of the first failed check of `[(ok, code)]`, or 0."""
+    """The code of the first failed check of `[(ok, code)]`, or 0; None
+    when there is nothing to check (dense ids without weights: nothing is
+    added to the exchange)."""
+    if not checks:
+        return None
     problem = tf.constant(0, tf.int64)
     for ok, code in reversed(checks):
         problem = tf.where(ok, problem, tf.constant(code, tf.int64))
@@ -157,6 +162,8 @@ def _assert(ok, message):
 
 def _raise_problem_here(feat, name):
     """One rank: raises the feature's input problem now, if it has one."""
+    if feat.problem is None:
+        return feat
     texts = tf.constant([f"sok_keras: table '{name}': {t}"
                          for t in _PROBLEMS])
     check = _assert(tf.equal(feat.problem, 0),
