@@ -8,8 +8,13 @@ input says what must happen:
 - `("raise", error types, words)`: that error, whose message contains
   every word (the layer or table, the value; `{rank}` stands for the rank
   that had the bad input); no shard changed.
-- `("works", reference)`: no error and the output of the lookup equals the
-  NumPy reference (`reference(entry)` gives what the entry returns).
+- `("works", ref)`: no error and the output equals the NumPy reference
+  `ref(kind, entry, bad)`; `("nan", ref)`: the same where the reference is
+  NaN/Inf too (non-finite weights propagate, nothing else changes).
+
+Every cell also checks that no shard changed (a checksum of every table
+before and after) and that a good lookup of the same entry point right
+after gives the right rows (`run_cell`, `check_cell`).
 
 With several ranks a value error (an id, a split, ...) is given to one rank
 only (`BAD_RANK`), the others get good ids: every rank must raise the same
