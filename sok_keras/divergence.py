@@ -513,6 +513,12 @@ class _Channel:
             text = self.reason
         else:
             first = (f"{type(error).__name__}: {error}".splitlines() or [""])
+            # Quote sok_keras' own message where TensorFlow or Keras put it
+            # under a generic first line ("Graph execution error:").
+            mine = [line[line.index("sok_keras:"):] for line in first
+                    if "sok_keras:" in line]
+            if mine:
+                first = [f"{type(error).__name__}: {mine[0]}"]
             text = f"rank {self.rank} failed at {where}: {first[0][:500]}"
         self.publish(t="failed", msg=text)
         print(f"sok_keras: rank {self.rank}: {text}", file=sys.stderr,

@@ -74,7 +74,8 @@ def _table_key(param):
 class _Ids:
     """Ids of one feature, flattened: values, their batch row, weights."""
 
-    def __init__(self, values, segment_ids, batch_size, weights, layout):
+    def __init__(self, values, segment_ids, batch_size, weights, layout,
+                 problem=None):
         self.values = values  # int64 [nnz], padding removed
         self.segment_ids = segment_ids  # int64 [nnz]
         self.batch_size = batch_size  # int64 scalar tensor
@@ -82,6 +83,10 @@ class _Ids:
         # How to rebuild an unpooled output: ("dense", keep_mask, shape) /
         # ("ragged", row_splits) / ("sparse", indices, dense_shape).
         self.layout = layout
+        # int64 scalar: 0, or the index in _PROBLEMS of what is wrong with
+        # the structure of this rank's input (see `normalize_ids`); None if
+        # nothing can be.
+        self.problem = problem
 
 
 def _check_int(t, what):
@@ -92,8 +97,91 @@ def _check_int(t, what):
         )
 
 
+def _check_weights_dtype(w, what):
+    if not (w.dtype.is_floating or w.dtype.is_integer) or w.dtype == tf.bool:
+        raise TypeError(
+            f"{what}: weights must be a float tensor. Received: "
+            f"dtype={w.dtype.name}."
+        )
+
+
+# What can be wrong with the structure of one rank's input, beyond its ids'
+# values. With several ranks these are not raised where they are found (the
+# other ranks would wait in the exchange): the code travels in the counts'
+# all-gather and every rank raises the same error (`_agree_counts`).
+_PROBLEMS = (
+    "",
+    "ragged weights must have the row splits of the ids (one weight per id, "
+    "sample by sample)",
+    "the weights do not match the ids (one weight per id, with the ids' "
+    "shape, row splits or sparse indices)",
+    "an index of the SparseTensor ids lies outside its dense_shape",
+)
+_RAGGED_SPLITS, _WEIGHTS_MISMATCH, _SPARSE_INDEX = 1, 2, 3
+
+
+def _same(a, b):
+    """Whether two tensors have the same elements (any shapes), as a bool
+    scalar tensor that never fails."""
+    a, b = tf.reshape(a, [-1]), tf.reshape(tf.cast(b, a.dtype), [-1])
+    return tf.cond(tf.equal(tf.size(a), tf.size(b)),
+                   lambda: tf.reduce_all(tf.equal(a, b)),
+                   lambda: tf.constant(False))
+
+
+def _first_problem(checks):
+    """The code of the first failed check of `[(ok, code)]`, or 0; None
+    when there is nothing to check (dense ids without weights: nothing is
+    added to the exchange)."""
+    if not checks:
+        return None
+    problem = tf.constant(0, tf.int64)
+    for ok, code in reversed(checks):
+        problem = tf.where(ok, problem, tf.constant(code, tf.int64))
+    return problem
+
+
+def _flat_weights(w, ok, count):
+    """`w` flattened, or ones where `ok` is False (the input is refused
+    anyway, but nothing may fail before every rank knows it)."""
+    w = tf.reshape(w, [-1])
+    return tf.cond(ok, lambda: w, lambda: tf.ones(tf.reshape(count, [1]),
+                                                   w.dtype))
+
+
+def _assert(ok, message):
+    """Raises `InvalidArgumentError(message)` unless `ok` (bool scalar
+    tensors); returns the check op in a graph, None eagerly."""
+    if tf.executing_eagerly():
+        if not bool(ok):
+            raise tf.errors.InvalidArgumentError(
+                None, None, message.numpy().decode())
+        return None
+    return tf.debugging.Assert(ok, [message])
+
+
+def _raise_problem_here(feat, name):
+    """One rank: raises the feature's input problem now, if it has one."""
+    if feat.problem is None:
+        return feat
+    texts = tf.constant([f"sok_keras: table '{name}': {t}"
+                         for t in _PROBLEMS])
+    check = _assert(tf.equal(feat.problem, 0),
+                    tf.gather(texts, feat.problem))
+    with tf.control_dependencies([check] if check is not None else []):
+        feat.values = tf.identity(feat.values)
+        feat.segment_ids = tf.identity(feat.segment_ids)
+    return feat
+
+
 def normalize_ids(ids, weights=None, name="lookup"):
     """Flattens dense (-1 padded), ragged or sparse ids of one feature.
+
+    Checks the structure of the input: ragged weights must have the row
+    splits of the ids, weights one entry per id, and SparseTensor indices
+    must lie inside their dense_shape. With one rank a violation raises
+    `InvalidArgumentError` here; with several, it is recorded in the
+    result's `problem` and raised on every rank by the exchange.
 
     Args:
         ids: a `tf.SparseTensor` or `tf.RaggedTensor` of shape
@@ -105,6 +193,18 @@ def normalize_ids(ids, weights=None, name="lookup"):
     Returns:
         An `_Ids`.
     """
+    feat = _normalize_ids(ids, weights, name)
+    if world.num_ranks() == 1:
+        _raise_problem_here(feat, name)
+    return feat
+
+
+def _normalize_ids(ids, weights, name):
+    if weights is not None:
+        _check_weights_dtype(
+            weights.values if isinstance(
+                weights, (tf.SparseTensor, tf.RaggedTensor))
+            else tf.convert_to_tensor(weights), name)
     if isinstance(ids, tf.SparseTensor):
         _check_int(ids.values, name)
         if ids.indices.shape.rank is not None and ids.indices.shape[1] != 2:
@@ -113,19 +213,33 @@ def normalize_ids(ids, weights=None, name="lookup"):
                 f"Received: dense_shape rank {ids.indices.shape[1]}."
             )
         values = tf.cast(ids.values, tf.int64)
-        segs = ids.indices[:, 0]
+        inside = tf.reduce_all(
+            (ids.indices >= 0) & (ids.indices < ids.dense_shape[None, :]))
+        checks = [(inside, _SPARSE_INDEX)]
+        # Rows outside the batch would be pooled into no sample (or another
+        # rank's): clamp them; the check above refuses the input.
+        segs = tf.clip_by_value(ids.indices[:, 0], 0,
+                                tf.maximum(ids.dense_shape[0] - 1, 0))
+        nnz = tf.size(values, out_type=tf.int64)
         w = None
         if weights is not None:
-            w = weights.values if isinstance(weights, tf.SparseTensor) else (
-                tf.convert_to_tensor(weights))
+            if isinstance(weights, tf.SparseTensor):
+                ok = _same(weights.indices, ids.indices)
+                w = weights.values
+            else:
+                w = tf.convert_to_tensor(weights)
+                ok = tf.equal(tf.size(w, out_type=tf.int64), nnz)
+            checks.append((ok, _WEIGHTS_MISMATCH))
+            w = _flat_weights(w, ok, nnz)
         keep = tf.not_equal(values, -1)
         values, segs = tf.boolean_mask(values, keep), tf.boolean_mask(
             segs, keep)
         if w is not None:
             w = tf.boolean_mask(w, keep)
-        layout = ("sparse", tf.boolean_mask(ids.indices, keep),
-                  ids.dense_shape)
-        return _Ids(values, segs, ids.dense_shape[0], w, layout)
+        indices = tf.boolean_mask(ids.indices, keep)
+        layout = ("sparse", indices, ids.dense_shape)
+        return _Ids(values, segs, ids.dense_shape[0], w, layout,
+                    _first_problem(checks))
     if isinstance(ids, tf.RaggedTensor):
         _check_int(ids.flat_values, name)
         if ids.ragged_rank != 1:
@@ -135,16 +249,30 @@ def normalize_ids(ids, weights=None, name="lookup"):
             )
         values = tf.cast(ids.values, tf.int64)
         segs = ids.value_rowids()
+        nnz = tf.size(values, out_type=tf.int64)
+        checks = []
         w = None
         if weights is not None:
-            w = _ragged_weights(ids, weights, name)
+            if isinstance(weights, tf.RaggedTensor):
+                ok = _same(tf.cast(weights.row_splits, tf.int64),
+                           ids.row_splits)
+                checks.append((ok, _RAGGED_SPLITS))
+                w = weights.flat_values
+            else:
+                w = tf.convert_to_tensor(
+                    weights.values if isinstance(weights, tf.SparseTensor)
+                    else weights)
+                ok = tf.equal(tf.size(w, out_type=tf.int64), nnz)
+                checks.append((ok, _WEIGHTS_MISMATCH))
+            w = _flat_weights(w, ok, nnz)
         keep = tf.not_equal(values, -1)
         values_k = tf.boolean_mask(values, keep)
         segs_k = tf.boolean_mask(segs, keep)
         if w is not None:
             w = tf.boolean_mask(w, keep)
         layout = ("ragged", segs_k, ids.nrows())
-        return _Ids(values_k, segs_k, ids.nrows(), w, layout)
+        return _Ids(values_k, segs_k, ids.nrows(), w, layout,
+                    _first_problem(checks))
     ids = tf.convert_to_tensor(ids)
     _check_int(ids, name)
     if ids.shape.rank == 1:
@@ -161,14 +289,31 @@ def normalize_ids(ids, weights=None, name="lookup"):
     flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
     keep = tf.not_equal(flat, -1)
     segs = tf.repeat(tf.range(shape[0]), shape[1])
+    checks = []
     w = None
     if weights is not None:
-        w = tf.boolean_mask(tf.reshape(tf.convert_to_tensor(weights), [-1]),
-                            keep)
+        if isinstance(weights, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError(
+                f"{name}: the weights of dense ids must be a dense tensor "
+                "of the ids' shape. Received: "
+                f"{type(weights).__name__} weights.")
+        w = tf.convert_to_tensor(weights)
+        if w.shape.rank == 1 and dense_shape is None:
+            w = w[:, None]  # ids [batch]: weights [batch]
+        if w.shape.rank is None:
+            ok = tf.equal(tf.size(w, out_type=tf.int64),
+                          tf.size(flat, out_type=tf.int64))
+        elif w.shape.rank == 2:
+            ok = _same(tf.shape(w, out_type=tf.int64), shape)
+        else:
+            ok = tf.constant(False)
+        checks.append((ok, _WEIGHTS_MISMATCH))
+        w = tf.boolean_mask(_flat_weights(w, ok, tf.size(
+            flat, out_type=tf.int64)), keep)
     layout = ("dense", keep, dense_shape)
     return _Ids(
         tf.boolean_mask(flat, keep), tf.boolean_mask(segs, keep), shape[0],
-        w, layout,
+        w, layout, _first_problem(checks),
     )
 
 
@@ -261,12 +406,37 @@ def _dedup(tables, ids_list):
     ]
 
 
-def _agree_counts(comm, tables, deduped, key, extra=None):
+def _check_problems(codes, names):
+    """Raises, on every rank, the first input problem of `codes`.
+
+    Args:
+        codes: int64 `[N, K]`: rank r's `_Ids.problem` for table k.
+        names: the K tables' names.
+
+    Returns:
+        The check (an op to make the exchange wait for).
+    """
+    k = len(names)
+    flat = tf.reshape(codes, [-1])
+    bad = tf.not_equal(flat, 0)
+    first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
+    code = tf.clip_by_value(tf.gather(flat, first), 0, len(_PROBLEMS) - 1)
+    message = tf.strings.join([
+        "sok_keras: table '", tf.gather(tf.constant(names), first % k),
+        "': rank ", tf.strings.as_string(first // k), ": ",
+        tf.gather(tf.constant(_PROBLEMS), code),
+        " (every rank raises this error; nothing was looked up)"])
+    return _assert(tf.logical_not(tf.reduce_any(bad)), message)
+
+
+def _agree_counts(comm, tables, deduped, key, extra=None, problems=None):
     """Stage 2: every rank's counts and errors, checked on every rank.
 
     One all-gather carries, per table, this rank's distinct-id count per
     owner and its first invalid id (`[counts, error]`, N + 2 entries), then
-    the int64 vector `extra` if given; `SokCheckExchange` then raises the
+    the int64 vector `extra` if given, then (if `problems` is given) each
+    table's input problem (`_Ids.problem`); a problem on any rank raises on
+    every rank (`_check_problems`), then `SokCheckExchange` raises the
     same error on every rank if any rank saw an invalid id.
 
     Args:
@@ -275,6 +445,8 @@ def _agree_counts(comm, tables, deduped, key, extra=None):
         deduped: `_dedup`'s results.
         key: the call site's key.
         extra: an optional int64 vector appended to this rank's header.
+        problems: optional, per table, this rank's `_Ids.problem` (an int64
+            scalar, or None for none).
 
     Returns:
         `(counts, gathered)`: `counts[t]` the checked int64 `[N, N]` matrix
@@ -286,8 +458,20 @@ def _agree_counts(comm, tables, deduped, key, extra=None):
     header = [tf.concat([d.counts, d.error], 0) for d in deduped]
     if extra is not None:
         header.append(extra)
+    if problems is not None and any(p is not None for p in problems):
+        header.append(tf.stack([
+            tf.constant(0, tf.int64) if p is None else tf.cast(p, tf.int64)
+            for p in problems]))
+    else:
+        problems = None
     gathered = comm.all_gather(tf.concat(header, 0)[None, :],
                                key=key + "/counts")
+    if problems is not None:
+        check = _check_problems(gathered[:, -len(tables):],
+                                [name for _, name in tables])
+        if check is not None:  # (eagerly it has raised or passed)
+            with tf.control_dependencies([check]):
+                gathered = tf.identity(gathered)
     width = n + 2
     counts = [
         lookup_ops.check_exchange(
@@ -393,7 +577,7 @@ def _rows_home(comm, tables, deduped, counts, key):
                       key)
 
 
-def _exchange_rows(comm, params, ids_list, names):
+def _exchange_rows(comm, params, ids_list, names, problems=None):
     """The rows of K >= 1 tables' ids from their owners, on several ranks:
     3 collectives forward (counts, ids, rows per dtype). Returns a list of
     `(rows, inverse)` as `gather_rows`."""
@@ -402,18 +586,21 @@ def _exchange_rows(comm, params, ids_list, names):
         _check_world(p, name)
     key = _call_site_key("+".join(_table_key(p) for p in params))
     deduped = _dedup(tables, ids_list)
-    counts, _ = _agree_counts(comm, tables, deduped, key)
+    counts, _ = _agree_counts(comm, tables, deduped, key, problems=problems)
     rows = _rows_home(comm, tables, deduped, counts, key)
     return [(r, d.inverse) for r, d in zip(rows, deduped)]
 
 
-def gather_rows(param, ids, table_name=None):
+def gather_rows(param, ids, table_name=None, problem=None):
     """Looks up the rows of `ids` in a sharded table, deduplicated.
 
     Args:
         param: a `sok_keras.Variable`.
         ids: int64 `[nnz]` global ids, padding removed.
         table_name: the name used in error messages.
+        problem: optional `_Ids.problem` of the input the ids come from,
+            raised on every rank (several ranks; one rank raised it in
+            `normalize_ids`).
 
     Returns:
         `(rows, inverse)`: `rows` `[U, dim]` holds each distinct id's row once
@@ -425,10 +612,11 @@ def gather_rows(param, ids, table_name=None):
     if param.num_ranks == 1:
         # One rank: the owner is here; dedup and gather, no exchange.
         return _owned_rows(param, ids, name)
-    return _exchange_rows(world.communicator(), [param], [ids], [name])[0]
+    return _exchange_rows(world.communicator(), [param], [ids], [name],
+                          [problem])[0]
 
 
-def gather_rows_fused(params, ids_list, names):
+def gather_rows_fused(params, ids_list, names, problems=None):
     """`gather_rows` for several tables with one exchange per direction.
 
     Every table's distinct ids travel in one all-to-all and its rows in one
@@ -439,17 +627,22 @@ def gather_rows_fused(params, ids_list, names):
         params: a list of `sok_keras.Variable`.
         ids_list: one int64 `[nnz_t]` id vector per table (padding removed).
         names: the name of each table for error messages.
+        problems: optional, each table's `_Ids.problem` (see
+            `gather_rows`).
 
     Returns:
         A list of `(rows, inverse)`, one per table, as `gather_rows`.
     """
     for name in names:
         _check_no_local_replicas(name)
+    problems = list(problems) if problems is not None else (
+        [None] * len(params))
     if world.num_ranks() == 1 or len(params) == 1:
-        return [gather_rows(p, ids, table_name=name)
-                for p, ids, name in zip(params, ids_list, names)]
+        return [gather_rows(p, ids, table_name=name, problem=pr)
+                for p, ids, name, pr in zip(params, ids_list, names,
+                                            problems)]
     return _exchange_rows(world.communicator(), list(params), list(ids_list),
-                          list(names))
+                          list(names), problems)
 
 
 def pool(rows, inverse, feat, combiner):
@@ -629,7 +822,8 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
                                   dtype=tf.int64)
     batch = tf.reshape(tf.cast(feat.batch_size, tf.int64), [1])
     (counts_matrix,), gathered = _agree_counts(
-        comm, tables, [dedup], key, extra=tf.concat([occ_counts, batch], 0))
+        comm, tables, [dedup], key, extra=tf.concat([occ_counts, batch], 0),
+        problems=[feat.problem])
     # Everything after the check waits for it: the occurrence counts are
     # checked against every rank's error too, and are what the owner
     # branch's exchanges are sized by (a real data dependency).
@@ -658,6 +852,13 @@ def _bags(ids, weights, name):
     padding kept; None for a SparseTensor (whose order is not promised)."""
     if isinstance(ids, tf.SparseTensor):
         return None
+    if weights is not None:
+        _check_weights_dtype(
+            weights.values if isinstance(
+                weights, (tf.SparseTensor, tf.RaggedTensor))
+            else tf.convert_to_tensor(weights), name)
+        if isinstance(weights, tf.SparseTensor):
+            return None  # normalize_ids checks and takes its values
     if isinstance(ids, tf.RaggedTensor):
         _check_int(ids.flat_values, name)
         if ids.ragged_rank != 1:
@@ -675,8 +876,24 @@ def _bags(ids, weights, name):
     splits = tf.range(shape[0] + 1, dtype=tf.int64) * width
     w = None
     if weights is not None:
-        w = tf.reshape(tf.convert_to_tensor(weights), [-1])
+        if isinstance(weights, tf.RaggedTensor):
+            return None  # normalize_ids raises the error
+        w = tf.convert_to_tensor(weights)
+        _check_static_weights_shape(w, ids, name)
+        w = tf.reshape(w, [-1])
     return tf.reshape(ids, [-1]), splits, w
+
+
+def _check_static_weights_shape(w, ids, name):
+    """One rank, in a graph: dense weights whose known shape differs from
+    the ids' (the gradient's trace would fail first, unnamed; eagerly
+    `SokPooledLookup` raises)."""
+    if not tf.executing_eagerly() and not w.shape.is_compatible_with(
+            ids.shape):
+        raise ValueError(
+            f"sok_keras: table '{name}': the weights must have one entry "
+            f"per id, with the ids' shape. Received: weights "
+            f"shape={w.shape}, ids shape={ids.shape}.")
 
 
 def _pooled_whole_table(param, ids, weights, combiner, name):
@@ -719,6 +936,11 @@ def _unpooled_whole_table(param, ids, weights, name):
     _check_int(ids, name)
     if ids.shape.rank not in (1, 2):
         return None  # normalize_ids raises the error
+    if weights is not None:
+        if isinstance(weights, (tf.SparseTensor, tf.RaggedTensor)):
+            return None  # normalize_ids raises the error
+        _check_weights_dtype(tf.convert_to_tensor(weights), name)
+        _check_static_weights_shape(tf.convert_to_tensor(weights), ids, name)
     flat = tf.reshape(ids, [-1])
     if flat.dtype not in (tf.int32, tf.int64):
         flat = tf.cast(flat, tf.int64)
@@ -820,7 +1042,8 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
         _check_world(param, name)
         return _pooled_exchange(world.communicator(), param, feat, combiner,
                                 name, pooling)
-    rows, inverse = gather_rows(param, feat.values, table_name=name)
+    rows, inverse = gather_rows(param, feat.values, table_name=name,
+                                problem=feat.problem)
     if combiner is None:
         return unpooled(rows, inverse, feat)
     return pool(rows, inverse, feat, combiner)
@@ -907,7 +1130,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         return [out] if is_list else out
     feats = [normalize_ids(ids, w, name)
              for ids, w, name in zip(sp_ids, sp_weights, names)]
-    gathered = gather_rows_fused(params, [f.values for f in feats], names)
+    gathered = gather_rows_fused(params, [f.values for f in feats], names,
+                                 [f.problem for f in feats])
     outputs = [pool(rows, inverse, f, c)
                for (rows, inverse), f, c in zip(gathered, feats, combiners)]
     return outputs if is_list else outputs[0]

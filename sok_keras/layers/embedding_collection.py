@@ -286,7 +286,8 @@ class EmbeddingCollection(keras.layers.Layer):
         params = [self.embeddings[self.features[f]["table"]] for f in names]
         rows = lookup.gather_rows_fused(
             params, [x.values for x in feats],
-            [f"{self.name}/{self.features[f]['table']}" for f in names])
+            [f"{self.name}/{self.features[f]['table']}" for f in names],
+            [x.problem for x in feats])
         out = {}
         for f, feat, (r, inverse) in zip(names, feats, rows):
             combiner = self.features[f]["combiner"]

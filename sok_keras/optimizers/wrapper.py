@@ -128,8 +128,23 @@ def _all_finite(grads):
 
 def _as_slices(g, v):
     if isinstance(g, tf.IndexedSlices):
+        values, indices = g.values.shape, g.indices.shape
+        if values.rank is not None and (
+                not values[1:].is_compatible_with(v.shape[1:])
+                or not values[:1].is_compatible_with(indices[:1])):
+            raise ValueError(
+                f"OptimizerWrapper: the gradient of table '{v.path}' "
+                "(IndexedSlices) must have one row of the table's width "
+                f"{tuple(v.shape[1:])} per index. Received: values "
+                f"shape={tuple(values)}, indices shape={tuple(indices)}.")
         return g
     g = tf.convert_to_tensor(g)
+    if not g.shape.is_compatible_with(v.shape):
+        # (applied as rows 0..n-1, it would change the wrong rows silently)
+        raise ValueError(
+            f"OptimizerWrapper: the dense gradient of table '{v.path}' must "
+            f"have the shape of its shard, {tuple(v.shape)}. Received: "
+            f"shape={tuple(g.shape)}.")
     rows = tf.shape(g, out_type=tf.int64)[0]
     return tf.IndexedSlices(g, tf.range(rows), tf.shape(g, out_type=tf.int64))
 
