@@ -404,6 +404,28 @@ class EmbeddingCollection(keras.layers.Layer):
                 f"{self._where()}: `{what}` needs a built layer (call it, or "
                 "`build()` it, first).")
 
+    def compute_mask(self, inputs, mask=None):
+        """Like the single-table layers: each unpooled feature with dense
+        2-D ids gets `ids != -1`, so that mask-aware layers skip padding;
+        pooled features (all of keras-rs' form), and ragged or sparse ids,
+        get None. Returns a dict by feature, or None when nothing is
+        masked."""
+        del mask
+        if self._keras_rs is not None or all(
+                spec["combiner"] is not None
+                for spec in self.features.values()):
+            return None
+
+        def one(f):
+            ids = inputs.get(f) if isinstance(inputs, dict) else None
+            if (ids is None or self.features[f]["combiner"] is not None
+                    or isinstance(ids, (tf.RaggedTensor, tf.SparseTensor))
+                    or len(getattr(ids, "shape", ())) != 2):
+                return None
+            return keras.ops.not_equal(ids, -1)
+
+        return {f: one(f) for f in self.features}
+
     def compute_output_shape(self, inputs_shape, weights_shape=None):
         if self._keras_rs is None:
             shapes = inputs_shape

@@ -53,6 +53,32 @@ def test_outputs_equal_the_tables():
     assert layer.embeddings["item"].numpy().std() > 0.1  # its initializer
 
 
+def test_unpooled_features_mask_padding_for_mask_aware_layers():
+    """An unpooled feature's output carries `ids != -1` as its Keras mask
+    (GlobalAveragePooling1D averages only real ids); pooled ones none."""
+    layer = sok.layers.EmbeddingCollection(TABLES, FEATURES)
+    inputs = {"user_id": keras.Input((), dtype="int64", name="user_id"),
+              "clicked": keras.Input((None,), dtype="int64", name="clicked"),
+              "history": keras.Input((3,), dtype="int64", name="history")}
+    out = layer(inputs)
+    avg = keras.layers.GlobalAveragePooling1D()(out["history"])
+    model = keras.Model(inputs, [avg, out["user_id"]])
+    item = layer.embeddings["item"].numpy()
+    hist = np.array([[1, 2, -1], [3, -1, -1]])
+    x = {"user_id": np.array([0, 1]), "clicked": np.array([[4, 5], [6, 7]]),
+         "history": hist}
+    got, _ = model.predict(x, verbose=0)
+    np.testing.assert_allclose(got, [(item[1] + item[2]) / 2, item[3]],
+                               rtol=1e-6)
+    masks = layer.compute_mask({k: tf.constant(v) for k, v in x.items()})
+    assert masks["user_id"] is None and masks["clicked"] is None
+    assert masks["history"].numpy().tolist() == [[True, True, False],
+                                                 [True, False, False]]
+    pooled_only = sok.layers.EmbeddingCollection(
+        TABLES, {"clicked": {"table": "item", "combiner": "mean"}})
+    assert pooled_only.compute_mask({"clicked": tf.constant(hist)}) is None
+
+
 def test_gradients_reach_each_table_once_per_distinct_id():
     layer = sok.layers.EmbeddingCollection(TABLES, FEATURES)
     x = {"user_id": np.array([1, 1, 2]),
