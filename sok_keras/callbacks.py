@@ -1,5 +1,21 @@
-"""Keras callbacks for multi-rank training."""
+"""Keras callbacks for multi-rank training.
 
+Global logs. Each rank computes its loss and metrics on its own slice of
+the global batch; anything that decides from them (`EarlyStopping`,
+`ReduceLROnPlateau`, `ModelCheckpoint(save_best_only=True)`,
+`TerminateOnNaN`, a progress bar) must see the global values, or the ranks
+decide differently (one stops, the other waits in its next collective). With
+more than one rank, `fit` and `evaluate` of a model with sok tables
+therefore run with a `GlobalMetrics` callback first in their callback list
+(inserted by the loop hooks of `sok_keras.optimizers.auto_wrap`), and
+`evaluate` returns the global values. Turn this off with
+`sok.init(global_metrics=False)`, `sok.callbacks.set_global_metrics(False)`
+or `SOK_GLOBAL_METRICS=0` (then logs and `evaluate` are rank-local, as in
+plain Keras; a `GlobalMetrics` you pass yourself still works).
+"""
+
+import functools
+import inspect
 import os
 import re
 
@@ -9,65 +25,369 @@ import tensorflow as tf
 
 from sok_keras import world
 
+ENV_VAR = "SOK_GLOBAL_METRICS"
+_SETTING = None  # set_global_metrics(); None: the environment decides
+_ON = ("", "1", "true", "on", "yes")
+_OFF = ("0", "false", "off", "no")
+# How tf.distribute combines a metric variable over replicas; metrics
+# declare it (Keras' own metrics: "sum").
+_AGGREGATIONS = ("sum", "mean", "only_first_replica")
 
-def average_logs(logs, key):
-    """Averages the numeric entries of a Keras `logs` dict across ranks.
 
-    Every rank must call it with the same keys. Returns a new dict.
+def set_global_metrics(enabled):
+    """Turns the default global logs of multi-rank `fit`/`evaluate` on or
+    off for this process.
+
+    Args:
+        enabled: True (the default behaviour), False (rank-local logs and
+            `evaluate` results, as in plain Keras), or None (back to the
+            `SOK_GLOBAL_METRICS` environment variable, default on).
+
+    Example:
+
+    >>> sok.callbacks.set_global_metrics(False)
     """
-    if not logs or world.num_ranks() == 1:
-        return logs
-    names = sorted(k for k, v in logs.items() if _is_number(v))
-    if not names:
-        return logs
-    values = tf.constant([float(logs[k]) for k in names], tf.float64)
-    mean = world.communicator().all_reduce(
-        values, key=f"{key}/{len(names)}", op="mean").numpy()
-    out = dict(logs)
-    out.update({k: float(v) for k, v in zip(names, mean)})
-    return out
+    global _SETTING
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            "sok_keras: `global_metrics` must be True, False or None. "
+            f"Received: global_metrics={enabled!r}.")
+    _SETTING = enabled
+
+
+def global_metrics_enabled():
+    """Whether multi-rank `fit` / `evaluate` insert `GlobalMetrics` and
+    return global values (`set_global_metrics`, else `SOK_GLOBAL_METRICS`,
+    else True)."""
+    if _SETTING is not None:
+        return _SETTING
+    raw = os.environ.get(ENV_VAR, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(
+        f"sok_keras: {ENV_VAR} must be 1/true/on or 0/false/off. "
+        f"Received: {ENV_VAR}={raw!r}.")
 
 
 def _is_number(v):
+    if isinstance(v, bool):
+        return False
     if isinstance(v, (int, float, np.number)):
         return True
     return hasattr(v, "shape") and tuple(v.shape) == ()
 
 
+def _pythonify(logs):
+    """Keras' `pythonify_logs`: nested dicts flattened, scalars as floats."""
+    out = {}
+    for k, v in sorted((logs or {}).items()):
+        if isinstance(v, dict):
+            out.update(_pythonify(v))
+            continue
+        if hasattr(v, "numpy"):
+            v = v.numpy()
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            pass
+        out[k] = v
+    return out
+
+
+def _same(a, b):
+    """Equality with NaN equal to NaN (the flags must agree on every rank)."""
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b),
+                                   equal_nan=True))
+    except TypeError:  # non-numeric values
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 - arbitrary objects in logs
+            return False
+
+
+def _metric_variables(model):
+    """The state variables of the model's metrics, or None if one of them
+    cannot be combined across ranks (an aggregation other than sum, mean
+    or only_first_replica, or a non-numeric dtype)."""
+    out, seen = [], set()
+    for metric in getattr(model, "metrics", None) or ():
+        for v in metric.variables:
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            aggregation = getattr(v, "aggregation", "sum")
+            dtype = keras.backend.standardize_dtype(v.dtype)
+            if aggregation not in _AGGREGATIONS or not (
+                    "float" in dtype or "int" in dtype):
+                return None
+            out.append((v, aggregation))
+    return out
+
+
+def sample_count(model):
+    """The samples this rank's loss tracker has seen since it was reset
+    (0.0 if the model has none)."""
+    for metric in getattr(model, "metrics", None) or ():
+        count = getattr(metric, "count", None)
+        if metric.name == "loss" and count is not None:
+            return float(keras.ops.convert_to_numpy(count))
+    return 0.0
+
+
+def _all_reduce_sum(parts, key):
+    flat = np.concatenate(
+        [np.asarray(p, np.float64).ravel() for p in parts]
+        or [np.zeros([0])])
+    if flat.size == 0:
+        return flat
+    out = world.control_communicator().all_reduce(
+        tf.constant(flat, tf.float64), key=f"{key}/{flat.size}", op="sum")
+    return out.numpy()
+
+
+def global_logs(model, logs, key, weight=None):
+    """The global (all-rank) version of this rank's Keras `logs`.
+
+    Every rank must call it at the same point with the same keys (one
+    collective). Two ways, in this order:
+
+    - when `logs` are the model's metric results (Keras' own test: the same
+      keys as `model.get_metrics_result()`), the metrics' state variables
+      are summed over the ranks (as `tf.distribute` combines them: by each
+      variable's `aggregation`) and the results computed from the sum. This
+      is exact for any batch sizes and for metrics that are not means (AUC,
+      R2Score): the value a single process would compute on all ranks'
+      samples. This rank's metric state is left as it is;
+    - any other numeric scalar entry is averaged over the ranks, weighted by
+      `weight` (default: the number of samples this rank's loss tracker has
+      seen), which is exact for means of per-sample values at any batch
+      sizes; with no weights on any rank, a plain mean.
+
+    Non-numeric entries, and array-valued ones that are not metric results,
+    stay as they are.
+
+    Args:
+        model: the Keras model whose logs these are (may be None).
+        logs: a dict of logs.
+        key: names the call site (the same on every rank).
+        weight: this rank's weight for the averaged entries.
+
+    Returns:
+        A new dict (`logs` itself with one rank).
+    """
+    if not logs or world.num_ranks() == 1:
+        return logs
+    n, rank = world.num_ranks(), world.rank()
+    variables = _metric_variables(model) if model is not None else None
+    from_state = bool(variables) and set(
+        _pythonify(model.get_metrics_result())) == set(logs)
+    parts = []
+    if from_state:
+        for v, aggregation in variables:
+            a = np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+            if aggregation == "mean":
+                a = a / n
+            elif aggregation == "only_first_replica" and rank != 0:
+                a = np.zeros_like(a)
+            parts.append(a)
+    scalars = sorted(k for k, v in logs.items() if _is_number(v))
+    w = sample_count(model) if weight is None else float(weight)
+    values = np.array([float(logs[k]) for k in scalars], np.float64)
+    parts += [values * w, [w], values]
+    total = _all_reduce_sum(parts, key)
+    m = len(scalars)
+    tail = total[total.size - (2 * m + 1):]
+    averaged = tail[:m] / tail[m] if tail[m] > 0 else tail[m + 1:] / n
+    out = dict(logs)
+    out.update({k: float(a) for k, a in zip(scalars, averaged)})
+    if from_state:
+        mapping, offset = [], 0
+        for v, _ in variables:
+            size = int(np.prod(v.shape, dtype=np.int64))
+            value = total[offset:offset + size].reshape(tuple(v.shape))
+            offset += size
+            dtype = keras.backend.standardize_dtype(v.dtype)
+            if "int" in dtype:
+                value = np.rint(value)
+            mapping.append((v, tf.constant(value.astype(dtype))))
+        with keras.StatelessScope(state_mapping=mapping):
+            results = _pythonify(model.get_metrics_result())
+        out.update({k: results[k] for k in logs})
+    return out
+
+
+def average_logs(logs, key):
+    """Averages the numeric entries of a Keras `logs` dict across ranks
+    (a plain mean: every rank weighs the same).
+
+    Every rank must call it with the same keys. Returns a new dict.
+    """
+    return global_logs(None, logs, key, weight=1.0)
+
+
 class GlobalMetrics(keras.callbacks.Callback):
-    """Shows global (rank-averaged) loss and metrics in Keras' logs.
+    """Makes Keras' logs global: the values of all ranks together.
 
     Each rank computes its loss and metrics on its own slice of the global
-    batch. This callback replaces them, in place, by their mean over ranks
-    after every batch and epoch, so the progress bar of rank 0, `History`
-    and later callbacks report the global values. Losses and mean-type
-    metrics averaged this way are exact when every rank has the same batch
-    size; metrics that are not means of per-example values (AUC, say) are
-    averaged per rank, an approximation.
+    batch. After every batch, evaluation and epoch, this callback replaces
+    them in place by their global values (`global_logs`: the metrics'
+    states summed over ranks, so means are weighted by sample count and
+    metrics like AUC are exact), so the progress bar, `History` and every
+    later callback (`EarlyStopping`, `ReduceLROnPlateau`,
+    `ModelCheckpoint`, `TerminateOnNaN`) see the same values, and decide
+    the same, on every rank.
 
-    Put it in `callbacks=[...]` on every rank; it does nothing with one rank.
+    With more than one rank, `fit` and `evaluate` of a model with sok
+    tables put one first in their callback list by themselves (a
+    `GlobalMetrics` you pass is moved first instead), and `evaluate`
+    returns its global values; `sok.init(global_metrics=False)` or
+    `SOK_GLOBAL_METRICS=0` turns that off. It does nothing with one rank.
+
+    At the end of an epoch, the training entries take the global values of
+    the epoch's last batch and the `val_` entries those of the validation
+    run (Keras resets the metrics' state for validation); other numeric
+    entries are averaged, weighted by each rank's sample count.
 
     Example:
 
-    >>> model.fit(ds, epochs=2, callbacks=[sok.callbacks.GlobalMetrics()],
-    ...           verbose=1 if sok.rank() == 0 else 0)
+    >>> model.fit(ds, epochs=2, verbose=1 if sok.rank() == 0 else 0)
+    >>> # or, explicitly (with sok.init(global_metrics=False)):
+    >>> model.fit(ds, epochs=2, callbacks=[sok.callbacks.GlobalMetrics()])
     """
 
-    def _average(self, logs, key):
-        if logs:
-            logs.update(average_logs(logs, key))
+    def __init__(self):
+        super().__init__()
+        self._train, self._train_count = {}, 0.0
+        self._test, self._test_count = {}, 0.0
+        self.last_test_logs = None
+
+    def _globalize(self, logs, key):
+        """Updates `logs` in place; returns `{k: (local, global)}`."""
+        if not logs or world.num_ranks() == 1:
+            return {}
+        local = dict(logs)
+        logs.update(global_logs(self.model, logs, key))
+        return {k: (local[k], logs[k]) for k in logs}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._train, self._train_count = {}, 0.0
+        self._test, self._test_count = {}, 0.0
 
     def on_train_batch_end(self, batch, logs=None):
-        self._average(logs, "global_metrics/train_batch")
+        count = sample_count(self.model)
+        pairs = self._globalize(logs, "global_metrics/train_batch")
+        if pairs:
+            self._train, self._train_count = pairs, count
+
+    def on_test_begin(self, logs=None):
+        self.last_test_logs = None
 
     def on_test_batch_end(self, batch, logs=None):
-        self._average(logs, "global_metrics/test_batch")
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._average(logs, "global_metrics/epoch")
+        self._globalize(logs, "global_metrics/test_batch")
 
     def on_test_end(self, logs=None):
-        self._average(logs, "global_metrics/test_end")
+        count = sample_count(self.model)
+        pairs = self._globalize(logs, "global_metrics/test_end")
+        if pairs:
+            self._test, self._test_count = pairs, count
+        self.last_test_logs = dict(logs) if logs is not None else None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs or world.num_ranks() == 1:
+            return
+        known, weights = {}, {}
+        for k, pair in self._train.items():
+            known[k], weights[k] = pair, self._train_count
+        for k, pair in self._test.items():
+            known[f"val_{k}"], weights[f"val_{k}"] = pair, self._test_count
+        keys = sorted(logs)
+        # 1 where this rank's entry is the one seen at the last batch /
+        # validation (local or already global): it takes that global
+        # value if every rank says so.
+        flags = [float(k in known and (_same(logs[k], known[k][0]) or
+                                       _same(logs[k], known[k][1])))
+                 for k in keys]
+        scalars = [k for k in keys if _is_number(logs[k])]
+        w = np.array([weights.get(k, 1.0) for k in scalars], np.float64)
+        values = np.array([float(logs[k]) for k in scalars], np.float64)
+        total = _all_reduce_sum([flags, values * w, w, values],
+                                "global_metrics/epoch")
+        n, m = world.num_ranks(), len(scalars)
+        agreed = total[:len(keys)]
+        wv = total[len(keys):len(keys) + m]
+        ws = total[len(keys) + m:len(keys) + 2 * m]
+        plain = total[len(keys) + 2 * m:] / n
+        for i, k in enumerate(scalars):
+            logs[k] = float(wv[i] / ws[i] if ws[i] > 0 else plain[i])
+        for i, k in enumerate(keys):
+            if agreed[i] == n:
+                logs[k] = known[k][1]
+
+
+def _make_checkpoint_folders(callbacks):
+    """Creates the folders of `ModelCheckpoint` callbacks now, on every
+    rank: Keras' `ModelCheckpoint` checks that its folder exists and then
+    creates it without `exist_ok`, so ranks saving together race (one fails
+    with FileExistsError)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for cb in keras.tree.flatten(callbacks) if callbacks else ():
+        if isinstance(cb, keras.callbacks.ModelCheckpoint):
+            folder = os.path.dirname(os.fspath(cb.filepath))
+            if folder and "{" not in folder and "://" not in folder:
+                os.makedirs(folder, exist_ok=True)
+
+
+def with_global_metrics(kind, original, model, args, kwargs):
+    """How the multi-rank loop hooks call Keras' `fit` / `evaluate`.
+
+    Returns `(call, args, kwargs)`: with global metrics on, `callbacks`
+    gets a `GlobalMetrics` first (a given one is moved first); `evaluate`
+    returns global values (in the form asked for: a dict with
+    `return_dict=True`, else Keras' list or scalar). `predict` and a
+    `callbacks` that is a `keras.callbacks.CallbackList` are left as they
+    are (validation inside `fit` passes the fit's list, whose
+    `GlobalMetrics` already computed the global values). The folders of
+    `ModelCheckpoint` callbacks are created first, on every rank.
+    """
+    if kind not in ("fit", "evaluate"):
+        return original, args, kwargs
+    enabled = global_metrics_enabled()
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    callbacks = bound.arguments.get("callbacks")
+    _make_checkpoint_folders(callbacks)
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        found = [c for c in callbacks.callbacks
+                 if isinstance(c, GlobalMetrics)]
+    else:
+        callbacks = keras.tree.flatten(callbacks) if callbacks else []
+        found = [c for c in callbacks if isinstance(c, GlobalMetrics)]
+        if enabled:
+            rest = [c for c in callbacks if not isinstance(c, GlobalMetrics)]
+            found = found or [GlobalMetrics()]
+            bound.arguments["callbacks"] = found + rest
+    if kind == "fit" or not (enabled or found):
+        return original, bound.args[1:], bound.kwargs
+    gm = found[0] if found else None
+    want_dict = bool(bound.arguments.get("return_dict", False))
+    bound.arguments["return_dict"] = True
+
+    @functools.wraps(original)
+    def evaluate(model, *a, **k):
+        if gm is not None:
+            gm.last_test_logs = None
+        logs = original(model, *a, **k)
+        if gm is not None and gm.last_test_logs is not None:
+            logs = gm.last_test_logs
+        else:
+            logs = global_logs(model, logs, "global_metrics/evaluate")
+        return logs if want_dict else model._flatten_metrics_in_order(logs)
+
+    return evaluate, bound.args[1:], bound.kwargs
 
 
 _CKPT_RE = re.compile(r"^ckpt-(\d{10})$")

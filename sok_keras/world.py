@@ -568,7 +568,8 @@ def _start_host_communicator(world):
             world.rank, world.num_ranks, timeout=world.timeout)
 
 
-def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
+def init(timeout=None, heartbeat_timeout=None, backend=None,
+         global_metrics=None, **kwargs):
     """Initializes sok_keras for this process (idempotent).
 
     Call it once at the start of the program, before TensorFlow runs any
@@ -584,6 +585,11 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
         backend: `"auto"` (default, or `SOK_BACKEND`), `"nccl"` or
             `"collective"`: how ranks communicate (see the module
             docstring). Only used by the first call.
+        global_metrics: with several ranks, `fit` and `evaluate` show and
+            return global logs (`sok_keras.callbacks.GlobalMetrics`, first
+            among the callbacks) so that every rank decides alike. False
+            turns that off (rank-local logs); None (default) leaves it to
+            `SOK_GLOBAL_METRICS` (default on).
         **kwargs: accepted for compatibility with SparseOperationKit's
             `sok.init`: `comm_tool` (only `None`/`"tf"`; there is no
             Horovod) and `use_legacy_optimizer` (ignored).
@@ -603,6 +609,10 @@ def init(timeout=None, heartbeat_timeout=None, backend=None, **kwargs):
     (0, 1)
     """
     global _WORLD
+    if global_metrics is not None:
+        from sok_keras import callbacks
+
+        callbacks.set_global_metrics(global_metrics)
     for name, value in kwargs.items():
         if name == "comm_tool":
             if value not in (None, "tf", "tensorflow"):

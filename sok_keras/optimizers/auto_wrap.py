@@ -15,7 +15,21 @@ also routes `fit`, `evaluate` and `predict` through
 `sok_keras.divergence.run_loop` (step tracking, fast failure when the ranks
 diverge) and, for models with sok tables, makes the first traced step
 compare the tables and the lookups across ranks
-(`sok_keras.consistency`).
+(`sok_keras.consistency`); `fit` and `evaluate` get a
+`sok_keras.callbacks.GlobalMetrics` first among their callbacks, and
+`evaluate` returns global values (`sok_keras.callbacks.with_global_metrics`;
+off with `sok.init(global_metrics=False)` or `SOK_GLOBAL_METRICS=0`), so
+that every callback decides from the same, global, logs on every rank.
+
+Loss scaling. Under `mixed_float16` Keras wraps the compiled optimizer in
+`keras.optimizers.LossScaleOptimizer` itself: a model with sok tables ends
+up with `LossScaleOptimizer(OptimizerWrapper(inner))` (a given
+`LossScaleOptimizer` around a plain optimizer is rebuilt that way).
+`install` makes the finite check of a `LossScaleOptimizer` around a
+sok-aware optimizer global when there are several ranks: a non-finite
+gradient on any rank makes every rank skip the step and halve its scale
+alike (a per-rank check would have one rank apply the step, and wait in
+its gradient all-reduce, while another skips it).
 """
 
 import functools
@@ -24,6 +38,7 @@ import logging
 import keras
 
 _ORIGINAL_COMPILE = None
+_ORIGINAL_CHECK_FINITE = None
 _ORIGINAL_LOOPS = {}
 _STEPS = {"fit": (("train_step", "train_function"),),
           "evaluate": (("test_step", "test_function"),),
@@ -66,6 +81,13 @@ def wrap_for(model, optimizer):
     opt = keras.optimizers.get(optimizer)
     if is_sok_aware(opt):
         return opt
+    if isinstance(opt, keras.optimizers.LossScaleOptimizer) and not opt.built:
+        # LossScaleOptimizer(plain) -> LossScaleOptimizer(OptimizerWrapper):
+        # the loss scaling stays outermost, as Keras puts it.
+        return keras.optimizers.LossScaleOptimizer(
+            wrap_for(model, opt.inner_optimizer),
+            initial_scale=opt.initial_scale,
+            dynamic_growth_steps=opt.dynamic_growth_steps, name=opt.name)
     from sok_keras.optimizers.wrapper import OptimizerWrapper
 
     _LOG.warning(
@@ -76,9 +98,33 @@ def wrap_for(model, optimizer):
     return OptimizerWrapper(opt)
 
 
+def _install_global_finite_check():
+    """Makes `LossScaleOptimizer.check_finite` global for sok-aware inner
+    optimizers on several ranks (idempotent)."""
+    global _ORIGINAL_CHECK_FINITE
+    if _ORIGINAL_CHECK_FINITE is not None:
+        return
+    cls = keras.optimizers.LossScaleOptimizer
+    _ORIGINAL_CHECK_FINITE = cls.check_finite
+
+    @functools.wraps(_ORIGINAL_CHECK_FINITE)
+    def check_finite(self, grads):
+        from sok_keras import world
+
+        if world.num_ranks() > 1 and is_sok_aware(self.inner_optimizer):
+            from sok_keras.optimizers.wrapper import _all_finite
+
+            return _all_finite(grads, key="sok_optimizer/loss_scale_finite")
+        return _ORIGINAL_CHECK_FINITE(self, grads)
+
+    cls.check_finite = check_finite
+
+
 def install():
-    """Routes `keras.Model.compile` through `wrap_for` (idempotent)."""
+    """Routes `keras.Model.compile` through `wrap_for` and makes loss
+    scaling's finite check global (idempotent)."""
     global _ORIGINAL_COMPILE
+    _install_global_finite_check()
     if _ORIGINAL_COMPILE is not None:
         return
     # Patch the class that defines compile (Keras' Trainer), not
@@ -120,6 +166,7 @@ def _check_first_steps(model, kind):
 def install_loop_hooks():
     """Routes `fit` / `evaluate` / `predict` of Keras' trainer through
     `sok_keras.divergence.run_loop` (idempotent; several ranks only)."""
+    from sok_keras import callbacks
     from sok_keras import divergence
 
     for kind in ("fit", "evaluate", "predict"):
@@ -135,7 +182,9 @@ def install_loop_hooks():
                     getattr(self, "optimizer", None))):
                 return _original(self, *args, **kwargs)
             _check_first_steps(self, _kind)
-            return divergence.run_loop(_kind, _original, self, args, kwargs)
+            call, args, kwargs = callbacks.with_global_metrics(
+                _kind, _original, self, args, kwargs)
+            return divergence.run_loop(_kind, call, self, args, kwargs)
 
         functools.update_wrapper(hook, original)
         setattr(owner, kind, hook)

@@ -107,21 +107,22 @@ def reduce_across_ranks(grads, variables):
     return out
 
 
-def _all_finite(grads):
+def _all_finite(grads, key="sok_optimizer/finite"):
     """Whether every gradient of every rank is finite (a bool tensor, the
-    same on every rank)."""
+    same on every rank; `key` names the collective)."""
     flags = []
     for g in grads:
         if g is None:
             continue
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        flags.append(tf.reduce_all(tf.math.is_finite(
-            tf.cast(tf.convert_to_tensor(values), tf.float32))))
+        values = tf.convert_to_tensor(
+            g.values if isinstance(g, tf.IndexedSlices) else g)
+        if values.dtype.is_floating:  # (integers are always finite)
+            flags.append(tf.reduce_all(tf.math.is_finite(values)))
     finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
     if world.num_ranks() > 1:
         votes = world.communicator().all_reduce(
             tf.reshape(tf.cast(finite, tf.int32), [1]),
-            key="sok_optimizer/finite", op="min")
+            key=key, op="min")
         finite = tf.equal(votes[0], 1)
     return finite
 

@@ -67,3 +67,73 @@ def test_keras_still_compiles_loaded_models_after_the_hook(tmp_path):
     loaded = keras.models.load_model(path)
     assert loaded.compiled and loaded.loss == "mse"
     assert isinstance(loaded.optimizer, sok.optimizers.OptimizerWrapper)
+
+
+def _mixed_model():
+    ids = keras.Input((3,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(50, 4, combiner="sum")
+    hidden = keras.layers.Dense(4, activation="relu")(emb(ids))
+    return keras.Model(ids, keras.layers.Dense(1, dtype="float32")(hidden))
+
+
+def _nesting(opt):
+    out = []
+    while opt is not None:
+        out.append(type(opt).__name__)
+        opt = getattr(opt, "inner_optimizer", None)
+    return out
+
+
+def test_mixed_float16_scales_the_loss_outside_the_wrapper():
+    """Keras wraps the compiled optimizer in LossScaleOptimizer: it must
+    sit outside OptimizerWrapper (whose sparse table updates then get the
+    unscaled gradients), also when the user passes a LossScaleOptimizer
+    around a plain optimizer. An overflowing step is skipped."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _mixed_model()
+        model.compile(optimizer="adam", loss="mse")
+        assert _nesting(model.optimizer) == [
+            "LossScaleOptimizer", "OptimizerWrapper", "Adam"]
+        model = _mixed_model()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.1), initial_scale=64.0,
+            dynamic_growth_steps=7, name="lso"), loss="mse")
+        opt = model.optimizer
+        assert _nesting(opt) == ["LossScaleOptimizer", "OptimizerWrapper",
+                                 "SGD"]
+        assert (opt.initial_scale, opt.dynamic_growth_steps, opt.name) == (
+            64.0, 7, "lso")
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 50, (8, 3))
+        y = np.full((8, 1), 0.1, np.float32)
+        model.train_on_batch(x, y)
+        assert int(opt.iterations.numpy()) == 1
+        table = model.layers[1].embeddings.numpy().copy()
+        huge = np.ones(8, np.float32)
+        huge[0] = 1e30  # the scaled gradients overflow float16
+        model.train_on_batch(x, y, sample_weight=huge)
+        assert int(opt.iterations.numpy()) == 1  # skipped
+        assert float(opt.dynamic_scale.numpy()) == 32.0
+        np.testing.assert_array_equal(table,
+                                      model.layers[1].embeddings.numpy())
+        model.train_on_batch(x, y)
+        assert int(opt.iterations.numpy()) == 2
+        assert not np.array_equal(table, model.layers[1].embeddings.numpy())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_loss_scale_finite_check_of_plain_optimizers_is_keras_own():
+    import tensorflow as tf
+
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    assert bool(opt.check_finite([tf.ones([2]), None]))
+    assert not bool(opt.check_finite([tf.constant([1.0, np.inf])]))
+    wrapped = keras.optimizers.LossScaleOptimizer(
+        sok.optimizers.OptimizerWrapper(keras.optimizers.SGD()))
+    slices = tf.IndexedSlices(tf.constant([[np.nan]]), tf.constant([0]),
+                              tf.constant([3, 1]))
+    assert not bool(wrapped.check_finite([slices]))
+    assert bool(wrapped.check_finite([tf.IndexedSlices(
+        tf.constant([[1.0]]), tf.constant([0]), tf.constant([3, 1]))]))

@@ -1,0 +1,203 @@
+"""sok_keras.callbacks: global logs (GlobalMetrics, global_logs) and the
+loop plumbing of multi-rank fit / evaluate, in one process. The 2-rank
+behaviour is tested in tests/test_decisions_multirank.py."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import sok_keras as sok
+from sok_keras import callbacks as cb
+
+
+@pytest.fixture(autouse=True)
+def _default_setting():
+    cb.set_global_metrics(None)
+    yield
+    cb.set_global_metrics(None)
+
+
+def test_setting_env_and_errors(monkeypatch):
+    monkeypatch.delenv(cb.ENV_VAR, raising=False)
+    assert cb.global_metrics_enabled()
+    for raw, want in (("0", False), ("off", False), ("False", False),
+                      ("1", True), (" yes ", True)):
+        monkeypatch.setenv(cb.ENV_VAR, raw)
+        assert cb.global_metrics_enabled() is want
+    monkeypatch.setenv(cb.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="SOK_GLOBAL_METRICS.*'sometimes'"):
+        cb.global_metrics_enabled()
+    cb.set_global_metrics(True)  # an explicit setting wins
+    assert cb.global_metrics_enabled()
+    cb.set_global_metrics(False)
+    monkeypatch.setenv(cb.ENV_VAR, "1")
+    assert not cb.global_metrics_enabled()
+    with pytest.raises(TypeError, match="global_metrics='yes'"):
+        cb.set_global_metrics("yes")
+    with pytest.raises(TypeError, match="global_metrics=1"):
+        sok.init(global_metrics=1)
+    assert not cb.global_metrics_enabled()  # unchanged by the bad call
+    sok.init(global_metrics=True)
+    assert cb.global_metrics_enabled()
+
+
+def _model():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse",
+                  metrics=["mae", keras.metrics.R2Score(name="r2")])
+    return model
+
+
+def _data(n, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, 3)).astype(np.float32),
+            rng.normal(size=(n, 1)).astype(np.float32))
+
+
+def _callbacks_of(call, args, kwargs, model, kind="fit"):
+    import inspect
+
+    original = getattr(keras.Model, kind)
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    return bound.arguments.get("callbacks")
+
+
+def test_global_metrics_goes_first():
+    model = _model()
+    stop = keras.callbacks.EarlyStopping()
+    call, a, k = cb.with_global_metrics(
+        "fit", keras.Model.fit, model, (), {"callbacks": [stop]})
+    assert call is keras.Model.fit
+    got = _callbacks_of(call, a, k, model)
+    assert isinstance(got[0], cb.GlobalMetrics) and got[1:] == [stop]
+    # Positional callbacks (fit's 6th argument), and a given GlobalMetrics
+    # is moved first rather than doubled.
+    mine = cb.GlobalMetrics()
+    call, a, k = cb.with_global_metrics(
+        "fit", keras.Model.fit, model, (None, None, None, 1, 0, [stop, mine]),
+        {})
+    assert _callbacks_of(call, a, k, model) == [mine, stop]
+    # Off: the list is left as it is.
+    cb.set_global_metrics(False)
+    call, a, k = cb.with_global_metrics(
+        "fit", keras.Model.fit, model, (), {"callbacks": [stop]})
+    assert _callbacks_of(call, a, k, model) == [stop]
+    # predict and CallbackLists are not touched.
+    cb.set_global_metrics(True)
+    listed = keras.callbacks.CallbackList([stop])
+    call, a, k = cb.with_global_metrics(
+        "fit", keras.Model.fit, model, (), {"callbacks": listed})
+    assert _callbacks_of(call, a, k, model) is listed
+    assert cb.with_global_metrics(
+        "predict", keras.Model.predict, model, (1,), {"callbacks": [stop]}
+    ) == (keras.Model.predict, (1,), {"callbacks": [stop]})
+
+
+def test_checkpoint_folders_are_made_first(tmp_path):
+    model = _model()
+    folder = tmp_path / "a" / "b"
+    ckpt = keras.callbacks.ModelCheckpoint(str(folder / "m.keras"))
+    cb.with_global_metrics("fit", keras.Model.fit, model, (),
+                           {"callbacks": [ckpt]})
+    assert folder.is_dir()
+    # Once more (the folder exists: no error), and a templated folder is
+    # left to Keras.
+    cb.with_global_metrics("fit", keras.Model.fit, model, (),
+                           {"callbacks": [ckpt, keras.callbacks.ModelCheckpoint(
+                               str(tmp_path / "{epoch}" / "m.keras"))]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_evaluate_keeps_keras_return_forms_on_one_rank():
+    model = _model()
+    x, y = _data(20, 0)
+    want_list = model.evaluate(x, y, batch_size=5, verbose=0)
+    want_dict = model.evaluate(x, y, batch_size=5, verbose=0,
+                               return_dict=True)
+    for kwargs, want in (({}, want_list), ({"return_dict": True}, want_dict)):
+        call, a, k = cb.with_global_metrics(
+            "evaluate", keras.Model.evaluate, model, (x, y),
+            dict(kwargs, batch_size=5, verbose=0))
+        assert call(model, *a, **k) == want
+
+
+class _Peer:
+    """A stand-in for rank 1: adds the vector it recorded for its own
+    logs to ours (rank 0), as a sum all-reduce over 2 ranks does."""
+
+    def __init__(self):
+        self.sent = {}
+        self.peer = None
+
+    def all_reduce(self, x, key, op="sum"):
+        assert op == "sum"
+        self.sent[key] = x.numpy()
+        if self.peer is None:
+            return x
+        return x + tf.constant(self.peer[key])
+
+
+def test_global_logs_equal_one_process_on_all_samples(monkeypatch):
+    """Two ranks with 12 and 5 samples: the global loss, mean metric and
+    R2 (not a mean) equal those of the 17 samples together."""
+    model = _model()
+    (xa, ya), (xb, yb) = _data(12, 1), _data(5, 2)
+    peer = _Peer()
+    monkeypatch.setattr(cb.world, "num_ranks", lambda: 2)
+    monkeypatch.setattr(cb.world, "control_communicator", lambda: peer)
+
+    def logs_after(x, y):
+        # batch_size: every sample in one step, so that the logs the
+        # callbacks would see are the metrics' results.
+        model.evaluate(x, y, batch_size=len(x), verbose=0)
+        return cb._pythonify(model.get_metrics_result())
+
+    monkeypatch.setattr(cb.world, "rank", lambda: 1)
+    cb.global_logs(model, logs_after(xb, yb), "k")
+    peer.peer = dict(peer.sent)
+    monkeypatch.setattr(cb.world, "rank", lambda: 0)
+    mine = logs_after(xa, ya)
+    state = [v.numpy().copy() for m in model.metrics for v in m.variables]
+    got = cb.global_logs(model, mine, "k")
+    # This rank's metric state is untouched.
+    after = [v.numpy() for m in model.metrics for v in m.variables]
+    assert all(np.array_equal(s, t) for s, t in zip(state, after))
+    monkeypatch.setattr(cb.world, "num_ranks", lambda: 1)
+    want = model.evaluate(np.concatenate([xa, xb]), np.concatenate([ya, yb]),
+                          verbose=0, return_dict=True)
+    for k in ("loss", "mae", "r2"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
+        assert abs(mine[k] - want[k]) > 1e-3  # the local value differs
+
+
+def test_custom_logs_are_averaged_by_sample_count(monkeypatch):
+    """Logs that are not the metrics' results: a mean weighted by each
+    rank's sample count (12 and 4 here), or a plain mean without counts."""
+    peer = _Peer()
+    monkeypatch.setattr(cb.world, "num_ranks", lambda: 2)
+    monkeypatch.setattr(cb.world, "rank", lambda: 0)
+    monkeypatch.setattr(cb.world, "control_communicator", lambda: peer)
+    cb.global_logs(None, {"a": 1.0, "b": "text"}, "k", weight=4.0)
+    peer.peer = dict(peer.sent)
+    got = cb.global_logs(None, {"a": 3.0, "b": "text"}, "k", weight=12.0)
+    assert got == {"a": (3.0 * 12 + 1.0 * 4) / 16, "b": "text"}
+    peer.peer = None
+    cb.global_logs(None, {"a": 1.0}, "k", weight=0.0)
+    peer.peer = dict(peer.sent)
+    assert cb.global_logs(None, {"a": 3.0}, "k", weight=0.0) == {"a": 2.0}
+    # NaN on one rank is NaN everywhere (TerminateOnNaN stops every rank).
+    assert np.isnan(cb.global_logs(None, {"a": np.nan}, "k", weight=0.0)[
+        "a"])
+
+
+def test_global_metrics_leave_one_rank_alone():
+    gm = cb.GlobalMetrics()
+    gm.set_model(_model())
+    logs = {"loss": 1.5, "mae": 0.5}
+    gm.on_train_batch_end(0, logs)
+    gm.on_epoch_end(0, logs)
+    gm.on_test_end(logs)
+    assert logs == {"loss": 1.5, "mae": 0.5}
+    assert cb.global_logs(None, logs, "k") is logs
