@@ -72,7 +72,8 @@ start = time.monotonic()
 try:
     if STAGE == "load":
         first = compiled("none")
-        path = os.path.join(OUT, f"weights{RANK}.weights.h5")
+        # Every rank saves (one file, written by rank 0), then loads it.
+        path = os.path.join(OUT, "weights.weights.h5")
         first.save_weights(path)
         model = compiled(FIELD)
         model.load_weights(path)
