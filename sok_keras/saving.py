@@ -26,25 +26,16 @@ test fails when Keras changes under it (`tests/test_saving.py`).
 import contextlib
 import functools
 import os
+
+from sok_keras import global_views
 from sok_keras import world
 from sok_keras.variable import gathered_for_saving
 
 _ORIGINAL_SAVE = None
-_DEFAULT_TIMEOUT = 60.0
 
-
-def save_timeout():
-    """Seconds a rank waits for the others to enter `model.save`."""
-    value = os.environ.get("SOK_SAVE_TIMEOUT", "")
-    try:
-        seconds = float(value) if value else _DEFAULT_TIMEOUT
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise RuntimeError(
-            "sok_keras: SOK_SAVE_TIMEOUT must be a positive number of "
-            f"seconds, got {value!r}.")
-    return seconds
+# The deadline of the entry check-in (SOK_SAVE_TIMEOUT), shared with every
+# collective entry point (sok_keras.global_views.check_in).
+save_timeout = global_views.enter_timeout
 
 
 def _tables(model):
@@ -87,14 +78,8 @@ def save_model(model, filepath, overwrite=True, **kwargs):
         return original(model, filepath, overwrite=overwrite, **kwargs)
     rank = world.rank()
     path = os.fspath(filepath)
-    try:
-        _agree("save/enter", 1, save_timeout())
-    except Exception as e:
-        raise RuntimeError(
-            f"sok_keras: rank {rank}: model.save('{path}') must be called on "
-            f"every rank ({n} ranks), but not all of them called it within "
-            f"{save_timeout():g} s (SOK_SAVE_TIMEOUT). Call model.save on "
-            "every rank; rank 0 writes the file.") from e
+    global_views.check_in(f"model.save('{path}') (rank 0 writes the file)",
+                          "save")
     exists = int(rank == 0 and os.path.exists(path))
     if not overwrite and _agree("save/exists", exists, world.timeout()):
         raise FileExistsError(
