@@ -30,13 +30,17 @@ How (see docs/design.md, "Initialization"):
   and needs the whole table in memory (a warning says so above
   `_FALLBACK_WARN_BYTES`).
 
-Seeds. An initializer given an integer seed uses it. An unseeded Keras
-initializer (Keras draws a seed from Python's `random` when it is made)
-or one seeded with a `keras.random.SeedGenerator` uses rank 0's seed,
-broadcast through `sok_keras.world.control_communicator()` when the table
-is made (every rank makes every table, in the same order). So with
-`keras.utils.set_random_seed(s)` on every rank the table is the one-rank
-table, and without it the ranks still agree.
+Seeds: each rank uses the seed Keras gives the initializer (an integer
+seed as given; an unseeded Keras initializer draws one from Python's
+`random` when it is made; a `SeedGenerator` advances once per table), and
+no rank communicates while a table is made: a collective there would pair
+with a different one on a rank that builds a different model, and hang
+instead of letting the start-of-fit comparison name the difference
+(`sok_keras.consistency`). So a seeded initializer, or
+`keras.utils.set_random_seed(s)` on every rank (Keras' reproducibility
+recipe), gives the one-rank table bit for bit; fully unseeded, each rank
+takes its rows from its own draw of the global table (the right
+distribution and fans, not reproducible, as in Keras).
 """
 
 import logging
@@ -119,28 +123,13 @@ def _resolve_variance_scaling(init, global_shape):
 
 
 def _seed_pair(init):
-    """`(pair, agree)`: Keras' seed pair for one call of `init`, and whether
-    the ranks must adopt rank 0's (the user gave no integer seed)."""
+    """Keras' seed pair for one call of `init` (a SeedGenerator advances)."""
     from keras.random import SeedGenerator
 
     seed = init.seed
     if isinstance(seed, SeedGenerator):
-        pair = [int(s) for s in keras.ops.convert_to_numpy(seed.next())]
-        return pair, True
-    user_seed = init.get_config().get("seed")
-    return [int(seed), 0], not isinstance(user_seed, int)
-
-
-def agree_seed(pair, name):
-    """Rank 0's seed pair on every rank (one eager broadcast; N > 1)."""
-    from sok_keras import world
-
-    if world.num_ranks() == 1:
-        return list(pair)
-    with tf.init_scope():
-        got = world.control_communicator().broadcast(
-            tf.constant(pair, tf.int64), key="table_init/seed", root=0)
-    return [int(s) for s in got.numpy()]
+        return [int(s) for s in keras.ops.convert_to_numpy(seed.next())]
+    return [int(seed), 0]
 
 
 def _key_counter(pair):
@@ -182,9 +171,7 @@ class _Blocks:
             kind, params = dist
             if kind == "variance_scaling":
                 kind, params = _resolve_variance_scaling(init, global_shape)
-            pair, agree = _seed_pair(init)
-            if agree:
-                pair = agree_seed(pair, name)
+            pair = _seed_pair(init)
             self.key, self.base = _key_counter(pair)
             self.kind, self.params = kind, params
             self.group, self.skip = _group(kind, self.dtype)
@@ -220,19 +207,6 @@ class _Blocks:
         mean, stddev = (tf.convert_to_tensor(v, self.dtype)
                         for v in self.params)
         return rnd * stddev + mean
-
-
-def _with_agreed_seed(init, name):
-    """A Keras-style initializer without an integer seed (`seed` attribute,
-    `get_config()["seed"]` None), re-made with rank 0's seed."""
-    seed = getattr(init, "seed", None)
-    if not isinstance(seed, int) or not hasattr(init, "get_config"):
-        return init
-    config = init.get_config()
-    if "seed" not in config or isinstance(config["seed"], int):
-        return init
-    (agreed, _) = agree_seed([seed, 0], name)
-    return type(init).from_config({**config, "seed": agreed})
 
 
 def _row_independent(init):
@@ -275,8 +249,6 @@ class TablePlan:
         else:
             self._blocks = _Blocks(init, self.global_shape, self.dtype, name)
             self.how = "blocks" if self._blocks.supported else "global"
-        if self.how == "global":
-            self.init = _with_agreed_seed(init, name)
 
     def initial_value(self):
         if self.how == "direct":

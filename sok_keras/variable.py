@@ -82,8 +82,9 @@ class Variable(keras.Variable):
             callable `(shape, dtype)`) used with `shape`. The initializer
             sees the global shape: each rank holds its rows of
             `initializer(shape)`, so the table does not depend on the
-            number of ranks (`sok_keras.table_init`; an unseeded one uses
-            rank 0's seed).
+            number of ranks for a seeded initializer, or after
+            `keras.utils.set_random_seed` on every rank
+            (`sok_keras.table_init`).
         mode: `"distributed"` (default) or `"localized:<rank>"`.
         dtype: the table's dtype: `"float32"`, `"float64"`, `"float16"` or
             `"bfloat16"` (stored in 16 bits, an initial array rounded to
