@@ -31,6 +31,7 @@ from sok_keras.checkpoint import load
 from sok_keras.consistency import InconsistentRanksError
 from sok_keras.divergence import RankDivergedError
 from sok_keras.export import export_for_serving
+from sok_keras.global_views import gather_predictions
 from sok_keras.data import shard_batches
 from sok_keras.layers import All2AllDenseEmbedding
 from sok_keras.layers import DistributedEmbedding
@@ -71,6 +72,10 @@ _ops.ops()
 from sok_keras.optimizers import auto_wrap as _auto_wrap  # noqa: E402
 
 _auto_wrap.install()
+# summary() / count_params() count sok tables by their global shape.
+from sok_keras import global_views as _global_views  # noqa: E402
+
+_global_views.install()
 
 # model.save / load_model of models with sok tables go through files on
 # disk rather than whole in memory (sok_keras/_keras_h5.py).
@@ -88,6 +93,7 @@ __all__ = [
     "all2all_dense_embedding", "callbacks", "checkpoint", "data", "dump",
     "export_for_serving",
     "filter_variables",
+    "filter_variables", "gather_predictions",
     "init", "layers", "load", "lookup_sparse", "num_ranks", "optimizers",
     "rank",
     "shard_batches", "split_embedding_variable_from_others",

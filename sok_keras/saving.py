@@ -37,12 +37,12 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from sok_keras import global_views
 from sok_keras import world
 from sok_keras.variable import stream_entry
 from sok_keras.variable import table_entries
 
 _ORIGINAL = {"save": None, "save_weights": None}  # Keras' own
-_DEFAULT_TIMEOUT = 60.0
 _STREAM = None  # the _Stream of the model.save in progress (rank 0)
 _DONE, _SEND = 0, 1
 
@@ -101,18 +101,9 @@ class _Stream:
             raise error
 
 
-def save_timeout():
-    """Seconds a rank waits for the others to enter `model.save`."""
-    value = os.environ.get("SOK_SAVE_TIMEOUT", "")
-    try:
-        seconds = float(value) if value else _DEFAULT_TIMEOUT
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise RuntimeError(
-            "sok_keras: SOK_SAVE_TIMEOUT must be a positive number of "
-            f"seconds, got {value!r}.")
-    return seconds
+# The deadline of the entry check-in (SOK_SAVE_TIMEOUT), shared with every
+# collective entry point (sok_keras.global_views.check_in).
+save_timeout = global_views.enter_timeout
 
 
 def _tables(model):
@@ -198,14 +189,8 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
         return plain()
     rank = world.rank()
     path = os.fspath(filepath)
-    try:
-        _agree("save/enter", 1, save_timeout())
-    except Exception as e:
-        raise RuntimeError(
-            f"sok_keras: rank {rank}: {what}('{path}') must be called on "
-            f"every rank ({n} ranks), but not all of them called it within "
-            f"{save_timeout():g} s (SOK_SAVE_TIMEOUT). Call {what} on "
-            "every rank; rank 0 writes the file.") from e
+    global_views.check_in(f"{what}('{path}') (rank 0 writes the file)",
+                          "save")
     exists = int(rank == 0 and os.path.exists(path))
     if not overwrite and _agree("save/exists", exists, world.timeout()):
         raise FileExistsError(

@@ -77,8 +77,13 @@ class Variable(keras.Variable):
     Args:
         initial_value: the whole table, as an array of shape
             `[rows, dim]` (every rank keeps its own rows of it), or a Keras
-            initializer (a name such as `"uniform"`, or an instance) used
-            with `shape`, which fills only the local shard.
+            initializer (a name such as `"uniform"`, an instance, or a
+            callable `(shape, dtype)`) used with `shape`. The initializer
+            sees the global shape: each rank holds its rows of
+            `initializer(shape)`, so the table does not depend on the
+            number of ranks for a seeded initializer, or after
+            `keras.utils.set_random_seed` on every rank
+            (`sok_keras.table_init`).
         mode: `"distributed"` (default) or `"localized:<rank>"`.
         dtype: the table's dtype: `"float32"`, `"float64"`, `"float16"` or
             `"bfloat16"` (stored in 16 bits, an initial array rounded to
@@ -123,6 +128,7 @@ class Variable(keras.Variable):
                 f"sok_keras.Variable '{name}' needs an `initial_value` "
                 "(an array, or an initializer with `shape`)."
             )
+        plan = None
         if _is_initializer(initial_value):
             if shape is None or len(tuple(shape)) != 2:
                 raise ValueError(
@@ -131,12 +137,26 @@ class Variable(keras.Variable):
                 )
             global_shape = tuple(int(s) for s in shape)
             dtype = dtype or "float32"
-            local = (
-                shard_rows(global_shape[0], kind, target, rank, num_ranks),
-                global_shape[1],
-            )
-            init = keras.initializers.get(initial_value)
-            value = init(shape=local, dtype=dtype)
+            from sok_keras import table_init
+
+            rows = global_to_local(global_shape[0], kind, rank, num_ranks)
+            if kind == LOCALIZED and rank != target:
+                rows = rows[:0]
+            # Eagerly, even when the table is built inside a trace (a
+            # subclassed model's first call): the seed agreement and the
+            # block writes must not become part of the traced step.
+            tracing = not tf.executing_eagerly()
+            with tf.init_scope():
+                plan = table_init.TablePlan(
+                    keras.initializers.get(initial_value), global_shape,
+                    dtype, rows, num_ranks if kind == DISTRIBUTED else 1,
+                    name)
+                value = plan.initial_value()
+                if tracing:
+                    # Made inside a trace, the variable is initialized when
+                    # the function first runs: it cannot be written now, so
+                    # it starts from the whole shard.
+                    value, plan = plan.local_value(value), None
         else:
             array = np.asarray(
                 keras.ops.convert_to_numpy(initial_value)
@@ -175,6 +195,13 @@ class Variable(keras.Variable):
         super().__init__(
             value, dtype=dtype, trainable=trainable, name=name, autocast=False
         )
+        # No reference to the initial tensor may outlive this point: a
+        # slice assignment copies a variable's whole buffer while another
+        # tensor shares it.
+        del value
+        if plan is not None:
+            with tf.init_scope():
+                plan.fill(self._value)  # block by block, in place
 
     def _initialize(self, value):
         # A shard belongs to this rank alone: under a tf.distribute

@@ -695,10 +695,12 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
         _choose_communicator(world, backend)
         if world.num_ranks > 1:
             from sok_keras import divergence
+            from sok_keras import global_views
             from sok_keras import saving
             from sok_keras.optimizers import auto_wrap
 
             saving.install()
+            global_views.install_load_checks()  # loads on some ranks only
             # Fast failure when the ranks diverge, and the first-step
             # comparison of the tables (sok_keras.divergence, .consistency).
             divergence.start(world)

@@ -168,6 +168,7 @@ def install_loop_hooks():
     `sok_keras.divergence.run_loop` (idempotent; several ranks only)."""
     from sok_keras import callbacks
     from sok_keras import divergence
+    from sok_keras import global_views
 
     for kind in ("fit", "evaluate", "predict"):
         if kind in _ORIGINAL_LOOPS:
@@ -181,6 +182,7 @@ def install_loop_hooks():
             if not (has_sok_layers(self) or is_sok_aware(
                     getattr(self, "optimizer", None))):
                 return _original(self, *args, **kwargs)
+            global_views.check_in(f"model.{_kind}", _kind)  # all ranks?
             _check_first_steps(self, _kind)
             call, args, kwargs = callbacks.with_global_metrics(
                 _kind, _original, self, args, kwargs)

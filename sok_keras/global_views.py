@@ -1,0 +1,288 @@
+"""Global views on several ranks: global parameter counts, gathered
+predictions, and a fast error when only some ranks make a collective call.
+
+- `model.summary()`, `model.count_params()` and `layer.count_params()`
+  count a sok table with its global shape (the whole table, not this
+  rank's shard), and the summary ends with one line per sharded table
+  giving the shard this rank holds. (Keras counts `variable.shape`; `install`
+  makes its counting function count sok tables by `global_shape`.)
+- `gather_predictions(y)` concatenates every rank's predictions in rank
+  order (any number of rows per rank), as NumPy, on every rank.
+- `check_in(what)`: a barrier with a short deadline (`SOK_SAVE_TIMEOUT`,
+  default 60 s) that every collective entry point passes first
+  (`model.save`, `fit` / `evaluate` / `predict` of a model with sok
+  tables, `keras.saving.load_model` of a file holding sok layers,
+  `model.load_weights`): a call made on some ranks only (`if sok.rank() ==
+  0: model.predict(x)`) raises a clear error within that time instead of
+  waiting for the communication timeout.
+"""
+
+import functools
+import json
+import os
+import zipfile
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from sok_keras import world
+
+_DEFAULT_ENTER_TIMEOUT = 60.0
+_INSTALLED = {}
+
+
+def enter_timeout():
+    """Seconds a rank waits for the others at a `check_in`
+    (`SOK_SAVE_TIMEOUT`, default 60)."""
+    value = os.environ.get("SOK_SAVE_TIMEOUT", "")
+    try:
+        seconds = float(value) if value else _DEFAULT_ENTER_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise RuntimeError(
+            "sok_keras: SOK_SAVE_TIMEOUT must be a positive number of "
+            f"seconds, got {value!r}.")
+    return seconds
+
+
+class RankMismatchError(RuntimeError):
+    """A collective call was made on some ranks only (or differently)."""
+
+
+def check_in(what, key=None):
+    """Waits until every rank has called `check_in` for `what`.
+
+    Every rank must make the same collective calls in the same order; this
+    makes a call that only some ranks make fail fast and clearly.
+
+    Args:
+        what: the call, as the user wrote it (e.g. `"model.predict"`); the
+            error names it.
+        key: the agreement's key (defaults to `what`); the same on every
+            rank.
+
+    Raises:
+        RankMismatchError: if some rank did not call it within
+            `SOK_SAVE_TIMEOUT` seconds.
+
+    Example:
+
+    >>> sok.global_views.check_in("my_eval")  # on every rank
+    """
+    n = world.num_ranks()
+    if n == 1:
+        return
+    timeout = enter_timeout()
+    try:
+        world.control_communicator().agree(
+            f"enter/{key or what}", 1, timeout)
+    except tf.errors.OpError as e:
+        if "timed out" not in str(e):
+            raise  # aborted for another reason (a failed peer): as it is
+        raise RankMismatchError(
+            f"sok_keras: rank {world.rank()}: {what} must be called on "
+            f"every rank ({n} ranks), but not all of them called it within "
+            f"{timeout:g} s (SOK_SAVE_TIMEOUT). Call it on every rank (e.g. "
+            "not under `if sok.rank() == 0:`); to use a result on one rank "
+            "only, compute it everywhere and keep it where needed.") from e
+
+
+# -- gathered predictions ---------------------------------------------------
+def _signature(leaves):
+    text = ";".join(f"{a.dtype.str}{list(a.shape[1:])}" for a in leaves)
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def gather_predictions(predictions):
+    """Every rank's predictions, concatenated in rank order.
+
+    `model.predict` returns the predictions of this rank's examples; call
+    this on every rank with its result to get those of every rank (rank
+    0's rows first). Ranks may hold different numbers of rows. A
+    collective: every rank must call it.
+
+    Args:
+        predictions: this rank's predictions: an array (rows first), or a
+            list / tuple / dict of arrays (a multi-output model).
+
+    Returns:
+        The same structure of NumPy arrays holding every rank's rows in
+        rank order, on every rank.
+
+    Raises:
+        RankMismatchError: if not every rank calls it, or the ranks'
+            predictions differ in structure, dtype or trailing shape.
+
+    Example:
+
+    >>> y = sok.gather_predictions(model.predict(x_of_this_rank))
+    """
+    import keras
+
+    leaves = [np.asarray(keras.ops.convert_to_numpy(x))
+              for x in tf.nest.flatten(predictions)]
+    for a in leaves:
+        if a.ndim == 0:
+            raise ValueError(
+                "sok_keras.gather_predictions: every prediction needs a "
+                f"rows dimension; got a scalar ({a!r}).")
+    n = world.num_ranks()
+    if n == 1:
+        return tf.nest.pack_sequence_as(predictions, leaves)
+    check_in("sok_keras.gather_predictions", "gather_predictions")
+    comm = world.control_communicator()
+    head = np.array([[len(leaves), _signature(leaves)]
+                     + [a.shape[0] for a in leaves]], np.int64)
+    sig = comm.all_gather(
+        tf.constant(head[:, :2]), "gather_predictions/signature").numpy()
+    if len({tuple(row) for row in sig}) != 1:
+        raise RankMismatchError(
+            f"sok_keras.gather_predictions: rank {world.rank()}: the ranks' "
+            "predictions differ in structure, dtype or shape after the "
+            f"rows dimension (rank {world.rank()}: "
+            f"{[(a.dtype.name, a.shape[1:]) for a in leaves]}).")
+    counts = comm.all_gather(
+        tf.constant(head[:, 2:]), "gather_predictions/rows").numpy()
+    out = []
+    for i, a in enumerate(leaves):
+        rows = counts[:, i]
+        most = int(rows.max())
+        flat = a.reshape(a.shape[0], -1)
+        padded = np.zeros((most, flat.shape[1]), a.dtype)
+        padded[:a.shape[0]] = flat
+        got = comm.all_gather(
+            tf.convert_to_tensor(padded), "gather_predictions/values").numpy()
+        got = got.reshape(n, most, flat.shape[1])
+        whole = np.concatenate([got[r, :rows[r]] for r in range(n)])
+        out.append(whole.reshape((-1,) + a.shape[1:]))
+    return tf.nest.pack_sequence_as(predictions, out)
+
+
+# -- global parameter counts ------------------------------------------------
+def _shape(v):
+    from sok_keras.variable import Variable
+
+    return v.global_shape if isinstance(v, Variable) else v.shape
+
+
+def _tables_of(model):
+    from sok_keras import consistency
+
+    try:
+        return consistency.model_tables(model)
+    except Exception:  # an unbuilt model
+        return []
+
+
+def _shard_note(model):
+    """The lines the summary ends with: each table's shard on this rank."""
+    tables = _tables_of(model)
+    if not tables or world.num_ranks() == 1:
+        return []
+    rank, n = world.rank(), world.num_ranks()
+    lines = [f" Sharded tables (params: global counts; rank {rank} of {n} "
+             "holds):"]
+    for t in tables:
+        rows, dim = t.global_shape
+        lines.append(
+            f"   {t.path}: {rows * dim:,} params ({rows:,} x {dim}), "
+            f"{int(np.prod(t.shape)):,} on this rank ({t.shape[0]:,} rows, "
+            f"{t.mode})")
+    return lines
+
+
+def install():
+    """Makes Keras count sok tables by their global shape, and adds the
+    shard note to `Model.summary` (idempotent)."""
+    if "summary" in _INSTALLED:
+        return
+    import math
+
+    import keras
+    from keras.src.utils import summary_utils
+
+    original_count = summary_utils.count_params
+    original_size = summary_utils.weight_memory_size
+
+    @functools.wraps(original_count)
+    def count_params(weights):
+        return int(sum(math.prod(_shape(v)) for v in weights))
+
+    @functools.wraps(original_size)
+    def weight_memory_size(weights):
+        from sok_keras.variable import Variable
+
+        unique = {id(w): w for w in weights}.values()
+        total = 0
+        for w in unique:
+            total += summary_utils._compute_memory_size(
+                tuple(_shape(w)) if isinstance(w, Variable) else w.shape,
+                w.dtype)
+        return total / 8
+
+    count_params._sok_keras = weight_memory_size._sok_keras = True
+    summary_utils.count_params = count_params
+    summary_utils.weight_memory_size = weight_memory_size
+    owner = next(c for c in keras.Model.__mro__ if "summary" in c.__dict__)
+    original_summary = owner.summary
+
+    @functools.wraps(original_summary)
+    def summary(self, *args, **kwargs):
+        result = original_summary(self, *args, **kwargs)
+        lines = _shard_note(self)
+        if lines:
+            print_fn = kwargs.get("print_fn")
+            if print_fn is None and len(args) >= 3:
+                print_fn = args[2]
+            (print_fn or print)("\n".join(lines))
+        return result
+
+    owner.summary = summary
+    _INSTALLED["summary"] = (summary_utils, original_count, original_size,
+                             owner, original_summary)
+
+
+# -- loads made on some ranks only -----------------------------------------
+def _file_has_sok_layers(filepath):
+    """Whether a `.keras` file's config names a sok_keras class."""
+    try:
+        with zipfile.ZipFile(filepath) as z:
+            config = z.read("config.json").decode("utf-8")
+    except (OSError, KeyError, zipfile.BadZipFile, TypeError):
+        return False
+    try:
+        json.loads(config)
+    except ValueError:
+        return False
+    return "sok_keras" in config
+
+
+def install_load_checks():
+    """Routes Keras' `.keras` loading through `check_in` when the file or
+    model holds sok layers (several ranks; idempotent)."""
+    if "load" in _INSTALLED:
+        return
+    from keras.src.saving import saving_lib
+
+    from sok_keras.optimizers.auto_wrap import has_sok_layers
+
+    original_load = saving_lib.load_model
+    original_weights = saving_lib.load_weights_only
+
+    @functools.wraps(original_load)
+    def load_model(filepath, *args, **kwargs):
+        if _file_has_sok_layers(filepath):
+            check_in(f"keras.saving.load_model('{filepath}')", "load_model")
+        return original_load(filepath, *args, **kwargs)
+
+    @functools.wraps(original_weights)
+    def load_weights_only(model, filepath, *args, **kwargs):
+        if has_sok_layers(model):
+            check_in(f"model.load_weights('{filepath}')", "load_weights")
+        return original_weights(model, filepath, *args, **kwargs)
+
+    saving_lib.load_model = load_model
+    saving_lib.load_weights_only = load_weights_only
+    _INSTALLED["load"] = (saving_lib, original_load, original_weights)

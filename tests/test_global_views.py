@@ -1,0 +1,87 @@
+"""Global views (sok_keras/global_views.py): global parameter counts,
+gathered predictions, and collective calls made on some ranks only."""
+
+import io
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+
+import sok_keras as sok
+from sok_keras import global_views
+from tests.multiprocess import run_workers
+from tests.multiprocess import worker_path
+
+
+def test_keras_still_counts_what_we_patch():
+    """sok_keras replaces keras.src.utils.summary_utils.count_params and
+    weight_memory_size, which Layer.count_params and Model.summary call:
+    fail loudly if Keras moves them."""
+    import inspect
+
+    from keras.src.utils import summary_utils
+
+    assert getattr(summary_utils.count_params, "_sok_keras", False)
+    assert getattr(summary_utils.weight_memory_size, "_sok_keras", False)
+    layer_src = inspect.getsource(keras.layers.Layer.count_params)
+    assert "summary_utils.count_params(" in layer_src
+    summary_src = inspect.getsource(summary_utils.print_summary)
+    assert "count_params(" in summary_src
+    assert "weight_memory_size(" in summary_src
+
+
+def test_one_rank_counts_are_keras_counts():
+    ids = keras.Input((2,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(17, 3, name="emb")
+    model = keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+    assert model.count_params() == 17 * 3 + 4
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.summary()
+    assert "Total params: 55" in out.getvalue()
+    assert "Sharded tables" not in out.getvalue()  # one rank: no note
+
+
+def test_gather_predictions_in_a_world_of_one():
+    y = np.arange(6.0).reshape(3, 2)
+    np.testing.assert_array_equal(sok.gather_predictions(y), y)
+    got = sok.gather_predictions({"a": y, "b": (y[:, 0],)})
+    np.testing.assert_array_equal(got["b"][0], y[:, 0])
+    with pytest.raises(ValueError, match="rows dimension"):
+        sok.gather_predictions(np.float32(1.0))
+
+
+def test_enter_timeout_is_checked(monkeypatch):
+    monkeypatch.setenv("SOK_SAVE_TIMEOUT", "soon")
+    with pytest.raises(RuntimeError, match="SOK_SAVE_TIMEOUT.*'soon'"):
+        global_views.enter_timeout()
+
+
+@pytest.mark.parametrize("last,what", [
+    ("predict", "model.predict"), ("load", "keras.saving.load_model")])
+def test_global_views_on_two_ranks(tmp_path, last, what):
+    """Counts and summary are global (before: 918,560 shown for a
+    1,837,120-parameter table's shard); gather_predictions returns every
+    rank's rows in rank order; predict or load_model on rank 0 only fails
+    within SOK_SAVE_TIMEOUT (before: waited for the 300-600 s
+    communication timeout); loading a plain Keras model on one rank is not
+    stopped."""
+    r0, r1 = run_workers(worker_path("global_views"), 2,
+                         args=[str(tmp_path), last], timeout=300,
+                         env={"SOK_SAVE_TIMEOUT": "5"})
+    total = 1001 * 8 + 8 * 2 + 2
+    for r in (r0, r1):
+        assert r["count_params"] == total and r["loaded_count"] == total
+        assert r["layer_count"] == 1001 * 8
+        assert f"Trainable params: {total:,}" in r["summary"]
+        assert "Sharded tables" in r["summary"]
+        assert (f"{1001 * 8:,} params (1,001 x 8), "
+                f"{r['local_rows'] * 8:,} on this rank") in r["summary"]
+        assert r["gathered"] == r0["mine"] + r1["mine"]
+        assert r["nested_b"] == [0] * 5 + [1] * 3 and r["nested_a_equal"]
+    assert (r0["local_rows"], r1["local_rows"]) == (501, 500)
+    assert r0["plain_load"] == "no error"
+    assert r0[last].startswith("RankMismatchError"), r0[last]
+    assert what in r0[last] and "every rank (2 ranks)" in r0[last]
+    assert r0[last + "_s"] < 30, r0[last + "_s"]
