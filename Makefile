@@ -7,6 +7,9 @@ DEPS := $(VENV)/.deps-installed
 BUILT := $(VENV)/.sok-built
 CSRC := $(shell find csrc -name '*.cc' -o -name '*.c' -o -name '*.h' -o -name '*.cuh')
 NP ?= 2
+# pytest-xdist workers: the multi-rank jobs wait on each other's startup
+# and on deadlines, so two of them keep two cores busy.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench build clean
 
@@ -27,7 +30,7 @@ demo: $(BUILT)
 
 test: $(BUILT)
 	$(VENV)/bin/ruff check --select F sok_keras tests bench setup.py sokrun.py
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 bench: $(BUILT)
 	$(PY) bench/run_all.py
