@@ -25,11 +25,18 @@ step() {  # step NAME CMD...: runs CMD, logs to $out/NAME.log, keeps going
   [ $rc -eq 0 ] || status=1
   echo "=== $name: exit $rc in $((SECONDS - t0)) s; $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$out/$name.log" | tail -1)" | tee -a "$out/summary.log"
 }
+# Pure-Python test dependencies the image lacks (carried in .gpu/extra).
+if ls .gpu/extra/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/hypothesis ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/extra/*.whl
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/summary.log"
 python3 -c "import sok_keras._ops as o; print('build', o.build_info())" 2>&1 | tail -1 | tee -a "$out/summary.log"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   step gpu_tests timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 \
       tests/test_gpu.py tests/test_gpu_blocks.py tests/test_ops_loading.py
+  step gpu_single timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
+      tests/test_bad_inputs.py tests/test_properties.py tests/layers/test_keras_rs.py \
+      tests/test_callbacks.py tests/test_export.py tests/layers/test_embedding_collection.py
   step multirank_shared_gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_seed_example_multirank.py tests/test_training_multirank.py \
       tests/layers/test_layers_multirank.py tests/test_lookup_multirank.py \
@@ -39,9 +46,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
       -p no:cacheprovider -n 4 tests/test_lookup.py tests/test_notebooks.py
 fi
 if [ "$what" = multirank ] || [ "$what" = all ]; then
-  step multirank_checks timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 \
+  step multirank_checks timeout 380 python3 -m pytest -q -p no:cacheprovider -n 12 \
       tests/test_checkpoint.py tests/test_consistency.py tests/test_divergence.py \
-      tests/test_launch.py tests/test_comm.py
+      tests/test_launch.py tests/test_comm.py tests/test_decisions_multirank.py \
+      tests/test_global_views.py tests/test_bad_inputs_multirank.py tests/test_saving.py \
+      tests/test_init_global.py tests/test_recipes_horovod.py tests/test_recipes_strategy.py \
+      tests/test_recipes_mirrored.py
 fi
 if [ "$what" = bench ] || [ "$what" = multirank ] || [ "$what" = all ]; then
   step demo_1rank timeout 120 python3 -m sokrun -np 1 --timeout 110 python3 -m sok_keras.examples.train_dlrm
