@@ -209,12 +209,19 @@ class Variable(keras.Variable):
         # strategy would copy rank 0's rows to every replica, or fail on
         # shards of other shapes). A ResourceVariable built directly skips
         # the strategy's variable creator.
+        # Placed as outside a strategy (the GPU when one is visible): a
+        # strategy's scope names only this worker's job and task, which
+        # would leave the shard on its CPU while the optimizer's slots,
+        # made in the replica context, go to the worker's GPU.
         if not isinstance(value, tf.Variable) and tf.distribute.has_strategy():
             from tensorflow.python.ops import resource_variable_ops
 
-            self._value = resource_variable_ops.ResourceVariable(
-                value, dtype=self._dtype, trainable=self.trainable,
-                name=self.name)
+            device = ("/device:GPU:0" if tf.config.list_logical_devices("GPU")
+                      else "/device:CPU:0")
+            with tf.device(device):
+                self._value = resource_variable_ops.ResourceVariable(
+                    value, dtype=self._dtype, trainable=self.trainable,
+                    name=self.name)
             return
         super()._initialize(value)
 

@@ -22,7 +22,13 @@ def serve_without_sok(saved_model, probe, tmp_path):
     inputs = os.path.join(tmp_path, "probe.npz")
     np.savez(inputs, **{f"probe_{k}": v for k, v in probe.items()})
     out = os.path.join(tmp_path, "served.npy")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Without the checkout on the path (serving_check.py also blocks
+    # `import sok_keras`); other entries stay (TensorFlow may live there).
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and os.path.abspath(p) != repo)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     proc = subprocess.run(
         [sys.executable, CHECK, saved_model, inputs, out], env=env,

@@ -19,7 +19,10 @@ gpus = tf.config.experimental.list_physical_devices("GPU")
 for gpu in gpus:
     tf.config.experimental.set_memory_growth(gpu, True)
 if gpus:
-    tf.config.experimental.set_visible_devices(gpus[hvd.local_rank()], "GPU")
+    # The seed has gpus[hvd.local_rank()] (a GPU per rank); `%` lets the
+    # ranks share the test machine's one GPU.
+    tf.config.experimental.set_visible_devices(
+        gpus[hvd.local_rank() % len(gpus)], "GPU")
 
 sok.init()
 
