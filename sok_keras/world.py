@@ -697,9 +697,11 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             from sok_keras import divergence
             from sok_keras import global_views
             from sok_keras import saving
+            from sok_keras import tensorboard
             from sok_keras.optimizers import auto_wrap
 
             saving.install()
+            tensorboard.install()  # one writer (rank 0), global histograms
             global_views.install_load_checks()  # loads on some ranks only
             # Fast failure when the ranks diverge, and the first-step
             # comparison of the tables (sok_keras.divergence, .consistency).
