@@ -8,8 +8,8 @@ BUILT := $(VENV)/.sok-built
 CSRC := $(shell find csrc -name '*.cc' -o -name '*.c' -o -name '*.h' -o -name '*.cuh')
 NP ?= 2
 # pytest-xdist workers: the multi-rank jobs wait on each other's startup
-# and on deadlines, so two of them keep two cores busy.
-TEST_WORKERS ?= 2
+# and on deadlines, so with three of them two cores stay busy.
+TEST_WORKERS ?= 3
 
 .PHONY: demo test bench build clean
 

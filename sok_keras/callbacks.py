@@ -329,17 +329,21 @@ class GlobalMetrics(keras.callbacks.Callback):
 
 
 def _make_checkpoint_folders(callbacks):
-    """Creates the folders of `ModelCheckpoint` callbacks now, on every
-    rank: Keras' `ModelCheckpoint` checks that its folder exists and then
-    creates it without `exist_ok`, so ranks saving together race (one fails
-    with FileExistsError)."""
+    """Creates the folders of `ModelCheckpoint` and `BackupAndRestore`
+    callbacks now, on every rank: Keras checks that the folder exists and
+    then creates it without `exist_ok`, so ranks saving together race (one
+    fails with FileExistsError)."""
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     for cb in keras.tree.flatten(callbacks) if callbacks else ():
         if isinstance(cb, keras.callbacks.ModelCheckpoint):
             folder = os.path.dirname(os.fspath(cb.filepath))
-            if folder and "{" not in folder and "://" not in folder:
-                os.makedirs(folder, exist_ok=True)
+        elif isinstance(cb, keras.callbacks.BackupAndRestore):
+            folder = os.fspath(cb.backup_dir)
+        else:
+            continue
+        if folder and "{" not in folder and "://" not in folder:
+            os.makedirs(folder, exist_ok=True)
 
 
 def with_global_metrics(kind, original, model, args, kwargs):

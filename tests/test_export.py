@@ -16,6 +16,18 @@ from tests.multiprocess import REPO
 CHECK = os.path.join(REPO, "tests", "serving_check.py")
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    """On a GPU TensorFlow multiplies float32 in TF32 by default, which
+    rounds the inputs to 10 bits: a last-bit difference between sok's and
+    the export's lookups then shows as ~1e-4 in a Dense output. Both sides
+    of the comparison run in plain float32 (serving_check.py does the
+    same)."""
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    yield
+    tf.config.experimental.enable_tensor_float_32_execution(True)
+
+
 def serve_without_sok(saved_model, probe, tmp_path):
     """Predictions of `saved_model` on `probe`, from a Python in which
     `import sok_keras` fails."""
@@ -24,11 +36,10 @@ def serve_without_sok(saved_model, probe, tmp_path):
     out = os.path.join(tmp_path, "served.npy")
     # Without the checkout on the path (serving_check.py also blocks
     # `import sok_keras`); other entries stay (TensorFlow may live there).
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-        if p and os.path.abspath(p) != repo)
+        if p and os.path.abspath(p) != REPO)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     proc = subprocess.run(
         [sys.executable, CHECK, saved_model, inputs, out], env=env,

@@ -24,9 +24,12 @@ def test_padding_only_rank_empty_batch_and_mixed_precision():
 
 
 def test_pooling_on_the_owner_equals_pooling_at_home():
-    for n in (2, 3):
-        for r in run_workers(worker_path("pooling_modes"), n, timeout=180):
-            assert r["cases"] == 72
+    # Every case at 3 ranks; at 2, the batch that pools on the owner (the
+    # other one is covered at 3, and by the 2-rank layer tests).
+    for n, args, cases in ((2, ["few"], 36), (3, [], 72)):
+        for r in run_workers(worker_path("pooling_modes"), n, args=args,
+                             timeout=240):
+            assert r["cases"] == cases
             assert r["max_err"] < 1e-4, r
             assert r["max_grad_diff"] < 1e-4, r
 
