@@ -232,7 +232,9 @@ def wrap_step(model, attr, kind):
         with _Recording() as lookups:
             out = original(*args, **kwargs)
         state["done"] = True
-        compare({"tables": [table_signature(t, model.optimizer)
+        # An uncompiled model (predict only) has no optimizer attribute.
+        optimizer = getattr(model, "optimizer", None)
+        compare({"tables": [table_signature(t, optimizer)
                             for t in model_tables(model)],
                  "lookups": lookups},
                 f"consistency/{attr}",

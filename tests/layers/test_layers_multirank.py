@@ -25,6 +25,8 @@ def test_all_layers_fit_on_ranks_matches_one_process(num_ranks, reference):
     results = run_workers(worker_path("layers_fit"), num_ranks,
                           args=[STEPS, GLOBAL_BATCH], timeout=180)
     for rank, r in enumerate(results):
+        # Padding masked for mask-aware layers on every rank.
+        assert r["mask_max_err"] < 1e-5, r["mask_max_err"]
         # Localized on the last rank; distributed split id % N.
         owner = num_ranks - 1
         assert r["local_rows"]["loc_emb"] == (
