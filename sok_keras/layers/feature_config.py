@@ -340,6 +340,10 @@ def normalize_feature(path, feature, tables, where):
 
 def _comparable(table, key):
     value = table[key]
+    if isinstance(value, dict):
+        # Keras marks an object serialized twice inside one save with a
+        # `shared_object_id`: not a setting.
+        value = {k: v for k, v in value.items() if k != "shared_object_id"}
     if key == "optimizer" and isinstance(value, dict):
         # Keras numbers the names of optimizers made from one string.
         config = {k: v for k, v in value.get("config", {}).items()

@@ -62,11 +62,13 @@ def make_run(var):
 runs = {name: make_run(var) for name, var in tables.items()}
 
 
-# argv[1] "few": only the batch of few samples with many ids each (the
-# owner-pooling case), for a cheaper run at 2 ranks.
+# argv[1] "few" / "many": only the batch of few samples with many ids each
+# (where pooling on the owner pays) / of many samples with few ids each;
+# both without an argument.
 import sys  # noqa: E402
 
-SETS = ((1, True),) if sys.argv[1:] == ["few"] else ((1, True), (2, False))
+SETS = {"few": ((1, True),), "many": ((2, False),)}.get(
+    sys.argv[1] if len(sys.argv) > 1 else "", ((1, True), (2, False)))
 max_err, max_grad_diff, cases = 0.0, 0.0, 0
 for seed, many in SETS:
     for name, var in tables.items():
