@@ -40,8 +40,6 @@ Attributes:
     Adasum, Product: Horovod's other ops; refused with a clear error.
 """
 
-import threading
-import weakref
 
 import tensorflow as tf
 
@@ -57,22 +55,17 @@ Product = "product"
 
 _OPS = {Average: "mean", Sum: "sum", Min: "min", Max: "max"}
 
-_lock = threading.Lock()
-_graph_counts = weakref.WeakKeyDictionary()  # graph -> {kind: count}
 
 
 def _key(kind, name):
-    """The collective key of one call (see the module docstring)."""
+    """The collective key of one call (see the module docstring): `name`'s,
+    else one per call site, numbered within a `tf.function`'s graph as the
+    lookups' exchanges are (`sok_keras.lookup._call_site_key`)."""
     if name is not None:
         return f"hvd/{kind}/{name}"
-    if tf.executing_eagerly():
-        return f"hvd/{kind}/eager"
-    graph = tf.compat.v1.get_default_graph()
-    with _lock:
-        counts = _graph_counts.setdefault(graph, {})
-        i = counts.get(kind, 0)
-        counts[kind] = i + 1
-    return f"hvd/{kind}/{i}"
+    from sok_keras.lookup import _call_site_key
+
+    return _call_site_key(f"hvd/{kind}")
 
 
 _state = {"init": False}

@@ -60,32 +60,27 @@ def final_state():
         np.savez(os.path.join(out, f"final_{action}.npz"), **st)
 
 
+class Die(keras.callbacks.Callback):
+    """Kills rank 1 before the 4th step of the second epoch."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if RANK == 1 and self.epoch == 1 and batch == 3:
+            os._exit(9)  # killed mid-epoch
+
+
 result = {}
 ckpt = sok.callbacks.ShardedCheckpoint(directory, every_n_steps=2, keep=2)
 if action == "uninterrupted":
     fit(epoch_ds, EPOCHS, [])
 elif action == "killed":
-    class Die(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if RANK == 1 and self.epoch == 1 and batch == 3:
-                os._exit(9)  # killed mid-epoch
-
     fit(epoch_ds, EPOCHS, [ckpt, Die()])
 elif action in ("backup-killed", "backup-resume"):
     backup = keras.callbacks.BackupAndRestore(directory)
     callbacks = [backup]
     if action == "backup-killed":
-        class Die(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                self.epoch = epoch
-
-            def on_train_batch_begin(self, batch, logs=None):
-                if RANK == 1 and self.epoch == 1 and batch == 3:
-                    os._exit(9)  # killed mid-epoch
-
         callbacks.append(Die())
     else:
         class Begin(keras.callbacks.Callback):
