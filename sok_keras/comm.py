@@ -342,10 +342,17 @@ class CollectiveCommunicator(Communicator):
         group_key: the collective group key (same on every rank).
     """
 
-    def __init__(self, rank, num_ranks, timeout=300.0, group_key=GROUP_KEY):
+    def __init__(self, rank, num_ranks, timeout=300.0, group_key=GROUP_KEY,
+                 device=None):
         super().__init__(rank, num_ranks)
         self.timeout = timeout
         self.group_key = group_key
+        # A collective group has one device type, fixed by its first
+        # collective: every collective of this group runs on `device`
+        # (where the tables live), whatever the caller's device scope (a
+        # strategy's cross-replica scope names only the worker's host, and
+        # would leave a small header's collective on the CPU).
+        self.device = device if device is not None else _tables_device()
         self._sites = {}  # instance-key base -> site string
         self._sites_lock = threading.Lock()
         self.aborted = None  # the abort message once the watchdog fired
@@ -587,6 +594,32 @@ class CollectiveCommunicator(Communicator):
         return bucket_ops.bucket_unpad(got, c, e, r, site=site)
 
 
+def _tables_device():
+    """The device sok tables are placed on: the first GPU when one is
+    visible, else the CPU."""
+    if tf.config.list_logical_devices("GPU"):
+        return "/device:GPU:0"
+    return "/device:CPU:0"
+
+
+def _on_device(name):
+    """`CollectiveCommunicator.<name>`, run under `tf.device(self.device)`."""
+    method = getattr(CollectiveCommunicator, name)
+
+    @functools.wraps(method)
+    def placed(self, *args, **kwargs):
+        with tf.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return placed
+
+
+# (`_exchange` carries the exchange and its gradient, the reverse one.)
+for _name in ("all_reduce", "all_gather", "broadcast", "_exchange"):
+    setattr(CollectiveCommunicator, _name, _on_device(_name))
+del _name
+
+
 class HostCollectiveCommunicator(CollectiveCommunicator):
     """`CollectiveCommunicator` pinned to the CPU, in a group of its own.
 
@@ -602,7 +635,7 @@ class HostCollectiveCommunicator(CollectiveCommunicator):
     def __init__(self, rank, num_ranks, timeout=300.0,
                  group_key=HOST_GROUP_KEY):
         super().__init__(rank, num_ranks, timeout=timeout,
-                         group_key=group_key)
+                         group_key=group_key, device="/device:CPU:0")
 
 
 def _pinned_to_cpu(name):
@@ -637,8 +670,8 @@ class ReplicaCommunicator(Communicator):
     them would deadlock) and inside `tf.function`. Call every method inside
     `strategy.run`, from every replica, in the same order.
 
-    This is a building block: sok tables and layers do not use it yet
-    (a lookup inside a replica of such a strategy is refused; see
+    sok tables made in the scope of such a strategy are sharded over its
+    replicas and exchange through it (`sok_keras.replicas`,
     docs/recipes.md).
 
     Args:

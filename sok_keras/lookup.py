@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from sok_keras import consistency
 from sok_keras import lookup_ops
+from sok_keras import replicas
 from sok_keras import world
 from sok_keras._ops import ops
 from sok_keras._ops import register_gradient_once
@@ -318,27 +319,67 @@ def _normalize_ids(ids, weights, name):
 
 
 def _check_no_local_replicas(name):
-    """Refuses a lookup in a replica of a strategy with several replicas
-    in this process (MirroredStrategy, MWMS with several local devices):
+    """Refuses a lookup of a table that is not sharded over the replicas
+    of the strategy in scope, inside one of its several local replicas:
     the table would be replicated, not sharded, and each replica's update
     applied on its own."""
-    if not tf.distribute.has_strategy():
+    strategy = replicas.local_strategy()
+    if strategy is None or not replicas.in_replica_context():
         return
-    strategy = tf.distribute.get_strategy()
     local = len(strategy.extended.worker_devices)
-    if local > 1:
+    if replicas.shards_tables(strategy):
         raise NotImplementedError(
-            f"Table '{name}': sok_keras does not support "
-            f"{type(strategy).__name__} with {local} replicas in one "
-            "process yet (each replica would need its own shard). Run one "
-            "process per device: `sokrun -np N python train.py` (no "
-            "strategy), or MultiWorkerMirroredStrategy with one device per "
-            "worker. See docs/recipes.md.")
+            f"Table '{name}' is looked up inside `strategy.run` of a "
+            f"{type(strategy).__name__} with {local} replicas, but it was "
+            "not made in that strategy's scope, so it is not sharded over "
+            "its replicas: create the table (or the model) inside "
+            "`strategy.scope()`. See docs/recipes.md.")
+    raise NotImplementedError(
+        f"Table '{name}': sok_keras does not support "
+        f"{type(strategy).__name__} with {local} replicas in one "
+        "process of a multi-worker job (each replica would need its own "
+        "shard). Run one process per device: `sokrun -np N python "
+        "train.py` (no strategy), MultiWorkerMirroredStrategy with one "
+        "device per worker, or MirroredStrategy in one process. See "
+        "docs/recipes.md.")
+
+
+def _exchange_comm(param, name):
+    """The communicator of a lookup of `param` (several ranks), or None
+    where a table sharded over a strategy's replicas is looked up outside
+    `strategy.run` (its shards are then read directly)."""
+    if param._sok_shards:
+        if replicas.replica_id(param.num_ranks) is None:
+            if replicas.in_replica_context():
+                raise NotImplementedError(
+                    f"Table '{name}' is sharded over {param.num_ranks} "
+                    "replicas but looked up in a replica context of "
+                    f"{tf.distribute.get_replica_context().num_replicas_in_sync}"
+                    " replicas.")
+            return None
+        return replicas.communicator(param.num_ranks)
+    _check_no_local_replicas(name)
+    return world.communicator()
+
+
+def _rows_from_every_replica(param, ids, name):
+    """`gather_rows` of a replica-sharded table outside `strategy.run`:
+    each distinct id's row read from its replica's shard."""
+    d = lookup_ops.dedup_bucketize(
+        ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
+        owner=param.target_rank, table_name=name, raise_on_error=True)
+    parts = tf.split(d.local_rows, d.counts, num=param.num_ranks)
+    rows = tf.concat([tf.gather(shard, part) for shard, part in
+                      zip(param._sok_shards, parts)], 0)
+    return rows, d.inverse
 
 
 def _check_world(param, name):
-    """Raises unless `param` is a table sharded over the current world."""
+    """Raises unless `param` is a table sharded over the current world
+    (or over the replicas of the current strategy)."""
     _check_table(param)
+    if param._sok_shards:
+        return  # (`_exchange_comm` checked the replica count)
     if param.num_ranks != world.num_ranks():
         raise RuntimeError(
             f"Table '{name}' was created for {param.num_ranks} ranks, but "
@@ -608,12 +649,14 @@ def gather_rows(param, ids, table_name=None, problem=None):
         and `inverse` `[nnz]` maps every id to its row in `rows`.
     """
     name = table_name or _table_key(param)
-    _check_no_local_replicas(name)
     if param.num_ranks == 1:
         # One rank: the owner is here; dedup and gather, no exchange.
+        _check_no_local_replicas(name)
         return _owned_rows(param, ids, name)
-    return _exchange_rows(world.communicator(), [param], [ids], [name],
-                          [problem])[0]
+    comm = _exchange_comm(param, name)
+    if comm is None:
+        return _rows_from_every_replica(param, ids, name)
+    return _exchange_rows(comm, [param], [ids], [name], [problem])[0]
 
 
 def gather_rows_fused(params, ids_list, names, problems=None):
@@ -633,15 +676,16 @@ def gather_rows_fused(params, ids_list, names, problems=None):
     Returns:
         A list of `(rows, inverse)`, one per table, as `gather_rows`.
     """
-    for name in names:
-        _check_no_local_replicas(name)
     problems = list(problems) if problems is not None else (
         [None] * len(params))
-    if world.num_ranks() == 1 or len(params) == 1:
+    comms = [None if p.num_ranks == 1 else _exchange_comm(p, name)
+             for p, name in zip(params, names)]
+    if len(params) == 1 or comms[0] is None or any(
+            c is not comms[0] for c in comms):
         return [gather_rows(p, ids, table_name=name, problem=pr)
                 for p, ids, name, pr in zip(params, ids_list, names,
                                             problems)]
-    return _exchange_rows(world.communicator(), list(params), list(ids_list),
+    return _exchange_rows(comms[0], list(params), list(ids_list),
                           list(names), problems)
 
 
@@ -1024,13 +1068,13 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
     """
     consistency.record_lookup(param, f"lookup_one[{combiner},{pooling}]")
     name = name or _table_key(param)
-    _check_no_local_replicas(name)
     _check_combiner(combiner, name)
     if pooling not in POOLING_MODES:
         raise ValueError(
             f"{name}: `pooling` must be one of {POOLING_MODES}. Received: "
             f"pooling={pooling!r}.")
     if param.num_ranks == 1:
+        _check_no_local_replicas(name)
         if combiner is None:
             whole = _unpooled_whole_table(param, ids, weights, name)
         else:
@@ -1038,10 +1082,16 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
         if whole is not None:
             return whole
     feat = normalize_ids(ids, weights, name)
+    if param._sok_shards and pooling == "auto":
+        # Between a strategy's replicas the collectives are merge_calls,
+        # which cannot sit inside the per-step `tf.cond` of "auto".
+        pooling = "home"
     if combiner is not None and param.num_ranks > 1 and pooling != "home":
-        _check_world(param, name)
-        return _pooled_exchange(world.communicator(), param, feat, combiner,
-                                name, pooling)
+        comm = _exchange_comm(param, name)
+        if comm is not None:
+            _check_world(param, name)
+            return _pooled_exchange(comm, param, feat, combiner, name,
+                                    pooling)
     rows, inverse = gather_rows(param, feat.values, table_name=name,
                                 problem=feat.problem)
     if combiner is None:

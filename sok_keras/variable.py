@@ -121,7 +121,15 @@ class Variable(keras.Variable):
                 f"Unexpected keyword argument(s) for sok_keras.Variable: "
                 f"{sorted(kwargs)}."
             )
-        num_ranks, rank = world.num_ranks(), world.rank()
+        from sok_keras import replicas
+
+        strategy = replicas.table_strategy(name)
+        if strategy is not None:  # sharded over this process's replicas
+            num_ranks, rank = strategy.num_replicas_in_sync, 0
+            owners = range(num_ranks)
+        else:
+            num_ranks, rank = world.num_ranks(), world.rank()
+            owners = (rank,)
         kind, target = parse_mode(mode, num_ranks, name)
         if initial_value is None:
             raise ValueError(
@@ -139,24 +147,28 @@ class Variable(keras.Variable):
             dtype = dtype or "float32"
             from sok_keras import table_init
 
-            rows = global_to_local(global_shape[0], kind, rank, num_ranks)
-            if kind == LOCALIZED and rank != target:
-                rows = rows[:0]
             # Eagerly, even when the table is built inside a trace (a
             # subclassed model's first call): the seed agreement and the
             # block writes must not become part of the traced step.
             tracing = not tf.executing_eagerly()
-            with tf.init_scope():
-                plan = table_init.TablePlan(
-                    keras.initializers.get(initial_value), global_shape,
-                    dtype, rows, num_ranks if kind == DISTRIBUTED else 1,
-                    name)
-                value = plan.initial_value()
-                if tracing:
-                    # Made inside a trace, the variable is initialized when
-                    # the function first runs: it cannot be written now, so
-                    # it starts from the whole shard.
-                    value, plan = plan.local_value(value), None
+            values = []
+            for r in owners:
+                rows = global_to_local(global_shape[0], kind, r, num_ranks)
+                if kind == LOCALIZED and r != target:
+                    rows = rows[:0]
+                with tf.init_scope():
+                    plan = table_init.TablePlan(
+                        keras.initializers.get(initial_value), global_shape,
+                        dtype, rows, num_ranks if kind == DISTRIBUTED else 1,
+                        name)
+                    value = plan.initial_value()
+                    if tracing or strategy is not None:
+                        # Made inside a trace, the variable is initialized
+                        # when the function first runs: it cannot be
+                        # written now, so it starts from the whole shard
+                        # (as does each replica's shard).
+                        value, plan = plan.local_value(value), None
+                values.append(value)
         else:
             array = np.asarray(
                 keras.ops.convert_to_numpy(initial_value)
@@ -180,10 +192,20 @@ class Variable(keras.Variable):
                     else "float32"
                 )
             global_shape = array.shape
-            rows = global_to_local(global_shape[0], kind, rank, num_ranks)
-            if kind == "localized" and rank != target:
-                rows = rows[:0]
-            value = array[rows].astype(keras.backend.standardize_dtype(dtype))
+            values = []
+            for r in owners:
+                rows = global_to_local(global_shape[0], kind, r, num_ranks)
+                if kind == LOCALIZED and r != target:
+                    rows = rows[:0]
+                values.append(array[rows].astype(
+                    keras.backend.standardize_dtype(dtype)))
+        value = values[0]
+        # Replica shards (`sok_keras.replicas`): made by `_initialize`.
+        self._sok_replica_values = values if strategy is not None else None
+        self._sok_replica_devices = (
+            list(strategy.extended.worker_devices) if strategy is not None
+            else None)
+        self._sok_shards = None
         self._sok_kind = kind
         self._sok_target = target
         self._sok_rank = rank
@@ -198,12 +220,15 @@ class Variable(keras.Variable):
         # No reference to the initial tensor may outlive this point: a
         # slice assignment copies a variable's whole buffer while another
         # tensor shares it.
-        del value
+        del value, values
         if plan is not None:
             with tf.init_scope():
                 plan.fill(self._value)  # block by block, in place
 
     def _initialize(self, value):
+        if self._sok_replica_values is not None:
+            self._initialize_replica_shards()
+            return
         # A shard belongs to this rank alone: under a tf.distribute
         # strategy's scope it must not become a mirrored variable (the
         # strategy would copy rank 0's rows to every replica, or fail on
@@ -224,6 +249,59 @@ class Variable(keras.Variable):
                     name=self.name)
             return
         super()._initialize(value)
+
+    def _initialize_replica_shards(self):
+        """One variable per replica of the strategy, on its device (see
+        `sok_keras.replicas`); shard 0 stands for the table outside
+        `strategy.run`."""
+        from tensorflow.python.ops import resource_variable_ops
+
+        values, self._sok_replica_values = self._sok_replica_values, None
+        shards = []
+        with tf.init_scope():
+            for r, (device, value) in enumerate(
+                    zip(self._sok_replica_devices, values)):
+                with tf.device(device):
+                    shards.append(resource_variable_ops.ResourceVariable(
+                        value, dtype=self._dtype, trainable=self.trainable,
+                        name=f"{self.name}_replica_{r}"))
+        self._sok_shards = shards
+        self._value = shards[0]
+
+    @property
+    def _value(self):
+        # Inside `strategy.run` a replica-sharded table is the current
+        # replica's shard: reads, gradients and sparse updates all reach it.
+        shards = self.__dict__.get("_sok_shards")
+        if shards:
+            from sok_keras import replicas
+
+            r = replicas.replica_id(len(shards))
+            if r is not None:
+                return shards[r]
+        return self.__dict__.get("_sok_value")
+
+    @_value.setter
+    def _value(self, value):
+        self.__dict__["_sok_value"] = value
+
+    @property
+    def shape(self):
+        shards = self.__dict__.get("_sok_shards")
+        if shards:
+            from sok_keras import replicas
+
+            r = replicas.replica_id(len(shards))
+            if r is not None:
+                return shards[r].shape
+        return super().shape
+
+    @property
+    def replica_shards(self):
+        """The per-replica shard variables of a table sharded over the
+        replicas of a `MirroredStrategy` (`sok_keras.replicas`), else
+        None."""
+        return None if not self._sok_shards else list(self._sok_shards)
 
     # -- sharding facts ---------------------------------------------------
     @property
@@ -253,7 +331,18 @@ class Variable(keras.Variable):
 
     @property
     def rank(self):
-        """The rank of this process when the table was created."""
+        """The rank of this process when the table was created (for a
+        table sharded over a strategy's replicas, the current replica's
+        id inside `strategy.run`, else 0)."""
+        return self._current_rank()
+
+    def _current_rank(self):
+        if self._sok_shards:
+            from sok_keras import replicas
+
+            r = replicas.replica_id(len(self._sok_shards))
+            if r is not None:
+                return r
         return self._sok_rank
 
     @property
@@ -294,6 +383,10 @@ class Variable(keras.Variable):
         where = f"{self.path}:{name}"
         if name in self._sok_slots:
             self._sok_slots[name].assign_global(table, where)
+        elif self._sok_shards:
+            # Every replica's rows: kept whole (one process holds them all).
+            _check_global_shape(table, self._sok_global_shape, where)
+            self._sok_pending_slots[name] = _as_rows(table[:], "float32")
         else:
             _check_global_shape(table, self._sok_global_shape, where)
             self._sok_pending_slots[name] = read_local_rows(
@@ -325,17 +418,19 @@ class Variable(keras.Variable):
             )
         self._sok_slots[name] = slot
         pending = self._sok_pending_slots.pop(name, None)
-        if pending is not None:  # this rank's rows, restored from a file
+        if pending is not None and self._sok_shards:  # the whole slot
+            slot.assign_global(pending)
+        elif pending is not None:  # this rank's rows, restored from a file
             _assign_local(slot, pending)
         return slot
 
     def local_ids(self):
         """Returns the global ids of this shard's rows, as NumPy int64."""
-        if self._sok_kind == LOCALIZED and self._sok_rank != self._sok_target:
+        rank = self._current_rank()
+        if self._sok_kind == LOCALIZED and rank != self._sok_target:
             return np.zeros([0], np.int64)
         return global_to_local(
-            self.vocabulary_size, self._sok_kind, self._sok_rank,
-            self._sok_num_ranks,
+            self.vocabulary_size, self._sok_kind, rank, self._sok_num_ranks,
         )
 
     def read_global(self):
@@ -345,6 +440,8 @@ class Variable(keras.Variable):
         """
         if self._sok_num_ranks == 1:
             return keras.ops.convert_to_numpy(self.value)
+        if self._sok_shards:
+            return self._read_replica_shards()
         comm = world.communicator()
         rows, dim = self._sok_global_shape
         n = self._sok_num_ranks
@@ -375,6 +472,9 @@ class Variable(keras.Variable):
         """
         _check_global_shape(table, self._sok_global_shape,
                             name or self.path)
+        if self._sok_shards:
+            self._assign_replica_shards(table)
+            return
         n, rank = self._sok_num_ranks, self._sok_rank
         local_rows = int(self.shape[0])
         dtype = keras.backend.standardize_dtype(self.dtype)
@@ -391,6 +491,26 @@ class Variable(keras.Variable):
             rows = _read_rows(table, self._sok_kind, rank, n, a, b, dtype)
             target.scatter_update(tf.IndexedSlices(
                 tf.convert_to_tensor(rows), tf.range(a, b, dtype=tf.int64)))
+
+    def _read_replica_shards(self):
+        """The whole table from every replica's shard (one process)."""
+        shards = [keras.ops.convert_to_numpy(tf.convert_to_tensor(v))
+                  for v in self._sok_shards]
+        if self._sok_kind == LOCALIZED:
+            return shards[self._sok_target]
+        rows, dim = self._sok_global_shape
+        out = np.empty((rows, dim), shards[0].dtype)
+        for r, shard in enumerate(shards):
+            out[r::len(shards)] = shard
+        return out
+
+    def _assign_replica_shards(self, table):
+        """Sets every replica's shard from the whole `table`."""
+        dtype = keras.backend.standardize_dtype(self.dtype)
+        n = self._sok_num_ranks
+        for r, shard in enumerate(self._sok_shards):
+            shard.assign(read_local_rows(
+                table, self._sok_kind, self._sok_target, r, n, dtype))
 
     def __repr__(self):
         return (
@@ -546,6 +666,12 @@ class SavedEntry:
         self.kind, self.target = table._sok_kind, table._sok_target
         self.rank, self.num_ranks = table._sok_rank, table._sok_num_ranks
         self.rows, self.dim = table._sok_global_shape
+        self._whole = None
+        if table._sok_shards:
+            # Sharded over one process's replicas: saved as the whole table
+            # of a single rank, read from every shard.
+            self.kind, self.target = DISTRIBUTED, -1
+            self.rank, self.num_ranks = 0, 1
         if slot is None:
             source = table
         elif slot in table._sok_slots:
@@ -557,17 +683,23 @@ class SavedEntry:
         self._source = source
         self.dtype = keras.backend.standardize_dtype(source.dtype)
         self.local_rows = int(source.shape[0])
+        if table._sok_shards:
+            self.local_rows = self.rows
+            if not isinstance(source, np.ndarray):  # (a pending slot is whole)
+                self._whole = source
+
+    def read(self, a, b):
+        """This rank's local rows `[a, b)` as a NumPy array."""
+        if self._whole is not None:  # replica shards: read them once
+            self._whole, self._source = None, self._whole.read_global()
+        if isinstance(self._source, np.ndarray):
+            return self._source[a:b]
+        return keras.ops.convert_to_numpy(self._source.value[a:b])
 
     @property
     def name(self):
         return self.table.path + ("" if self.slot is None
                                   else f":{self.slot}")
-
-    def read(self, a, b):
-        """This rank's local rows `[a, b)` as a NumPy array."""
-        if isinstance(self._source, np.ndarray):
-            return self._source[a:b]
-        return keras.ops.convert_to_numpy(self._source.value[a:b])
 
 
 def table_entries(table):

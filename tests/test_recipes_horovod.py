@@ -139,3 +139,24 @@ def test_bad_arguments_are_refused():
     # One rank: every collective is the identity.
     assert hvd.allreduce(x).numpy().tolist() == [1.0]
     assert hvd.broadcast_variables([table], root_rank=0) == []
+
+
+def test_three_sok_layers_100_steps_of_fit_on_sokrun_ranks(runs):
+    """Plain `model.fit` (no strategy, no hvd) of the same 3 sok layers on
+    `sokrun -np 2`: 100 steps, no hang, parity with one process."""
+    two, one = runs
+    assert one["fit_three_layers"]["steps"] == 100
+    for r in (0, 1):
+        got = two[r]["fit_three_layers"]
+        assert got["steps"] == 100
+        np.testing.assert_allclose(got["loss"],
+                                   one["fit_three_layers"]["loss"],
+                                   rtol=1e-5)
+    for a, b, c in zip(two[0]["fit_three_layers"]["weights"],
+                       two[1]["fit_three_layers"]["weights"],
+                       one["fit_three_layers"]["weights"]):
+        a, b, c = np.array(a), np.array(b), np.array(c)
+        np.testing.assert_array_equal(a, b)
+        if a.shape != c.shape:  # All2AllDenseEmbedding: rows per GPU x N
+            a = a[:c.shape[0]]
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)

@@ -49,6 +49,16 @@ def test_fit_under_multi_worker_strategy_parity(runs):
     _compare(two, one, "fit", atol=1e-6)
 
 
+def test_three_sok_layers_100_steps_of_fit_parity(runs):
+    """`model.fit` of 3 sok layers (distributed, localized on the last
+    worker, All2AllDenseEmbedding) under the strategy: 100 steps, no hang,
+    parity with one process."""
+    two, one = runs
+    assert one["long"]["steps"] == 100
+    assert [two[r]["long"]["steps"] for r in (0, 1)] == [100, 100]
+    _compare(two, one, "long", atol=1e-6)
+
+
 def test_upstream_keras_20585_still_open(runs):
     """A plain Keras model's `fit` under the same 2-worker strategy still
     fails in `_maybe_symbolic_build` (keras-team/keras#20585). When this

@@ -3,7 +3,7 @@
 import keras
 import tensorflow as tf
 
-from sok_keras import world
+from sok_keras import replicas
 from sok_keras.layers.base_embedding import BaseEmbedding
 from sok_keras.layers.base_embedding import check_positive_int
 
@@ -72,7 +72,7 @@ class All2AllDenseEmbedding(BaseEmbedding):
             nnz_per_slot, "nnz_per_slot", cls)
         self._vocabulary_size_arg = vocabulary_size
         rows = vocabulary_size if vocabulary_size is not None else (
-            self.max_vocabulary_size_per_gpu * world.num_ranks())
+            self.max_vocabulary_size_per_gpu * replicas.table_ranks())
         super().__init__(
             rows, embedding_vec_size, combiner=None,
             embeddings_initializer=embeddings_initializer, **kwargs)

@@ -248,11 +248,11 @@ class EmbeddingCollection(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
-        from sok_keras import world
+        from sok_keras import replicas
 
         self.embeddings = {}
         for t, spec in self.tables.items():
-            parse_mode(spec["mode"], world.num_ranks(), t)
+            parse_mode(spec["mode"], replicas.table_ranks(), t)
             var = Variable(
                 keras.initializers.deserialize(spec["initializer"]),
                 shape=(spec["vocabulary_size"], spec["embedding_dim"]),

@@ -5,7 +5,7 @@ import threading
 
 import keras
 
-from sok_keras import world
+from sok_keras import replicas
 from sok_keras.layers.base_embedding import BaseEmbedding
 
 _ROUND_ROBIN = itertools.count()
@@ -14,7 +14,7 @@ _ROUND_ROBIN_LOCK = threading.Lock()
 
 def _next_rank():
     with _ROUND_ROBIN_LOCK:
-        return next(_ROUND_ROBIN) % world.num_ranks()
+        return next(_ROUND_ROBIN) % replicas.table_ranks()
 
 
 @keras.saving.register_keras_serializable(package="sok_keras")
@@ -81,10 +81,10 @@ class LocalizedEmbedding(BaseEmbedding):
         if self._placed_rank is None:
             self._placed_rank = self.rank if self.rank is not None else (
                 _next_rank())
-        if self._placed_rank >= world.num_ranks():
+        if self._placed_rank >= replicas.table_ranks():
             raise ValueError(
                 f"LocalizedEmbedding '{self.name}': rank={self._placed_rank} "
-                f"but there are only {world.num_ranks()} rank(s)."
+                f"but there are only {replicas.table_ranks()} rank(s)."
             )
         return f"localized:{self._placed_rank}"
 

@@ -119,8 +119,9 @@ def _all_finite(grads, key="sok_optimizer/finite"):
         if values.dtype.is_floating:  # (integers are always finite)
             flags.append(tf.reduce_all(tf.math.is_finite(values)))
     finite = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
-    if world.num_ranks() > 1:
-        votes = world.communicator().all_reduce(
+    comm = _tables_communicator()
+    if comm is not None:
+        votes = comm.all_reduce(
             tf.reshape(tf.cast(finite, tf.int32), [1]),
             key=key, op="min")
         finite = tf.equal(votes[0], 1)
@@ -156,10 +157,25 @@ def _sparse_sq_norms(slices):
     if len({t.dtype for t in sq}) > 1:
         sq = [tf.cast(t, tf.float32) for t in sq]
     sq = tf.stack(sq)
-    if world.num_ranks() > 1:
-        sq = world.communicator().all_reduce(
+    comm = _tables_communicator()
+    if comm is not None:
+        sq = comm.all_reduce(
             sq, key=f"sok_optimizer/sq_norms/{len(slices)}", op="sum")
     return sq
+
+
+def _tables_communicator():
+    """Who shares the tables' shards: the ranks' communicator, or the
+    replicas' inside `strategy.run` of a single-process MirroredStrategy
+    (`sok_keras.replicas`); None for one rank."""
+    from sok_keras import replicas
+
+    if world.num_ranks() > 1:
+        return world.communicator()
+    if replicas.in_replica_context():
+        ctx = tf.distribute.get_replica_context()
+        return replicas.communicator(ctx.num_replicas_in_sync)
+    return None
 
 
 def _combine_duplicates(s):
@@ -432,6 +448,15 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         if not self.skip_nonfinite:
             update()
             return
+        from sok_keras import replicas
+
+        if replicas.in_replica_context() and not tf.executing_eagerly():
+            raise NotImplementedError(
+                f"OptimizerWrapper '{self.name}': `skip_nonfinite=True` is "
+                "not supported inside `strategy.run` of a strategy with "
+                "several replicas in one process (the skipped branch would "
+                "hold the strategy's gradient all-reduce). Use it with "
+                "`sokrun` ranks, or leave it off.")
         finite = _all_finite(grads)
 
         def skip():

@@ -211,18 +211,29 @@ result["demo"] = {"losses": losses, "weights": weights_of(model)}
 
 # --- three sok layers, 100 steps, DistributedGradientTape -----------------
 STEPS3, B3 = 100, 8
-inp_a = tf.keras.Input((3,), dtype="int64")
-inp_b = tf.keras.Input((2,), dtype="int64")
-inp_c = tf.keras.Input((2, 2), dtype="int64")
-ea = sok.DistributedEmbedding(40, 4, combiner="mean", name="ea")(inp_a)
-eb = sok.LocalizedEmbedding(30, 4, combiner="sum", name="eb")(inp_b)
-ec = sok.All2AllDenseEmbedding(20, 4, slot_num=2, nnz_per_slot=2,
-                               vocabulary_size=40, name="ec")(inp_c)
-h = tf.keras.layers.Concatenate()([ea, eb, tf.keras.layers.Flatten()(ec)])
-h = tf.keras.layers.Dense(8, activation="relu")(h)
-out = tf.keras.layers.Dense(1)(h)
-model3 = tf.keras.Model([inp_a, inp_b, inp_c], out)
-same_start(model3, 3)
+
+
+def three_layer_model(prefix):
+    inp_a = tf.keras.Input((3,), dtype="int64")
+    inp_b = tf.keras.Input((2,), dtype="int64")
+    inp_c = tf.keras.Input((2, 2), dtype="int64")
+    ea = sok.DistributedEmbedding(40, 4, combiner="mean",
+                                  name=prefix + "a")(inp_a)
+    eb = sok.LocalizedEmbedding(30, 4, combiner="sum",
+                                name=prefix + "b")(inp_b)
+    ec = sok.All2AllDenseEmbedding(20, 4, slot_num=2, nnz_per_slot=2,
+                                   vocabulary_size=40,
+                                   name=prefix + "c")(inp_c)
+    h = tf.keras.layers.Concatenate()([ea, eb,
+                                       tf.keras.layers.Flatten()(ec)])
+    h = tf.keras.layers.Dense(8, activation="relu")(h)
+    out = tf.keras.layers.Dense(1)(h)
+    model = tf.keras.Model([inp_a, inp_b, inp_c], out)
+    same_start(model, 3)
+    return model
+
+
+model3 = three_layer_model("e")
 rng = np.random.default_rng(4)
 data3 = [rng.integers(0, 40, (STEPS3, B3, 3)),
          rng.integers(0, 30, (STEPS3, B3, 2)),
@@ -250,4 +261,16 @@ for s in range(STEPS3):
     losses3.append(float(step3(*[tf.constant(local(d)[s]) for d in data3],
                                tf.constant(local(y3)[s]))))
 result["three_layers"] = {"losses": losses3, "weights": weights_of(model3)}
+
+# --- the same model, 100 steps of plain `model.fit` on sokrun's ranks ----------
+fit3 = three_layer_model("f")
+fit3.compile(optimizer=sok.OptimizerWrapper(tf.keras.optimizers.SGD(0.05)),
+             loss="mse")
+history3 = fit3.fit(
+    [local(d).reshape((-1,) + d.shape[2:]) for d in data3],
+    local(y3).reshape((-1, 1)), batch_size=B3 // hvd.size(), epochs=1,
+    shuffle=False, verbose=0)
+result["fit_three_layers"] = {"loss": history3.history["loss"],
+                              "steps": int(fit3.optimizer.iterations.numpy()),
+                              "weights": weights_of(fit3)}
 write_result(result)

@@ -1,6 +1,7 @@
 """MirroredStrategy over 2 and 4 logical CPU devices in one process:
 `comm.ReplicaCommunicator` collectives between the replicas (eager and in
-`tf.function`), and the refusal of a sok lookup inside such a replica."""
+`tf.function`). The tables and layers on top of it:
+recipe_mirrored_train.py."""
 
 import numpy as np
 import tensorflow as tf
@@ -60,20 +61,6 @@ def scenario(n):
                              for t in res.values()])}
             for i in range(n)]
 
-    # A sok lookup inside a replica of this strategy is refused clearly.
-    with strategy.scope():
-        table = sok.Variable(np.arange(12.0).reshape(6, 2), dtype="float32",
-                             name="mirrored_table")
-
-    def lookup():
-        return sok.lookup_sparse(
-            table, tf.sparse.from_dense(tf.constant([[1, 2]], tf.int64)))
-
-    try:
-        strategy.run(lookup)
-        out["refused"] = None
-    except NotImplementedError as e:
-        out["refused"] = str(e)
     return out
 
 

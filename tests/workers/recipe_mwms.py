@@ -195,4 +195,41 @@ if MODE in ("all", "fit"):
                             verbose=0)
     result["fit"] = {"losses": [float(v) for v in history.history["loss"]],
                      "weights": weights_of(fit_model)}
+
+    # 100 steps of a model with 3 sok layers under the strategy (no hang).
+    LONG, B3 = 100, 8
+    r3 = np.random.default_rng(4)
+    data3 = [r3.integers(0, 40, (LONG, B3, 3)),
+             r3.integers(0, 30, (LONG, B3, 2)),
+             r3.integers(0, 40, (LONG, B3, 2, 2))]
+    y3 = r3.normal(size=(LONG, B3, 1)).astype("float32")
+    with strategy.scope():
+        i3 = [tf.keras.Input((3,), dtype="int64"),
+              tf.keras.Input((2,), dtype="int64"),
+              tf.keras.Input((2, 2), dtype="int64")]
+        ea = sok.DistributedEmbedding(40, 4, combiner="mean")(i3[0])
+        eb = sok.LocalizedEmbedding(30, 4, rank=N - 1)(i3[1])
+        ec = sok.All2AllDenseEmbedding(20, 4, slot_num=2, nnz_per_slot=2,
+                                       vocabulary_size=40)(i3[2])
+        h = tf.keras.layers.Concatenate()([ea, eb,
+                                           tf.keras.layers.Flatten()(ec)])
+        h = tf.keras.layers.Dense(8, activation="relu")(h)
+        model3 = tf.keras.Model(i3, tf.keras.layers.Dense(1)(h))
+        same_start(model3, 3)
+        model3.compile(
+            optimizer=sok.OptimizerWrapper(tf.keras.optimizers.SGD(0.05)),
+            loss="mse")
+
+    def local_dataset3(context):
+        b = context.get_per_replica_batch_size(B3)
+        xs = tuple(local(d).reshape((-1,) + d.shape[2:]) for d in data3)
+        return tf.data.Dataset.from_tensor_slices(
+            (xs, local(y3).reshape((-1, 1)))).batch(b)
+
+    history3 = model3.fit(
+        strategy.distribute_datasets_from_function(local_dataset3),
+        epochs=1, steps_per_epoch=LONG, verbose=0)
+    result["long"] = {"losses": [float(v) for v in history3.history["loss"]],
+                      "steps": int(model3.optimizer.iterations.numpy()),
+                      "weights": weights_of(model3)}
 write_result(result)
