@@ -291,6 +291,26 @@ def targets(table, runs):
     return t
 
 
+SAME_MODEL_KEYS = ("small", "vocab_sizes", "embedding_dim", "bottom", "top",
+                   "batch_per_rank", "optimizer", "steps", "warmup")
+
+
+def check_same_model(runs):
+    """Raises SystemExit unless every run trained the same model with the
+    same per-rank batch (a --baseline from another configuration)."""
+    first = {k: runs[0]["config"].get(k) for k in SAME_MODEL_KEYS}
+    for x in runs[1:]:
+        other = {k: x["config"].get(k) for k in SAME_MODEL_KEYS}
+        diff = sorted(k for k in SAME_MODEL_KEYS if first[k] != other[k])
+        if diff:
+            raise SystemExit(
+                "bench/dlrm_scaling.py: the runs differ in "
+                + ", ".join(f"{k} ({first[k]} at N={runs[0]['num_ranks']}, "
+                            f"{other[k]} at N={x['num_ranks']})"
+                            for k in diff)
+                + "; efficiency needs the same model and batch per rank")
+
+
 def load_baseline(path):
     """The one-rank run of an earlier record (a one-run record or a
     driver's), to compare later runs with."""
@@ -354,6 +374,7 @@ def _driver(args, argv):
                  f"{args.timeout:g}", "python bench/dlrm_scaling.py",
                  "--out FILE"] + passed)
             runs.append(rec)
+    check_same_model(runs)
     table = scaling(runs)
     result = {
         "benchmark": "dlrm_scaling",

@@ -128,6 +128,23 @@ def test_scaling_and_targets_from_records():
     assert dlrm_scaling.scaling(runs[1:])["2"]["speedup"] is None
 
 
+def test_baseline_must_be_a_one_rank_run_of_the_same_model(tmp_path):
+    cfg = {k: 1 for k in dlrm_scaling.SAME_MODEL_KEYS}
+    one = {"num_ranks": 1, "examples_per_s": 10.0, "config": cfg}
+    two = {"num_ranks": 2, "examples_per_s": 15.0, "config": cfg}
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps({"runs": [one, two]}))
+    base = dlrm_scaling.load_baseline(str(path))
+    assert base["num_ranks"] == 1 and base["baseline_from"] == str(path)
+    dlrm_scaling.check_same_model([base, two])
+    path.write_text(json.dumps({"runs": [two]}))
+    with pytest.raises(SystemExit, match="has no one-rank run"):
+        dlrm_scaling.load_baseline(str(path))
+    other = dict(two, config=dict(cfg, batch_per_rank=64))
+    with pytest.raises(SystemExit, match=r"batch_per_rank \(1 at N=1, 64 "):
+        dlrm_scaling.check_same_model([base, other])
+
+
 def test_dlrm_scaling_driver_on_one_and_two_ranks(tmp_path):
     out = tmp_path / "dlrm.json"
     marker = uuid.uuid4().hex
