@@ -324,6 +324,18 @@ def load_baseline(path):
     return dict(one[0], baseline_from=path)
 
 
+def _without_backend(argv):
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--backend":
+            skip = True
+        elif not a.startswith("--backend="):
+            out.append(a)
+    return out
+
+
 def _driver(args, argv):
     try:
         ranks = [int(v) for v in args.ranks.split(",")]
@@ -355,10 +367,13 @@ def _driver(args, argv):
         env.pop(var, None)
     with tempfile.TemporaryDirectory(prefix="sok_dlrm_") as tmp:
         for n in ranks:
+            # One rank has no one to talk to: its run keeps the default
+            # backend ("auto": no communicator), whatever --backend says.
+            args_n = passed if n > 1 else _without_backend(passed)
             path = os.path.join(tmp, f"n{n}.json")
             cmd = [sys.executable, "-m", "sokrun", "-np", str(n),
                    "--timeout", str(args.timeout), sys.executable,
-                   os.path.abspath(__file__), "--out", path] + passed
+                   os.path.abspath(__file__), "--out", path] + args_n
             proc = subprocess.run(cmd, env=env, cwd=_common.REPO,
                                   capture_output=True, text=True)
             if proc.returncode != 0:
@@ -372,7 +387,7 @@ def _driver(args, argv):
             rec["command"] = " ".join(
                 ["python -m sokrun -np", str(n), "--timeout",
                  f"{args.timeout:g}", "python bench/dlrm_scaling.py",
-                 "--out FILE"] + passed)
+                 "--out FILE"] + args_n)
             runs.append(rec)
     check_same_model(runs)
     table = scaling(runs)

@@ -157,7 +157,8 @@ def test_dlrm_scaling_driver_on_one_and_two_ranks(tmp_path):
         env.pop(var, None)
     cmd = [sys.executable, os.path.join(BENCH, "dlrm_scaling.py"),
            "--ranks", "1,2", "--small", "--steps", "3", "--warmup", "1",
-           "--batch-per-rank", "64", "--timeout", "240", "--out", str(out)]
+           "--batch-per-rank", "64", "--timeout", "240", "--out", str(out),
+           "--backend", "collective"]
     proc = subprocess.Popen(cmd, env=env, cwd=multiprocess.REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -182,6 +183,9 @@ def test_dlrm_scaling_driver_on_one_and_two_ranks(tmp_path):
     assert sorted(runs) == [1, 2]
     assert runs[1]["backend"] == "local"
     assert runs[2]["backend"] == "collective"
+    # --backend goes to the runs of N > 1 only.
+    assert "--backend" not in runs[1]["command"]
+    assert runs[2]["command"].endswith("--backend collective")
     for n, r in runs.items():
         assert r["config"]["tables"] == 26
         assert r["config"]["batch_per_rank"] == 64
