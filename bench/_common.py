@@ -104,3 +104,58 @@ def finish(path, result, t0):
     result["total_s"] = round(time.perf_counter() - t0, 1)
     write_json(path, result)
     print(f"wrote {path} in {result['total_s']} s")
+
+
+def gpu_info():
+    """The GPUs `nvidia-smi` lists (index, name, memory in MiB, driver), or
+    [] when there is none or no `nvidia-smi`. Does not start CUDA."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,"
+             "driver_version", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 5 and parts[0].isdigit():
+            gpus.append({"index": int(parts[0]), "name": parts[1],
+                         "memory_total_mib": int(parts[2]),
+                         "memory_free_mib": int(parts[3]),
+                         "driver": parts[4]})
+    return gpus
+
+
+def visible_gpus():
+    """The `gpu_info()` entries this process may use (`CUDA_VISIBLE_DEVICES`
+    as a list of indices is honoured; UUIDs are not resolved: all GPUs)."""
+    gpus = gpu_info()
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is None:
+        return gpus
+    vis = vis.strip()
+    if vis in ("", "-1"):
+        return []
+    wanted = [v.strip() for v in vis.split(",")]
+    if not all(v.isdigit() for v in wanted):
+        return gpus
+    by_index = {g["index"]: g for g in gpus}
+    return [by_index[int(v)] for v in wanted if int(v) in by_index]
+
+
+def sokrun_command(num_ranks, timeout=None):
+    """The sokrun line that runs this script on `num_ranks` ranks, as a
+    string (for the results' "command")."""
+    head = f"python -m sokrun -np {num_ranks}"
+    if timeout:
+        head += f" --timeout {timeout:g}"
+    return head + " " + command_line()
+
+
+def relevant_env():
+    """The environment variables that change what a benchmark measures."""
+    prefixes = ("SOK_BACKEND", "SOK_COMM_TIMEOUT", "NCCL_", "TF_FORCE_GPU",
+                "TF_NUM_", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(prefixes)}
