@@ -59,5 +59,14 @@ if [ "$what" = bench ] || [ "$what" = multirank ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench timeout 280 python3 bench/gpu_step.py --out "$out/gpu_step.json"
+  # P5b/P11 scripts, dry runs on the one GPU (2 ranks share it: TF
+  # collectives for sok, gloo for torch): see bench/MULTIGPU.md.
+  step alltoall_dryrun timeout 200 python3 -m sokrun -np 2 --timeout 190 \
+      python3 bench/alltoall.py --out "$out/alltoall_1gpu_2ranks.json" \
+      --sizes-mib 16,64 --iters 3 --rounds 3 --warmup 1 \
+      --label "H200, 2 ranks on 1 GPU: dry run"
+  step dlrm_dryrun timeout 200 python3 bench/dlrm_scaling.py --ranks 1,2 \
+      --small --timeout 90 --out "$out/dlrm_1gpu_small.json" \
+      --label "H200, 1 GPU: dry run"
 fi
 exit $status
