@@ -114,6 +114,20 @@ def test_fit_under_mirrored_strategy_parity(trained, n, part):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+def test_embedding_collection_inside_strategy_run(trained, n):
+    """Pooled and unpooled features of a distributed and a localized table
+    (`EmbeddingCollection`) and one `sok.optimizers.SGD` step inside
+    `strategy.run`, against one process on the whole batch."""
+    got, want = trained[n]["collection"], trained[1]["collection"]
+    for k in ("user_id", "clicked", "history"):
+        np.testing.assert_allclose(got["outputs"][k], want["outputs"][k],
+                                   rtol=1e-6, atol=1e-6)
+    _same_weights(got["tables"], want["tables"], 1e-6, 1e-6)
+    for before, after in zip(got["initial"], got["tables"]):
+        assert before != after  # the step trained both tables
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_save_and_load_under_mirrored_strategy(trained, n):
     fit = trained[n]["fit"]
     back = fit["saved"]["mirrored"]

@@ -227,6 +227,72 @@ def three_tables(strategy, steps, eager=False, save_to=None):
     return out
 
 
+COLLECTION_TABLES = {
+    "user": {"vocabulary_size": 30, "embedding_dim": 4},
+    "item": {"vocabulary_size": 50, "embedding_dim": 6,
+             "mode": "localized:0"},
+}
+COLLECTION_FEATURES = {
+    "user_id": {"table": "user"},
+    "clicked": {"table": "item", "combiner": "mean"},
+    "history": {"table": "item", "combiner": None},
+}
+
+
+def collection_step(strategy):
+    """`EmbeddingCollection` (a distributed and a localized table, pooled
+    and unpooled features) inside `strategy.run`: outputs, then one step of
+    `sok.optimizers.SGD` (None: the same without a strategy)."""
+    scope = strategy.scope() if strategy else tf.distribute.get_strategy(
+    ).scope()
+    n = strategy.num_replicas_in_sync if strategy else 1
+    r = np.random.default_rng(6)
+    batch = 8
+    x = {"user_id": r.integers(0, 30, size=(batch,)),
+         "clicked": r.integers(-1, 50, size=(batch, 3)),
+         "history": r.integers(-1, 50, size=(batch, 3))}
+    with scope:
+        layer = sok.layers.EmbeddingCollection(COLLECTION_TABLES,
+                                               COLLECTION_FEATURES)
+        layer({k: v[:1] for k, v in x.items()})
+        for name, table in sorted(layer.embeddings.items()):
+            rows, dim = table.global_shape
+            table.assign_global(r.normal(size=(rows, dim)).astype("float32"))
+        opt = sok.optimizers.SGD(0.5)
+        opt.build(list(layer.embeddings.values()))
+    tables = [layer.embeddings[k] for k in sorted(layer.embeddings)]
+    initial = [t.read_global().tolist() for t in tables]
+
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            out = layer(inputs)
+            loss = (tf.reduce_sum(out["user_id"]) * 0.5
+                    + tf.reduce_sum(out["clicked"] ** 2)
+                    + tf.reduce_sum(out["history"] * 3.0))
+        grads = tape.gradient(loss, tables)
+        opt.apply_gradients(zip(grads, tables))
+        return out
+
+    if strategy is None:
+        out = tf.function(step)({k: tf.constant(v) for k, v in x.items()})
+        outs = {k: np.asarray(v).tolist() for k, v in out.items()}
+    else:
+        per = batch // n
+
+        def part(ctx):
+            i = ctx.replica_id_in_sync_group
+            return {k: tf.constant(v[i * per:(i + 1) * per])
+                    for k, v in x.items()}
+
+        dist = strategy.experimental_distribute_values_from_function(part)
+        out = strategy.run(tf.function(step), args=(dist,))
+        outs = {k: np.concatenate([np.asarray(t) for t in
+                                   strategy.experimental_local_results(v)]
+                                  ).tolist() for k, v in out.items()}
+    return {"outputs": outs, "initial": initial,
+            "tables": [t.read_global().tolist() for t in tables]}
+
+
 def cross_replica_lookup(strategy):
     """A lookup outside `strategy.run` reads every replica's shard."""
     with strategy.scope():
@@ -254,7 +320,8 @@ def refused(strategy):
 sok.init()
 if N == 1:
     result = {"loop": seed_loop(None), "fit": three_tables(None, 4),
-              "long": three_tables(None, LONG_STEPS)}
+              "long": three_tables(None, LONG_STEPS),
+              "collection": collection_step(None)}
 else:
     strategy = tf.distribute.MirroredStrategy(devices(N))
     result = {
@@ -264,6 +331,7 @@ else:
             OUT, "mirrored.keras")),
         "eager": three_tables(strategy, 4, eager=True),
         "long": three_tables(strategy, LONG_STEPS),
+        "collection": collection_step(strategy),
         "cross": cross_replica_lookup(strategy),
         "refused": refused(strategy),
     }
