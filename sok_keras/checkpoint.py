@@ -173,6 +173,14 @@ def _collect(model_or_variables, optimizer, fn):
         (tables if isinstance(v, Variable) else dense).append(v)
     _check_unique([t.path for t in tables], "table", fn)
     _check_unique([v.path for v in dense], "variable", fn)
+    for t in tables:
+        if t.replica_shards is not None:
+            raise NotImplementedError(
+                f"sok_keras.{fn}: table '{t.path}' is sharded over the "
+                f"{t.num_ranks} replicas of a MirroredStrategy; sharded "
+                "checkpoints hold one file per process rank. Use "
+                "`model.save` / `keras.models.load_model` (or "
+                "`save_weights` / `load_weights`) under the strategy.")
     return tables, dense, optimizer
 
 

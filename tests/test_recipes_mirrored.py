@@ -134,6 +134,9 @@ def test_save_and_load_under_mirrored_strategy(trained, n):
     _same_weights(back["weights"], fit["weights"], 0, 0)
     assert back["slots"] == fit["slots"]
     assert back["preds"] == fit["preds"]
+    # Sharded checkpoints (one file per process rank) say what to use.
+    assert "MirroredStrategy" in fit["dump_refused"]
+    assert "model.save" in fit["dump_refused"]
 
 
 @pytest.mark.parametrize("n", [2, 4])

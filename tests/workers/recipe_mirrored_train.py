@@ -224,6 +224,11 @@ def three_tables(strategy, steps, eager=False, save_to=None):
                if sok.variable.is_sok_variable(v)]}
     if save_to is not None:
         out["saved"] = save_and_load(strategy, model, head, save_to)
+        try:
+            sok.dump(save_to + ".ckpt", model)
+            out["dump_refused"] = None
+        except NotImplementedError as e:
+            out["dump_refused"] = str(e)
     return out
 
 
