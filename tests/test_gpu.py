@@ -569,43 +569,30 @@ def test_pooled_lookup_grad_bad_input_on_gpu():
                 weights=tf.zeros([0]), num_rows=10, table_name="emb")
 
 
-@pytest.mark.parametrize("rule", ["sgd", "adagrad", "adam", "adamw",
-                                  "amsgrad", "rmsprop", "ftrl", "momentum"])
+@pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dim", [13, 128])
 def test_sparse_optimizer_distinct_indices_on_gpu(rule, dtype, index_dtype,
-                                                  dim):
-    """Indices from the fused backward (distinct, proven at trace time) skip
-    the GPU dedup: bitwise the same update as with the dedup, and as close
-    to the CPU as the dedup path."""
+                                                  dim, monkeypatch):
+    """The GPU update of distinct indices without its dedup (what
+    `indices_are_unique` allows; forced here, on distinct unsorted
+    indices): bitwise the dedup path's result, and as close to the CPU."""
     nslots, apply = RULES[rule]
     rows, k = 700, 400
     results = []
-    flags = []
     for device, unique in ((CPU, True), (GPU, True), (GPU, False)):
+        monkeypatch.setattr(sparse_kernels, "indices_are_unique",
+                            lambda indices, num_rows, u=unique: u)
         rng = np.random.default_rng(21)
         with tf.device(device):
             var = tf.Variable(rng.normal(size=(rows, dim)).astype(dtype))
             slots = _slots(nslots, (rows, dim), dtype, rng)
-            idx = rng.permutation(rows)[:k].astype(index_dtype)
+            idx = tf.constant(rng.permutation(rows)[:k].astype(index_dtype))
             grad = tf.constant(rng.normal(size=(k, dim)).astype(dtype))
-
-            @tf.function
-            def step(idx, grad):
-                if unique:  # indices the optimizer can prove distinct
-                    _, idx = ops().sok_dedup_bucketize(
-                        ids=idx, num_ranks=1, vocab_size=rows)[:2]
-                else:  # the same rows, not provably distinct
-                    idx = tf.sort(tf.cast(idx, tf.int64))
-                op = apply(var, slots, idx, grad)
-                flags.append(op.get_attr("indices_are_unique"))
-
-            order = np.argsort(idx)  # the dedup's rows are sorted
             for _ in range(3):
-                step(tf.constant(idx), tf.gather(grad, order))
+                apply(var, slots, idx, grad)
         results.append([var.numpy()] + [s.numpy() for s in slots])
-    assert flags == [True, True, False]
     for a, b in zip(results[1], results[2]):
         np.testing.assert_array_equal(a, b)
     tol = 2e-6 if dtype == np.float32 else 1e-12
@@ -613,6 +600,34 @@ def test_sparse_optimizer_distinct_indices_on_gpu(rule, dtype, index_dtype,
         tol = 1e-3 if dtype == np.float32 else 1e-9
     for a, b in zip(results[0], results[1]):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_sparse_update_of_a_pooled_gradient_is_marked_unique_on_gpu():
+    """On the GPU too, the update of a one-rank lookup's gradient gets the
+    attr (the proof is the graph's, whatever the device)."""
+    with tf.device(GPU):
+        table = tf.Variable(tf.ones([50, 8]))
+        m, v = tf.Variable(tf.zeros([50, 8])), tf.Variable(tf.zeros([50, 8]))
+    seen = []
+
+    @tf.function
+    def step(ids, splits):
+        with tf.device(GPU):
+            with tf.GradientTape() as tape:
+                out = ops().sok_pooled_lookup(
+                    table=table, ids=ids, row_splits=splits,
+                    weights=tf.zeros([0]), combiner="sum")
+                loss = tf.reduce_sum(out * out)
+            g = tape.gradient(loss, table)
+            op = sparse_kernels.sparse_adam(table, m, v, g.indices, g.values,
+                                            0.01, 1.0)
+            seen.append(op.get_attr("indices_are_unique"))
+
+    step(tf.constant([3, -1, 7, 3, 49], tf.int64),
+         tf.constant([0, 2, 5], tf.int64))
+    assert seen == [True]
+    changed = np.any(table.numpy() != 1.0, axis=1)
+    np.testing.assert_array_equal(np.nonzero(changed)[0], [3, 7, 49])
 
 
 def test_fit_pooled_adam_on_gpu_matches_cpu():
