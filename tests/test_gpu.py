@@ -651,3 +651,34 @@ def test_fit_pooled_adam_on_gpu_matches_cpu():
                       verbose=0)
             tables.append(keras.ops.convert_to_numpy(emb.embeddings.value))
     np.testing.assert_allclose(tables[1], tables[0], rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_train_step_makes_two_host_syncs_on_gpu():
+    """A one-rank pooled step (forward, fused backward, Adam's update of
+    the distinct rows) makes exactly 2 of the library's blocking copies:
+    SokPooledLookup's and SokPooledLookupGrad's (docs/gpu.md)."""
+    from sok_keras._ops import build_info
+
+    with tf.device(GPU):
+        table = tf.Variable(tf.ones([100, 16]))
+        m, v = tf.Variable(tf.zeros([100, 16])), tf.Variable(tf.zeros([100, 16]))
+    ids = tf.constant([3, -1, 7, 3, 99, 5, -1, 5], tf.int64)
+    splits = tf.constant([0, 2, 5, 8], tf.int64)
+
+    @tf.function
+    def step():
+        with tf.device(GPU):
+            with tf.GradientTape() as tape:
+                out = ops().sok_pooled_lookup(
+                    table=table, ids=ids, row_splits=splits,
+                    weights=tf.zeros([0]), combiner="mean")
+                loss = tf.reduce_sum(out * out)
+            g = tape.gradient(loss, table)
+            sparse_kernels.sparse_adam(table, m, v, g.indices, g.values,
+                                       0.01, 1.0)
+        return loss
+
+    step()  # traced and warmed up
+    before = build_info()["gpu_host_syncs"]
+    step()
+    assert build_info()["gpu_host_syncs"] - before == 2
