@@ -1006,9 +1006,13 @@ _INT64_MAX = 2 ** 63 - 1
 
 @register_gradient_once("SokPooledLookup")
 def _pooled_lookup_grad(op, dy):
-    """The table's gradient as a `tf.IndexedSlices` over distinct rows:
-    padding dropped, ids deduplicated (`SokDedupBucketize`), the pooled
-    gradient spread back and summed per row (`SokSegmentCombineGrad`)."""
+    """The table's gradient as a `tf.IndexedSlices` over distinct rows, from
+    one op (`SokPooledLookupGrad`): padding dropped, ids deduplicated, the
+    pooled gradient spread back and summed per row, bit-identical to
+    boolean-masking the padding, `SokDedupBucketize` and
+    `SokSegmentCombineGrad`, with one host sync on the GPU (the row count).
+    Its `rows` are distinct, which the sparse optimizers use to skip their
+    own dedup (`sparse_kernels.indices_are_unique`)."""
     table, values, splits, weights = op.inputs
     combiner = op.get_attr("combiner")
     if isinstance(combiner, bytes):
@@ -1016,33 +1020,20 @@ def _pooled_lookup_grad(op, dy):
     name = op.get_attr("table_name")
     if isinstance(name, bytes):
         name = name.decode()
-    segments = tf.ragged.row_splits_to_segment_ids(splits)
-    keep = tf.not_equal(values, -1)
-    kept = tf.boolean_mask(values, keep)
-    segments = tf.boolean_mask(segments, keep)
-    if weights.shape.rank is not None and weights.shape[0] == 0:
-        w = tf.zeros([0], dy.dtype)
-    else:
-        w = tf.cond(tf.size(weights) > 0,
-                    lambda: tf.boolean_mask(weights, keep),
-                    lambda: tf.zeros([0], weights.dtype))
     # The static shape (a table's shard shape is known) keeps the backward
-    # from reading the table tensor, and keeps the dedup's sort keys short;
-    # the forward validated every id.
+    # from reading the table tensor, and keeps the sort keys short; the
+    # forward validated every id.
     if table.shape.is_fully_defined():
         dense_shape = tf.constant(table.shape.as_list(), tf.int64)
         rows = table.shape[0]
     else:
         dense_shape = tf.shape(table, out_type=tf.int64)
         rows = _INT64_MAX
-    d = lookup_ops.dedup_bucketize(kept, num_ranks=1, vocab_size=rows,
-                                   table_name=name)
-    rows_grad = ops().sok_segment_combine_grad(
-        grad=dy, inverse=d.inverse, segment_ids=segments,
-        weights=tf.cast(w, dy.dtype),
-        num_unique=tf.shape(d.local_rows, out_type=tf.int64)[0],
-        combiner=combiner)
-    return [tf.IndexedSlices(rows_grad, d.local_rows, dense_shape), None,
+    rows_grad, local_rows = ops().sok_pooled_lookup_grad(
+        grad=dy, ids=values, row_splits=splits,
+        weights=tf.cast(weights, dy.dtype), combiner=combiner,
+        num_rows=rows, table_name=name)
+    return [tf.IndexedSlices(rows_grad, local_rows, dense_shape), None,
             None, None]
 
 

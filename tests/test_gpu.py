@@ -492,3 +492,193 @@ def test_segment_combine_grad_hot_rows_match_cpu_exactly(weighted):
     want = np.zeros((num_rows, dim))
     np.add.at(want, inverse, terms)
     np.testing.assert_allclose(gpu, want, rtol=1e-4, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# SokPooledLookupGrad (the fused backward of SokPooledLookup) and the sparse
+# updates' distinct-indices path.
+
+def _pooled_bags(rng, batch, max_len, vocab, id_dtype, pad_frac=0.2):
+    lengths = rng.integers(0, max_len + 1, batch)
+    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    ids = _ids(rng, int(splits[-1]), vocab, id_dtype)
+    ids = np.where(rng.random(ids.size) < pad_frac, -1, ids).astype(id_dtype)
+    return ids, splits
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim", [1, 16, 129])
+def test_pooled_lookup_grad_matches_cpu(dtype, id_dtype, combiner, weighted,
+                                        dim):
+    rng = np.random.default_rng(50 + dim)
+    vocab, batch = 4000, 3000
+    # Zipf-like ids (hot rows over many kGradChunk chunks), padding, empty
+    # bags.
+    ids, splits = _pooled_bags(rng, batch, 12, vocab, id_dtype)
+    dy = tf.constant(rng.normal(size=(batch, dim)).astype(dtype))
+    w = tf.constant(rng.uniform(0.1, 2.0, ids.size).astype(dtype)
+                    if weighted else np.zeros([0], dtype))
+    ids, splits = tf.constant(ids), tf.constant(splits)
+
+    def f(dy, ids, splits, w):
+        return tuple(ops().sok_pooled_lookup_grad(
+            grad=tf.identity(dy), ids=tf.identity(ids),
+            row_splits=tf.identity(splits), weights=tf.identity(w),
+            combiner=combiner, num_rows=vocab, table_name="t"))
+
+    _assert_same(*_both(f, dy, ids, splits, w))
+
+
+@pytest.mark.parametrize("case", ["empty", "all_padding", "no_bags"])
+def test_pooled_lookup_grad_corner_cases_match_cpu(case):
+    ids, splits, batch = {
+        "empty": ([], [0, 0, 0], 2),
+        "all_padding": ([-1, -1, -1], [0, 2, 2, 3], 3),
+        "no_bags": ([], [0], 0),
+    }[case]
+
+    def f():
+        return tuple(ops().sok_pooled_lookup_grad(
+            grad=tf.ones([batch, 4]), ids=tf.constant(ids, tf.int64),
+            row_splits=tf.constant(splits, tf.int64), weights=tf.zeros([0]),
+            combiner="mean", num_rows=10, table_name="t"))
+
+    cpu, gpu, gpu2 = _both(f)
+    assert gpu[0].shape == (0, 4) and gpu[1].shape == (0,)
+    _assert_same(cpu, gpu, gpu2)
+
+
+def test_pooled_lookup_grad_bad_input_on_gpu():
+    with tf.device(GPU):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"table 'emb'.*id 12 at position 2"):
+            ops().sok_pooled_lookup_grad(
+                grad=tf.ones([2, 4]),
+                ids=tf.identity(tf.constant([1, -1, 12, 3], tf.int64)),
+                row_splits=tf.constant([0, 2, 4], tf.int64),
+                weights=tf.zeros([0]), num_rows=10, table_name="emb")
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="table 'emb'.*row_splits are inconsistent"):
+            ops().sok_pooled_lookup_grad(
+                grad=tf.ones([3, 4]),
+                ids=tf.identity(tf.constant([1, 2, 3, 4], tf.int64)),
+                row_splits=tf.constant([0, 3, 2, 4], tf.int64),
+                weights=tf.zeros([0]), num_rows=10, table_name="emb")
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dim", [13, 128])
+def test_sparse_optimizer_distinct_indices_on_gpu(rule, dtype, index_dtype,
+                                                  dim, monkeypatch):
+    """The GPU update of distinct indices without its dedup (what
+    `indices_are_unique` allows; forced here, on distinct unsorted
+    indices): bitwise the dedup path's result, and as close to the CPU."""
+    nslots, apply = RULES[rule]
+    rows, k = 700, 400
+    results = []
+    for device, unique in ((CPU, True), (GPU, True), (GPU, False)):
+        monkeypatch.setattr(sparse_kernels, "indices_are_unique",
+                            lambda indices, num_rows, u=unique: u)
+        rng = np.random.default_rng(21)
+        with tf.device(device):
+            var = tf.Variable(rng.normal(size=(rows, dim)).astype(dtype))
+            slots = _slots(nslots, (rows, dim), dtype, rng)
+            idx = tf.constant(rng.permutation(rows)[:k].astype(index_dtype))
+            grad = tf.constant(rng.normal(size=(k, dim)).astype(dtype))
+            for _ in range(3):
+                apply(var, slots, idx, grad)
+        results.append([var.numpy()] + [s.numpy() for s in slots])
+    for a, b in zip(results[1], results[2]):
+        np.testing.assert_array_equal(a, b)
+    tol = 2e-6 if dtype == np.float32 else 1e-12
+    if rule == "ftrl":
+        tol = 1e-3 if dtype == np.float32 else 1e-9
+    for a, b in zip(results[0], results[1]):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def test_sparse_update_of_a_pooled_gradient_is_marked_unique_on_gpu():
+    """On the GPU too, the update of a one-rank lookup's gradient gets the
+    attr (the proof is the graph's, whatever the device)."""
+    with tf.device(GPU):
+        table = tf.Variable(tf.ones([50, 8]))
+        m, v = tf.Variable(tf.zeros([50, 8])), tf.Variable(tf.zeros([50, 8]))
+    seen = []
+
+    @tf.function
+    def step(ids, splits):
+        with tf.device(GPU):
+            with tf.GradientTape() as tape:
+                out = ops().sok_pooled_lookup(
+                    table=table, ids=ids, row_splits=splits,
+                    weights=tf.zeros([0]), combiner="sum")
+                loss = tf.reduce_sum(out * out)
+            g = tape.gradient(loss, table)
+            op = sparse_kernels.sparse_adam(table, m, v, g.indices, g.values,
+                                            0.01, 1.0)
+            seen.append(op.get_attr("indices_are_unique"))
+
+    step(tf.constant([3, -1, 7, 3, 49], tf.int64),
+         tf.constant([0, 2, 5], tf.int64))
+    assert seen == [True]
+    changed = np.any(table.numpy() != 1.0, axis=1)
+    np.testing.assert_array_equal(np.nonzero(changed)[0], [3, 7, 49])
+
+
+def test_fit_pooled_adam_on_gpu_matches_cpu():
+    """A pooled sok model (mean, padding) under fit with Adam on the GPU
+    (the fused backward, Adam without its dedup: checked on the graph in
+    tests/optimizers/test_sparse_unique.py) matches the CPU's."""
+    rng = np.random.default_rng(9)
+    vocab = 2000
+    x = _ids(rng, 128 * 6, vocab, np.int64).reshape(-1, 6)
+    x[rng.random(x.shape) < 0.2] = -1
+    y = rng.normal(size=(128, 1)).astype(np.float32)
+    tables = []
+    for device in (CPU, GPU):
+        keras.utils.set_random_seed(3)
+        with tf.device(device):
+            emb = sok.layers.DistributedEmbedding(vocab, 16, combiner="mean")
+            model = _fit_model(emb, (6,))
+            model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+                keras.optimizers.Adam(0.01)), loss="mse")
+            model.fit(x, y, batch_size=32, epochs=2, shuffle=False,
+                      verbose=0)
+            tables.append(keras.ops.convert_to_numpy(emb.embeddings.value))
+    np.testing.assert_allclose(tables[1], tables[0], rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_train_step_makes_two_host_syncs_on_gpu():
+    """A one-rank pooled step (forward, fused backward, Adam's update of
+    the distinct rows) makes exactly 2 of the library's blocking copies:
+    SokPooledLookup's and SokPooledLookupGrad's (docs/gpu.md)."""
+    from sok_keras._ops import build_info
+
+    with tf.device(GPU):
+        table = tf.Variable(tf.ones([100, 16]))
+        m, v = tf.Variable(tf.zeros([100, 16])), tf.Variable(tf.zeros([100, 16]))
+    ids = tf.constant([3, -1, 7, 3, 99, 5, -1, 5], tf.int64)
+    splits = tf.constant([0, 2, 5, 8], tf.int64)
+
+    @tf.function
+    def step():
+        with tf.device(GPU):
+            with tf.GradientTape() as tape:
+                out = ops().sok_pooled_lookup(
+                    table=table, ids=ids, row_splits=splits,
+                    weights=tf.zeros([0]), combiner="mean")
+                loss = tf.reduce_sum(out * out)
+            g = tape.gradient(loss, table)
+            sparse_kernels.sparse_adam(table, m, v, g.indices, g.values,
+                                       0.01, 1.0)
+        return loss
+
+    step()  # traced and warmed up
+    before = build_info()["gpu_host_syncs"]
+    step()
+    assert build_info()["gpu_host_syncs"] - before == 2

@@ -594,6 +594,76 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
   });
 }
 
+template <typename T, typename Tid>
+LookupStatus PooledLookupGrad(const T* grad, int64_t dim, const Tid* ids,
+                              int64_t nnz, const int64_t* splits,
+                              int64_t batch, const T* weights,
+                              int64_t num_rows, Combiner combiner,
+                              const ParallelFor& parallel_for,
+                              const PooledGradAllocate<T>& allocate,
+                              PooledGradError* error) {
+  *error = PooledGradError();
+  if (batch < 0 || nnz < 0) {
+    return LookupStatus::Error("negative batch or id count");
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    if (splits[b] > splits[b + 1] || (b == 0 && splits[0] != 0)) {
+      error->bad_bag = b;
+      return LookupStatus::Ok();
+    }
+  }
+  if (splits[batch] != nnz || (batch == 0 && splits[0] != 0)) {
+    error->bad_bag = batch;
+    return LookupStatus::Ok();
+  }
+  // The padding-free ids, their bags and weights, in position order (what
+  // the boolean masks of the Python gradient produced).
+  std::vector<Tid> kept;
+  std::vector<int64_t> positions;
+  std::vector<int64_t> segments;
+  std::vector<T> kept_weights;
+  kept.reserve(static_cast<size_t>(nnz));
+  positions.reserve(static_cast<size_t>(nnz));
+  segments.reserve(static_cast<size_t>(nnz));
+  if (weights != nullptr) kept_weights.reserve(static_cast<size_t>(nnz));
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = splits[b]; i < splits[b + 1]; ++i) {
+      if (static_cast<int64_t>(ids[i]) == -1) continue;
+      kept.push_back(ids[i]);
+      positions.push_back(i);
+      segments.push_back(b);
+      if (weights != nullptr) kept_weights.push_back(weights[i]);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(kept.size());
+  const IdError bad = FindFirstInvalidId(kept.data(), n, num_rows,
+                                         parallel_for);
+  if (!bad.ok()) {
+    error->position = positions[bad.position];
+    error->value = bad.value;
+    return LookupStatus::Ok();
+  }
+  std::vector<int32_t> inverse(static_cast<size_t>(n));
+  DedupResult dedup;
+  LookupStatus st = DedupBucketize(kept.data(), n, 1, -1, parallel_for,
+                                   inverse.data(), &dedup);
+  if (!st.ok()) return st;
+  const int64_t num_unique = static_cast<int64_t>(dedup.local_rows.size());
+  T* rows_grad = nullptr;
+  int64_t* rows = nullptr;
+  st = allocate(num_unique, &rows_grad, &rows);
+  if (!st.ok()) return st;
+  if (num_unique == 0) return LookupStatus::Ok();
+  std::copy(dedup.local_rows.begin(), dedup.local_rows.end(), rows);
+  if (dim > 0) {
+    SegmentCombineGrad<T, int64_t>(
+        grad, dim, inverse.data(), segments.data(),
+        weights == nullptr ? nullptr : kept_weights.data(), n, batch,
+        num_unique, combiner, parallel_for, rows_grad);
+  }
+  return LookupStatus::Ok();
+}
+
 int64_t FirstRankWithError(const int64_t* gathered, int64_t num_ranks,
                            IdError* error) {
   const int64_t width = num_ranks + 2;
@@ -644,6 +714,17 @@ SOK_INSTANTIATE_COMBINE(Half, int64_t)
 SOK_INSTANTIATE_COMBINE(BFloat16, int32_t)
 SOK_INSTANTIATE_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_COMBINE
+
+#define SOK_INSTANTIATE_POOLED_GRAD(T, Tid)                                  \
+  template LookupStatus PooledLookupGrad<T, Tid>(                            \
+      const T*, int64_t, const Tid*, int64_t, const int64_t*, int64_t,       \
+      const T*, int64_t, Combiner, const ParallelFor&,                       \
+      const PooledGradAllocate<T>&, PooledGradError*);
+SOK_INSTANTIATE_POOLED_GRAD(float, int32_t)
+SOK_INSTANTIATE_POOLED_GRAD(float, int64_t)
+SOK_INSTANTIATE_POOLED_GRAD(double, int32_t)
+SOK_INSTANTIATE_POOLED_GRAD(double, int64_t)
+#undef SOK_INSTANTIATE_POOLED_GRAD
 
 }  // namespace lookup
 }  // namespace sok

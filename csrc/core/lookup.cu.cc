@@ -495,9 +495,10 @@ __device__ __forceinline__ int64_t ChunksOf(int64_t n) {
   return (n + kChunk - 1) / kChunk;
 }
 
-// chunks[u]: the row's first-level chunks (at least 1: an empty row's one
-// chunk sums to zero); partials[u]: the same when there are several, else
-// 0. Entry num_rows is 0, so that exclusive scans end with the totals.
+// chunks[u] = partials[u]: the row's first-level chunks when it has
+// several, else 0 (a row of at most kChunk terms, empty ones included, is
+// summed by SegmentCombineGradSingleKernel). Entry num_rows is 0, so that
+// exclusive scans end with the totals.
 __global__ void GradChunkCountsKernel(const int32_t* offsets,
                                       int64_t num_rows, int64_t* chunks,
                                       int64_t* partials) {
@@ -506,9 +507,8 @@ __global__ void GradChunkCountsKernel(const int32_t* offsets,
     int64_t c = 0;
     if (u < num_rows) {
       c = ChunksOf(static_cast<int64_t>(offsets[u + 1]) - offsets[u]);
-      if (c < 1) c = 1;
     }
-    chunks[u] = c;
+    chunks[u] = c > 1 ? c : 0;
     partials[u] = c > 1 ? c : 0;
   }
 }
@@ -564,6 +564,65 @@ struct GradLoader<float, 4> {
     (void)valid;
   }
 };
+
+// The rows of at most kChunk terms (most rows): `lanes` threads per row,
+// indexed by row (no slot lookup), each owning VEC columns; the terms are
+// summed left to right in A = AccOf<T> and stored, rounded once, into
+// `out` (zeros for an empty row): exactly the first level's sum of a
+// one-chunk row. Longer rows are left to the chunk kernels. The term loop
+// is unrolled so that several terms' index and gradient loads are in
+// flight at once (the sums still run in order).
+template <typename T, typename Tseg, int VEC>
+__global__ void SegmentCombineGradSingleKernel(
+    const T* __restrict__ grad, int64_t dim,
+    const Tseg* __restrict__ segment_ids, const T* __restrict__ weights,
+    const AccOf<T>* __restrict__ denominator,
+    const int32_t* __restrict__ offsets, const int32_t* __restrict__ order,
+    int64_t num_rows, int lanes_log2, T* __restrict__ out) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  const int64_t lanes = int64_t{1} << lanes_log2;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       t < (num_rows << lanes_log2); t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t u = t >> lanes_log2;
+    const int64_t lane = t & (lanes - 1);
+    const int64_t begin = offsets[u];
+    const int64_t end = offsets[u + 1];
+    if (end - begin > kChunk) continue;  // the chunk kernels' row
+    for (int64_t c0 = lane * VEC; c0 < dim; c0 += lanes * VEC) {
+      const int64_t valid = dim - c0;
+      A acc[VEC];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] = A(0);
+#pragma unroll 4
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t i = order == nullptr ? k : order[k];
+        const int64_t sg = static_cast<int64_t>(segment_ids[i]);
+        A x[VEC];
+        GradLoader<T, VEC>::Load(grad + sg * dim + c0, valid, x);
+        if (denominator != nullptr) {
+          const A den = denominator[sg];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            x[v] = den == A(0) ? A(0) : Div(x[v], den);
+          }
+        }
+        if (weights != nullptr) {
+          const A w = S::Load(weights[i]);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) x[v] = Mul(x[v], w);
+        }
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] = Add(acc[v], x[v]);
+      }
+      T* o = out + u * dim + c0;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        if (v < valid) o[v] = S::Store(acc[v]);
+      }
+    }
+  }
+}
 
 // First level: `lanes` threads per chunk, each owning VEC columns; the
 // chunk's terms (<= kChunk) are summed left to right in A = AccOf<T>. A
@@ -695,6 +754,97 @@ Status ExclusiveSum(const GpuDevice& d, const int64_t* in, int64_t* out,
       cub::DeviceScan::ExclusiveSum(temp, temp_bytes, in, out,
                                     static_cast<int>(n), StreamOf(d)),
       "cub::DeviceScan::ExclusiveSum");
+  return Status::Ok();
+}
+
+// The per-row sums of the gradient once its positions are grouped by row
+// (positions order[offsets[u] .. offsets[u + 1]) of row u, ascending;
+// order null: the identity): the kGradChunk tree of core/lookup.h, over
+// nnz >= 1 positions and num_rows >= 1 rows. segment_ids and weights are
+// indexed by position; denominator ([num_segments] or null) divides each
+// term first.
+template <typename T, typename Tseg>
+Status CombineGradGrouped(const GpuDevice& d, const T* grad, int64_t dim,
+                          const Tseg* segment_ids, const T* weights,
+                          const AccOf<T>* denominator, const int32_t* offsets,
+                          const int32_t* order, int64_t nnz, int64_t num_rows,
+                          T* out) {
+  const cudaStream_t stream = StreamOf(d);
+  // Chunk and partial slots per row (see kChunk), and their bases.
+  int64_t* counts = nullptr;
+  int64_t* chunk_base = nullptr;
+  int64_t* partial_base = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, 2 * (num_rows + 1), &counts, "grad chunks"));
+  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &chunk_base, "grad chunks"));
+  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &partial_base, "grad chunks"));
+  GradChunkCountsKernel<<<BlocksFor(num_rows + 1, kThreads), kThreads, 0,
+                          stream>>>(offsets, num_rows, counts,
+                                    counts + num_rows + 1);
+  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkCountsKernel");
+  SOK_RETURN_IF_ERROR(ExclusiveSum(d, counts, chunk_base, num_rows + 1));
+  SOK_RETURN_IF_ERROR(
+      ExclusiveSum(d, counts + num_rows + 1, partial_base, num_rows + 1));
+  // Bounds on the slot counts (known on the device only): only rows of
+  // more than kChunk terms (at most nnz / kChunk of them) have chunk slots
+  // and partials, each at most 1 + n / kChunk.
+  const int64_t partial_slots = 2 * (nnz / kChunk + 1);
+  const int64_t chunk_slots = partial_slots;
+  using A = AccOf<T>;
+  A* partial[2] = {nullptr, nullptr};
+  if (nnz > kChunk) {
+    SOK_RETURN_IF_ERROR(
+        Scratch(d, 2 * partial_slots * dim, &partial[0], "grad partials"));
+    partial[1] = partial[0] + partial_slots * dim;
+  }
+  int64_t* slot_row = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, chunk_slots, &slot_row, "grad chunk rows"));
+  GradChunkRowsKernel<<<BlocksFor(num_rows, kThreads), kThreads, 0, stream>>>(
+      chunk_base, num_rows, slot_row);
+  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkRowsKernel");
+  const bool vec4 = std::is_same<T, float>::value && dim % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(grad) % 16 == 0;
+  const int vec = vec4 ? 4 : 1;
+  const int lanes_log2 = LanesLog2(dim, vec);
+  const int single_blocks = BlocksFor(num_rows << lanes_log2, kThreads);
+  if (vec4) {
+    SegmentCombineGradSingleKernel<T, Tseg, 4>
+        <<<single_blocks, kThreads, 0, stream>>>(
+            grad, dim, segment_ids, weights, denominator, offsets, order,
+            num_rows, lanes_log2, out);
+  } else {
+    SegmentCombineGradSingleKernel<T, Tseg, 1>
+        <<<single_blocks, kThreads, 0, stream>>>(
+            grad, dim, segment_ids, weights, denominator, offsets, order,
+            num_rows, lanes_log2, out);
+  }
+  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradSingleKernel");
+  if (nnz <= kChunk) return Status::Ok();  // no row has several chunks
+  const int chunk_blocks =
+      BlocksFor(chunk_slots << lanes_log2, kThreads);
+  if (vec4) {
+    SegmentCombineGradChunkKernel<T, Tseg, 4>
+        <<<chunk_blocks, kThreads, 0, stream>>>(
+            grad, dim, segment_ids, weights, denominator, offsets, order,
+            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
+            lanes_log2, partial[0], out);
+  } else {
+    SegmentCombineGradChunkKernel<T, Tseg, 1>
+        <<<chunk_blocks, kThreads, 0, stream>>>(
+            grad, dim, segment_ids, weights, denominator, offsets, order,
+            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
+            lanes_log2, partial[0], out);
+  }
+  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradChunkKernel");
+  // Level l reduces rows of more than kChunk^l terms; nnz bounds a row.
+  const GroupShape reduce_shape = ShapeFor(partial_slots, dim);
+  int64_t reach = kChunk;
+  for (int level = 1; reach < nnz; ++level, reach *= kChunk) {
+    SegmentCombineGradReduceKernel<T>
+        <<<reduce_shape.blocks, reduce_shape.block, 0, stream>>>(
+            dim, offsets, num_rows, partial_base, partial_slots, level,
+            partial[(level - 1) % 2], partial[level % 2], out);
+    SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradReduceKernel");
+  }
   return Status::Ok();
 }
 
@@ -910,68 +1060,311 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
   const int32_t* order = nullptr;
   SOK_RETURN_IF_ERROR(GroupPositions(d, inverse, nnz, num_rows,
                                      check.inverse_sorted, &offsets, &order));
-  // Chunk and partial slots per row (see kChunk), and their bases.
-  int64_t* counts = nullptr;
-  int64_t* chunk_base = nullptr;
-  int64_t* partial_base = nullptr;
-  SOK_RETURN_IF_ERROR(Scratch(d, 2 * (num_rows + 1), &counts, "grad chunks"));
-  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &chunk_base, "grad chunks"));
-  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &partial_base, "grad chunks"));
-  GradChunkCountsKernel<<<BlocksFor(num_rows + 1, kThreads), kThreads, 0,
-                          stream>>>(offsets, num_rows, counts,
-                                    counts + num_rows + 1);
-  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkCountsKernel");
-  SOK_RETURN_IF_ERROR(ExclusiveSum(d, counts, chunk_base, num_rows + 1));
-  SOK_RETURN_IF_ERROR(
-      ExclusiveSum(d, counts + num_rows + 1, partial_base, num_rows + 1));
-  // Bounds on the slot counts (known on the device only): every row has
-  // at most 1 + n / kChunk chunks, and only rows of more than kChunk
-  // terms have partials.
-  const int64_t chunk_slots = num_rows + nnz / kChunk + 1;
-  const int64_t partial_slots = 2 * (nnz / kChunk + 1);
+  return CombineGradGrouped<T, Tseg>(d, grad, dim, segment_ids, weights,
+                                     denominator, offsets, order, nnz,
+                                     num_rows, out);
+}
+
+namespace {
+
+// ----------------------------------------------------------------------------
+// PooledLookupGrad.
+
+// pooled info layout (ull): [0] U, [1] kept ids, [2] first invalid id
+// position (kNone if none), [3] its value, [4] first bad bag (kNone).
+constexpr int kPgUnique = 0;
+constexpr int kPgKept = 1;
+constexpr int kPgBadPos = 2;
+constexpr int kPgBadValue = 3;
+constexpr int kPgBadBag = 4;
+constexpr int kPgSize = 5;
+
+// keys[i] = ids[i], or pad_key (= num_rows, above every valid id) for the
+// padding -1, positions[i] = i; lowers info[kPgBadPos] at an invalid id.
+template <typename Tid, typename Tkey>
+__global__ void PooledGradKeysKernel(const Tid* ids, int64_t nnz,
+                                     int64_t num_rows, Tkey pad_key,
+                                     Tkey* keys, int32_t* positions,
+                                     ull* info) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < nnz;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t id = static_cast<int64_t>(ids[i]);
+    Tkey key = pad_key;
+    if (id != -1) {
+      if (id < 0 || id >= num_rows) {
+        atomicMin(&info[kPgBadPos], static_cast<ull>(i));
+      } else {
+        key = static_cast<Tkey>(id);
+      }
+    }
+    keys[i] = key;
+    positions[i] = static_cast<int32_t>(i);
+  }
+}
+
+// Lowers info[kPgBadBag] to every bag b whose splits are inconsistent
+// (b == batch: the last split is not nnz).
+__global__ void PooledGradSplitsKernel(const int64_t* splits, int64_t batch,
+                                       int64_t nnz, ull* info) {
+  for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       b <= batch; b += int64_t{gridDim.x} * blockDim.x) {
+    bool bad;
+    if (b == batch) {
+      bad = splits[batch] != nnz || (batch == 0 && splits[0] != 0);
+    } else {
+      bad = splits[b] > splits[b + 1] || (b == 0 && splits[0] != 0);
+    }
+    if (bad) atomicMin(&info[kPgBadBag], static_cast<ull>(b));
+  }
+}
+
+// One thread: the kept count (sorted keys below pad_key), U, the bad value.
+template <typename Tid, typename Tkey>
+__global__ void PooledGradSummaryKernel(const Tid* ids, const Tkey* keys,
+                                        const int32_t* rank, int64_t nnz,
+                                        Tkey pad_key, ull* info) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const int64_t kept = LowerBound(keys, nnz, static_cast<int64_t>(pad_key));
+  info[kPgKept] = static_cast<ull>(kept);
+  info[kPgUnique] = kept == 0 ? 0 : static_cast<ull>(rank[kept - 1]);
+  const ull bad = info[kPgBadPos];
+  info[kPgBadValue] =
+      bad == kNone ? 0 : static_cast<ull>(static_cast<int64_t>(ids[bad]));
+}
+
+// At the head k of each run of equal kept keys: rows[u] = the id,
+// offsets[u] = k (u = rank[k] - 1); offsets[U] = kept.
+template <typename Tkey>
+__global__ void PooledGradRowsKernel(const Tkey* keys, const int32_t* flags,
+                                     const int32_t* rank, int64_t kept,
+                                     int64_t num_unique, int64_t* rows,
+                                     int32_t* offsets) {
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < kept;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    if (flags[k] != 0) {
+      const int32_t u = rank[k] - 1;
+      rows[u] = static_cast<int64_t>(keys[k]);
+      offsets[u] = static_cast<int32_t>(k);
+    }
+    if (k == 0) offsets[num_unique] = static_cast<int32_t>(kept);
+  }
+}
+
+// In sorted order, k < kept: segments[k] = the bag of position
+// positions[k] (splits validated) and sorted_weights[k] = its weight (when
+// weights are given), so that the gradient's sums read them without the
+// order indirection.
+template <typename T>
+__global__ void PooledGradSegmentsKernel(const int64_t* splits, int64_t batch,
+                                         const int32_t* positions,
+                                         int64_t kept, const T* weights,
+                                         int64_t* segments,
+                                         T* sorted_weights) {
+  for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < kept;
+       k += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = positions[k];
+    // The number of splits[1 .. batch] that are <= i.
+    int64_t lo = 0;
+    int64_t hi = batch;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (splits[mid + 1] <= i) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    segments[k] = lo;
+    if (weights != nullptr) sorted_weights[k] = weights[i];
+  }
+}
+
+// denominator[b] over bag b's kept ids, in ascending position order: the
+// DenominatorKernel sums over the padding-free ids.
+template <typename T, typename Tid>
+__global__ void PooledGradDenominatorKernel(const Tid* ids, const T* weights,
+                                            const int64_t* splits,
+                                            int64_t batch, bool sqrtn,
+                                            AccOf<T>* denominator) {
   using A = AccOf<T>;
-  A* partial[2] = {nullptr, nullptr};
-  if (nnz > kChunk) {
+  for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; b < batch;
+       b += int64_t{gridDim.x} * blockDim.x) {
+    A den = A(0);
+    for (int64_t i = splits[b]; i < splits[b + 1]; ++i) {
+      if (static_cast<int64_t>(ids[i]) == -1) continue;
+      const A w = weights == nullptr ? A(1) : Storage<T>::Load(weights[i]);
+      den = Add(den, sqrtn ? Mul(w, w) : w);
+    }
+    denominator[b] = sqrtn ? Sqrt(den) : den;
+  }
+}
+
+template <typename T, typename Tid, typename Tkey>
+Status PooledGradSorted(const GpuDevice& d, const T* grad, int64_t dim,
+                        const Tid* ids, int64_t nnz, const int64_t* splits,
+                        int64_t batch, const T* weights, int64_t num_rows,
+                        Combiner combiner,
+                        const PooledGradAllocate<T>& allocate,
+                        PooledGradError* error) {
+  const cudaStream_t stream = StreamOf(d);
+  const Tkey pad_key = static_cast<Tkey>(num_rows);
+  ull* info = nullptr;
+  Tkey* keys_in = nullptr;
+  Tkey* keys = nullptr;
+  int32_t* positions_in = nullptr;
+  int32_t* positions = nullptr;
+  int32_t* rank = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, kPgSize, &info, "pooled grad summary"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &keys_in, "pooled grad keys"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &keys, "pooled grad sorted keys"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &positions_in, "pooled grad positions"));
+  SOK_RETURN_IF_ERROR(
+      Scratch(d, nnz, &positions, "pooled grad sorted positions"));
+  SOK_RETURN_IF_ERROR(Scratch(d, nnz, &rank, "pooled grad unique ranks"));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(info, 0, kPgSize * sizeof(ull), stream),
+      "pooled grad summary init");
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(info + kPgBadPos, 0xFF, sizeof(ull), stream),
+      "pooled grad summary init");
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(info + kPgBadBag, 0xFF, sizeof(ull), stream),
+      "pooled grad summary init");
+  PooledGradSplitsKernel<<<BlocksFor(batch + 1, kThreads), kThreads, 0,
+                           stream>>>(splits, batch, nnz, info);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSplitsKernel");
+  const int blocks = BlocksFor(nnz, kThreads);
+  PooledGradKeysKernel<Tid, Tkey><<<blocks, kThreads, 0, stream>>>(
+      ids, nnz, num_rows, pad_key, keys_in, positions_in, info);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradKeysKernel");
+  SOK_RETURN_IF_ERROR(SortPositions(d, keys_in, positions_in, nnz,
+                                    BitsFor(static_cast<uint64_t>(pad_key)),
+                                    keys, positions));
+  // The unsorted positions are dead after the sort: reuse them for flags.
+  int32_t* flags = positions_in;
+  HeadFlagsKernel<Tkey><<<blocks, kThreads, 0, stream>>>(keys, nnz, flags);
+  SOK_LAUNCH_RETURN_IF_ERROR("HeadFlagsKernel");
+  size_t temp_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveSum(nullptr, temp_bytes, flags, rank,
+                                    static_cast<int>(nnz), stream),
+      "cub::DeviceScan::InclusiveSum (size query)");
+  void* temp = nullptr;
+  SOK_RETURN_IF_ERROR(CubTemp(d, temp_bytes, &temp));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveSum(temp, temp_bytes, flags, rank,
+                                    static_cast<int>(nnz), stream),
+      "cub::DeviceScan::InclusiveSum");
+  PooledGradSummaryKernel<Tid, Tkey><<<1, 1, 0, stream>>>(
+      ids, keys, rank, nnz, pad_key, info);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSummaryKernel");
+
+  // The one blocking copy: U, the kept count and the errors.
+  ull host[kPgSize];
+  SOK_RETURN_IF_ERROR(CopyToHostSync(d, host, info, sizeof(host),
+                                     "SokPooledLookupGrad summary"));
+  if (host[kPgBadBag] != kNone) {
+    error->bad_bag = static_cast<int64_t>(host[kPgBadBag]);
+    return Status::Ok();
+  }
+  if (host[kPgBadPos] != kNone) {
+    error->position = static_cast<int64_t>(host[kPgBadPos]);
+    error->value = static_cast<int64_t>(host[kPgBadValue]);
+    return Status::Ok();
+  }
+  const int64_t num_unique = static_cast<int64_t>(host[kPgUnique]);
+  const int64_t kept = static_cast<int64_t>(host[kPgKept]);
+  T* rows_grad = nullptr;
+  int64_t* rows = nullptr;
+  SOK_RETURN_IF_ERROR(allocate(num_unique, &rows_grad, &rows));
+  if (num_unique == 0) return Status::Ok();
+
+  int32_t* offsets = nullptr;
+  int64_t* segments = nullptr;
+  SOK_RETURN_IF_ERROR(
+      Scratch(d, num_unique + 1, &offsets, "pooled grad offsets"));
+  SOK_RETURN_IF_ERROR(Scratch(d, kept, &segments, "pooled grad segments"));
+  PooledGradRowsKernel<Tkey><<<BlocksFor(kept, kThreads), kThreads, 0,
+                               stream>>>(keys, flags, rank, kept, num_unique,
+                                         rows, offsets);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradRowsKernel");
+  if (dim <= 0) return Status::Ok();
+  T* sorted_weights = nullptr;
+  if (weights != nullptr) {
     SOK_RETURN_IF_ERROR(
-        Scratch(d, 2 * partial_slots * dim, &partial[0], "grad partials"));
-    partial[1] = partial[0] + partial_slots * dim;
+        Scratch(d, kept, &sorted_weights, "pooled grad sorted weights"));
   }
-  int64_t* slot_row = nullptr;
-  SOK_RETURN_IF_ERROR(Scratch(d, chunk_slots, &slot_row, "grad chunk rows"));
-  GradChunkRowsKernel<<<BlocksFor(num_rows, kThreads), kThreads, 0, stream>>>(
-      chunk_base, num_rows, slot_row);
-  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkRowsKernel");
-  const bool vec4 = std::is_same<T, float>::value && dim % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(grad) % 16 == 0;
-  const int vec = vec4 ? 4 : 1;
-  const int lanes_log2 = LanesLog2(dim, vec);
-  const int chunk_blocks =
-      BlocksFor(chunk_slots << lanes_log2, kThreads);
-  if (vec4) {
-    SegmentCombineGradChunkKernel<T, Tseg, 4>
-        <<<chunk_blocks, kThreads, 0, stream>>>(
-            grad, dim, segment_ids, weights, denominator, offsets, order,
-            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
-            lanes_log2, partial[0], out);
-  } else {
-    SegmentCombineGradChunkKernel<T, Tseg, 1>
-        <<<chunk_blocks, kThreads, 0, stream>>>(
-            grad, dim, segment_ids, weights, denominator, offsets, order,
-            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
-            lanes_log2, partial[0], out);
+  PooledGradSegmentsKernel<T>
+      <<<BlocksFor(kept, kThreads), kThreads, 0, stream>>>(
+          splits, batch, positions, kept, weights, segments, sorted_weights);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSegmentsKernel");
+  AccOf<T>* denominator = nullptr;
+  if (combiner != Combiner::kSum) {
+    SOK_RETURN_IF_ERROR(
+        Scratch(d, batch, &denominator, "pooled grad denominators"));
+    PooledGradDenominatorKernel<T, Tid>
+        <<<BlocksFor(batch, kThreads), kThreads, 0, stream>>>(
+            ids, weights, splits, batch, combiner == Combiner::kSqrtn,
+            denominator);
+    SOK_LAUNCH_RETURN_IF_ERROR("PooledGradDenominatorKernel");
   }
-  SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradChunkKernel");
-  // Level l reduces rows of more than kChunk^l terms; nnz bounds a row.
-  const GroupShape reduce_shape = ShapeFor(partial_slots, dim);
-  int64_t reach = kChunk;
-  for (int level = 1; reach < nnz; ++level, reach *= kChunk) {
-    SegmentCombineGradReduceKernel<T>
-        <<<reduce_shape.blocks, reduce_shape.block, 0, stream>>>(
-            dim, offsets, num_rows, partial_base, partial_slots, level,
-            partial[(level - 1) % 2], partial[level % 2], out);
-    SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradReduceKernel");
+  // The sorted positions are the kept positions grouped by row, ascending
+  // within a row (a stable sort): the order SegmentCombineGrad's grouping
+  // gives the padding-free ids. Their bags and weights are already in that
+  // order (no indirection).
+  return CombineGradGrouped<T, int64_t>(d, grad, dim, segments,
+                                        sorted_weights, denominator, offsets,
+                                        nullptr, kept, num_unique, rows_grad);
+}
+
+}  // namespace
+
+template <typename T, typename Tid>
+Status PooledLookupGrad(const GpuDevice& d, const T* grad, int64_t dim,
+                        const Tid* ids, int64_t nnz, const int64_t* splits,
+                        int64_t batch, const T* weights, int64_t num_rows,
+                        Combiner combiner,
+                        const PooledGradAllocate<T>& allocate,
+                        PooledGradError* error) {
+  *error = PooledGradError();
+  if (batch < 0 || nnz < 0 || num_rows < 0) {
+    return Status::Error("negative batch, id count or row count");
   }
-  return Status::Ok();
+  if (nnz > kInt32Max) {
+    return Status::Error("the number of ids (" + std::to_string(nnz) +
+                         ") must fit in int32 on the GPU.");
+  }
+  if (nnz == 0) {
+    // Only the splits can be wrong (they must all be 0): one small check
+    // and its blocking copy.
+    ull* info = nullptr;
+    SOK_RETURN_IF_ERROR(Scratch(d, kPgSize, &info, "pooled grad summary"));
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(info, 0xFF, kPgSize * sizeof(ull), StreamOf(d)),
+        "pooled grad summary init");
+    PooledGradSplitsKernel<<<BlocksFor(batch + 1, kThreads), kThreads, 0,
+                             StreamOf(d)>>>(splits, batch, 0, info);
+    SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSplitsKernel");
+    ull host[kPgSize];
+    SOK_RETURN_IF_ERROR(CopyToHostSync(d, host, info, sizeof(host),
+                                       "SokPooledLookupGrad summary"));
+    if (host[kPgBadBag] != kNone) {
+      error->bad_bag = static_cast<int64_t>(host[kPgBadBag]);
+      return Status::Ok();
+    }
+    T* rows_grad = nullptr;
+    int64_t* rows = nullptr;
+    return allocate(0, &rows_grad, &rows);
+  }
+  // The padding key num_rows must fit the sort key.
+  if (static_cast<uint64_t>(num_rows) < std::numeric_limits<uint32_t>::max()) {
+    return PooledGradSorted<T, Tid, uint32_t>(d, grad, dim, ids, nnz, splits,
+                                              batch, weights, num_rows,
+                                              combiner, allocate, error);
+  }
+  return PooledGradSorted<T, Tid, uint64_t>(d, grad, dim, ids, nnz, splits,
+                                            batch, weights, num_rows, combiner,
+                                            allocate, error);
 }
 
 // Explicit instantiations.
@@ -1007,6 +1400,17 @@ SOK_INSTANTIATE_GPU_COMBINE(Half, int64_t)
 SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int32_t)
 SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_GPU_COMBINE
+
+#define SOK_INSTANTIATE_GPU_POOLED_GRAD(T, Tid)                             \
+  template Status PooledLookupGrad<T, Tid>(                                 \
+      const GpuDevice&, const T*, int64_t, const Tid*, int64_t,             \
+      const int64_t*, int64_t, const T*, int64_t, Combiner,                 \
+      const PooledGradAllocate<T>&, PooledGradError*);
+SOK_INSTANTIATE_GPU_POOLED_GRAD(float, int32_t)
+SOK_INSTANTIATE_GPU_POOLED_GRAD(float, int64_t)
+SOK_INSTANTIATE_GPU_POOLED_GRAD(double, int32_t)
+SOK_INSTANTIATE_GPU_POOLED_GRAD(double, int64_t)
+#undef SOK_INSTANTIATE_GPU_POOLED_GRAD
 
 }  // namespace gpu
 }  // namespace lookup

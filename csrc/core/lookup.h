@@ -138,6 +138,42 @@ class RowPooler {
 // Parses "sum", "mean" or "sqrtn".
 LookupStatus ParseCombiner(const std::string& name, Combiner* combiner);
 
+// The table gradient of a one-rank pooled lookup (SokPooledLookup), reduced
+// per distinct row, in one call: the ids of `ids` that are not the padding
+// value -1 are deduplicated (the distinct rows ascending), and
+//   rows_grad[u] = sum over i with ids[i] == rows[u] of
+//                  weights[i] / denominator(bag of i) * grad[bag of i]
+// summed exactly as SegmentCombineGrad sums it over the padding-free ids
+// (the same kGradChunk order), so the result is bit-identical to dropping
+// the padding, DedupBucketize and SegmentCombineGrad.
+// grad: [batch, dim]; ids: [nnz]; splits: [batch + 1] (from 0 to nnz,
+// non-decreasing); weights: [nnz] or nullptr (all ones).
+// `allocate(U, &rows_grad, &rows)` is called once, when U is known, and
+// must return buffers of [U, dim] and [U] (U may be 0).
+// On bad input `error` says what and nothing is allocated: an id that is
+// neither -1 nor in [0, num_rows) (its position in `ids` and value), or the
+// first inconsistent bag of `splits` (PooledGradError::bad_bag).
+struct PooledGradError {
+  int64_t position = -1;  // of the first invalid id
+  int64_t value = 0;      // that id
+  int64_t bad_bag = -1;   // first bag with bad splits
+  bool ok() const { return position < 0 && bad_bag < 0; }
+};
+
+template <typename T>
+using PooledGradAllocate =
+    std::function<LookupStatus(int64_t num_unique, T** rows_grad,
+                               int64_t** rows)>;
+
+template <typename T, typename Tid>
+LookupStatus PooledLookupGrad(const T* grad, int64_t dim, const Tid* ids,
+                              int64_t nnz, const int64_t* splits,
+                              int64_t batch, const T* weights,
+                              int64_t num_rows, Combiner combiner,
+                              const ParallelFor& parallel_for,
+                              const PooledGradAllocate<T>& allocate,
+                              PooledGradError* error);
+
 // Checks that every inverse[i] is in [0, num_rows) and every segment_ids[i]
 // is in [0, num_segments). Reports the first offending position.
 template <typename Tseg>
@@ -265,6 +301,21 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
                           const T* weights, int64_t nnz, int64_t num_segments,
                           int64_t num_rows, Combiner combiner,
                           const SegmentIndexCheck& check, T* out);
+
+// PooledLookupGrad (above) on the device, bit-identical to the CPU, with
+// one blocking device-to-host copy (the distinct-row count and the error;
+// none when nnz == 0): one stable sort of (id, position) with the padding
+// sorted last, whose order is also the gradient's grouping by row (no
+// second sort, no padding removal pass, no segment-index check). grad,
+// ids, splits, weights [device]; the buffers `allocate` returns [device].
+// Requires nnz <= INT32_MAX.
+template <typename T, typename Tid>
+Status PooledLookupGrad(const GpuDevice& d, const T* grad, int64_t dim,
+                        const Tid* ids, int64_t nnz, const int64_t* splits,
+                        int64_t batch, const T* weights, int64_t num_rows,
+                        Combiner combiner,
+                        const PooledGradAllocate<T>& allocate,
+                        PooledGradError* error);
 
 }  // namespace gpu
 }  // namespace lookup

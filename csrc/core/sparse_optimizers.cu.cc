@@ -5,10 +5,12 @@
 // radix sort of (row, position) pairs, segment heads + inclusive scan -> CSR
 // (rows, offsets, positions), one blocking copy of {bad position, bad value,
 // U} to the host.
-// ApplyRule: one generic kernel over unique rows (threadIdx.y/blockIdx.x) and
-// columns (threadIdx.x), templated on a per-rule functor. Each thread sums
+// ApplyRule: one generic kernel over unique rows (up to a warp of lanes per
+// row, float4 loads of the gradient and, for Adam, of row, m and v where
+// the width allows), templated on a per-rule functor. Each thread sums
 // grad[p, c] over the row's positions in ascending order (no float atomics,
-// deterministic) and applies the rule at [row, c].
+// deterministic) and applies the rule at [row, c]. Indices known to be
+// distinct (DistinctRows) skip the sort: row u is indices[u].
 //
 // Floating point: the rule functors use the _rn intrinsics (__fmul_rn etc.),
 // which nvcc never contracts into FMAs, so that every operation rounds as in
@@ -261,47 +263,169 @@ struct RmspropFn {
 };
 
 // ---------------------------------------------------------------------------
-// The one apply kernel. Block = (tx, ty): ty unique rows per block, tx
-// threads striding over dim; grid-stride over unique rows.
-template <typename T, typename Fn>
+// Vectorised element updates: VecApply<Fn, VEC>::Apply(fn, i, g, valid)
+// updates elements i .. i + valid - 1 (valid <= VEC) with the summed
+// gradients g[0 .. valid). The default calls the rule's scalar operator();
+// Adam on float rows of a width divisible by 4 (16-byte aligned) loads and
+// stores row, m and v as float4, with the same operations per element.
+template <typename Fn, int VEC>
+struct VecApply {
+  template <typename A>
+  __device__ __forceinline__ static void Apply(const Fn& fn, int64_t i,
+                                               const A* g, int64_t valid) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      if (j < valid) fn(i + j, g[j]);
+    }
+  }
+};
+
+// One Adam element, as AdamFn::operator() without amsgrad.
+__device__ __forceinline__ void AdamElement(const AdamFn<float>& fn, float& w,
+                                            float& m, float& v, float g) {
+  if (fn.apply_weight_decay) w = Sub(w, Mul(Mul(w, fn.weight_decay), fn.lr));
+  const float mj = Add(m, Mul(Sub(g, m), fn.one_minus_b1));
+  const float vj = Add(v, Mul(Sub(Mul(g, g), v), fn.one_minus_b2));
+  m = mj;
+  v = vj;
+  w = Sub(w, Div(Mul(mj, fn.alpha), Add(Sqrt(vj), fn.epsilon)));
+}
+
+template <>
+struct VecApply<AdamFn<float>, 4> {
+  __device__ __forceinline__ static void Apply(const AdamFn<float>& fn,
+                                               int64_t i, const float* g,
+                                               int64_t valid) {
+    if (fn.vhat != nullptr) {  // amsgrad: the scalar path
+      for (int j = 0; j < 4 && j < valid; ++j) fn(i + j, g[j]);
+      return;
+    }
+    float4 w = *reinterpret_cast<const float4*>(fn.var + i);
+    float4 m = *reinterpret_cast<const float4*>(fn.m + i);
+    float4 v = *reinterpret_cast<const float4*>(fn.v + i);
+    AdamElement(fn, w.x, m.x, v.x, g[0]);
+    AdamElement(fn, w.y, m.y, v.y, g[1]);
+    AdamElement(fn, w.z, m.z, v.z, g[2]);
+    AdamElement(fn, w.w, m.w, v.w, g[3]);
+    *reinterpret_cast<float4*>(fn.m + i) = m;
+    *reinterpret_cast<float4*>(fn.v + i) = v;
+    *reinterpret_cast<float4*>(fn.var + i) = w;
+  }
+};
+
+// Loads VEC consecutive gradient values as A (float4 for VEC == 4, used
+// only for float gradients of a width divisible by 4, 16-byte aligned).
+template <typename T, int VEC>
+struct GradVec {
+  __device__ __forceinline__ static void Load(const T* p, int64_t valid,
+                                              AccOf<T>* v) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      v[j] = j < valid ? Storage<T>::Load(p[j]) : AccOf<T>(0);
+    }
+  }
+};
+
+template <>
+struct GradVec<float, 4> {
+  __device__ __forceinline__ static void Load(const float* p, int64_t valid,
+                                              float* v) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(p));
+    v[0] = q.x;
+    v[1] = q.y;
+    v[2] = q.z;
+    v[3] = q.w;
+    (void)valid;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The one apply kernel. 2^lanes_log2 threads (at most a warp) per unique
+// row, each owning VEC consecutive columns at a time; a 1-D grid-stride
+// loop over (row, lane). Each thread sums grad over the row's positions in
+// ascending order (first, then the rest, as SumDuplicateRows) and applies
+// the rule. offsets == nullptr: the indices are known to be distinct, row
+// u is indices[u] = rows[u] with its gradient at position u, and a row
+// outside [0, num_rows) is skipped (never written).
+template <typename T, typename Fn, int VEC>
 __global__ void ApplyKernel(Fn fn, const int64_t* __restrict__ rows,
                             const int64_t* __restrict__ offsets,
                             const int64_t* __restrict__ positions,
                             const T* __restrict__ grad, int64_t num_unique,
-                            int64_t dim) {
-  using S = Storage<T>;
-  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.y) + threadIdx.y;
-       u < num_unique; u += static_cast<int64_t>(gridDim.x) * blockDim.y) {
-    const int64_t s = offsets[u];
-    const int64_t e = offsets[u + 1];
-    const int64_t base = rows[u] * dim;
-    for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-      // Same summation order as SumDuplicateRows: first, then ascending.
-      AccOf<T> g = S::Load(grad[positions[s] * dim + c]);
+                            int64_t dim, int64_t num_rows, int lanes_log2) {
+  using A = AccOf<T>;
+  const int64_t lanes = int64_t{1} << lanes_log2;
+  const int64_t total = num_unique << lanes_log2;
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       t < total; t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t u = t >> lanes_log2;
+    const int64_t lane = t & (lanes - 1);
+    const int64_t row = rows[u];
+    int64_t s = u;
+    int64_t e = u + 1;
+    int64_t first = u;
+    if (offsets != nullptr) {
+      s = offsets[u];
+      e = offsets[u + 1];
+      first = positions[s];
+    } else if (row < 0 || row >= num_rows) {
+      continue;
+    }
+    const int64_t base = row * dim;
+    for (int64_t c = lane * VEC; c < dim; c += lanes * VEC) {
+      const int64_t valid = dim - c;
+      A g[VEC];
+      GradVec<T, VEC>::Load(grad + first * dim + c, valid, g);
       for (int64_t q = s + 1; q < e; ++q) {
-        g = Add(g, S::Load(grad[positions[q] * dim + c]));
+        A x[VEC];
+        GradVec<T, VEC>::Load(grad + positions[q] * dim + c, valid, x);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) g[j] = Add(g[j], x[j]);
       }
-      fn(base + c, g);
+      VecApply<Fn, VEC>::Apply(fn, base + c, g, valid);
     }
   }
 }
 
+// Lanes per row: enough for one pass over `dim` in VEC-wide pieces (a
+// power of 2, at most a warp).
+int LanesLog2(int64_t dim, int vec) {
+  const int64_t pieces = (dim + vec - 1) / vec;
+  int lanes_log2 = 0;
+  while ((int64_t{1} << lanes_log2) < pieces && lanes_log2 < 5) ++lanes_log2;
+  return lanes_log2;
+}
+
+// vec4: float rows, dim % 4 == 0 and every buffer 16-byte aligned.
 template <typename T, typename Fn>
 Status LaunchApply(const GpuDevice& d, const Fn& fn, int64_t dim,
-                   const DedupResult& dd, const T* grad) {
+                   const DedupResult& dd, const T* grad, bool vec4) {
   if (dd.num_unique <= 0 || dim <= 0) return Status::Ok();
   constexpr int kThreads = 256;
-  int tx = 1;
-  while (tx < kThreads && tx < dim) tx *= 2;
-  const int ty = kThreads / tx;
-  int64_t blocks = (dd.num_unique + ty - 1) / ty;
-  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t{1} << 20));
-  ApplyKernel<T, Fn><<<static_cast<unsigned int>(blocks), dim3(tx, ty), 0,
-                       cu::StreamOf(d)>>>(fn, dd.rows, dd.offsets,
-                                          dd.positions, grad, dd.num_unique,
-                                          dim);
+  const bool use4 = std::is_same<T, float>::value && vec4 && dim % 4 == 0;
+  const int lanes_log2 = LanesLog2(dim, use4 ? 4 : 1);
+  const int blocks = cu::BlocksFor(dd.num_unique << lanes_log2, kThreads);
+  if (use4) {
+    ApplyKernel<T, Fn, 4><<<blocks, kThreads, 0, cu::StreamOf(d)>>>(
+        fn, dd.rows, dd.offsets, dd.positions, grad, dd.num_unique, dim,
+        dd.num_rows, lanes_log2);
+  } else {
+    ApplyKernel<T, Fn, 1><<<blocks, kThreads, 0, cu::StreamOf(d)>>>(
+        fn, dd.rows, dd.offsets, dd.positions, grad, dd.num_unique, dim,
+        dd.num_rows, lanes_log2);
+  }
   SOK_LAUNCH_RETURN_IF_ERROR("sparse optimizer ApplyKernel");
   return Status::Ok();
+}
+
+// rows[p] = indices[p] as int64.
+template <typename Index>
+__global__ void WidenRowsKernel(const Index* __restrict__ indices, int64_t k,
+                                int64_t* __restrict__ rows) {
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       p < k; p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    rows[p] = static_cast<int64_t>(indices[p]);
+  }
 }
 
 Status MissingSlot(const char* rule, const char* slot) {
@@ -402,6 +526,30 @@ Status Dedup(const GpuDevice& d, const Index* indices, int64_t k,
   out->rows = rows;
   out->offsets = offsets;
   out->positions = pos_out;
+  out->num_rows = num_rows;
+  return Status::Ok();
+}
+
+template <typename Index>
+Status DistinctRows(const GpuDevice& d, const Index* indices, int64_t k,
+                    int64_t num_rows, DedupResult* out) {
+  *out = DedupResult();
+  if (k < 0 || num_rows < 0) {
+    return Status::InvalidArgument("negative index count or row count");
+  }
+  out->num_rows = num_rows;
+  if (k == 0) return Status::Ok();
+  if constexpr (std::is_same<Index, int64_t>::value) {
+    out->rows = indices;
+  } else {
+    int64_t* rows = nullptr;
+    SOK_RETURN_IF_ERROR(cu::Scratch<int64_t>(d, k, &rows, "distinct rows"));
+    WidenRowsKernel<Index><<<cu::BlocksFor(k), 256, 0, cu::StreamOf(d)>>>(
+        indices, k, rows);
+    SOK_LAUNCH_RETURN_IF_ERROR("sparse optimizer WidenRowsKernel");
+    out->rows = rows;
+  }
+  out->num_unique = k;
   return Status::Ok();
 }
 
@@ -419,25 +567,30 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
   }
   if (dedup.num_unique == 0 || dim == 0) return Status::Ok();
   if (var == nullptr) return MissingSlot("sparse optimizer", "var");
-  if (dedup.rows == nullptr || dedup.offsets == nullptr ||
-      dedup.positions == nullptr || grad == nullptr) {
+  if (dedup.rows == nullptr || grad == nullptr ||
+      ((dedup.offsets == nullptr) != (dedup.positions == nullptr))) {
     return Status::Error("ApplyRule: missing dedup result or grad");
   }
   const A lr = static_cast<A>(h.lr);
+  auto aligned = [](const void* p) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  };
+  const bool vec4 = aligned(var) && aligned(s1) && aligned(s2) &&
+                    aligned(s3) && aligned(grad);
   switch (rule) {
     case Rule::kSgd: {
       SgdFn<T> fn{var, lr};
-      return LaunchApply<T>(d, fn, dim, dedup, grad);
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
     case Rule::kMomentum: {
       if (s1 == nullptr) return MissingSlot("Momentum", "m");
       MomentumFn<T> fn{var, s1, lr, static_cast<A>(h.momentum), h.nesterov};
-      return LaunchApply<T>(d, fn, dim, dedup, grad);
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
     case Rule::kAdagrad: {
       if (s1 == nullptr) return MissingSlot("Adagrad", "accumulator");
       AdagradFn<T> fn{var, s1, lr, static_cast<A>(h.epsilon)};
-      return LaunchApply<T>(d, fn, dim, dedup, grad);
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
     case Rule::kAdam: {
       if (s1 == nullptr) return MissingSlot("Adam", "m");
@@ -461,7 +614,7 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
                    A(1) - beta_2,
                    h.apply_weight_decay ? static_cast<A>(h.weight_decay) : A(0),
                    h.apply_weight_decay};
-      return LaunchApply<T>(d, fn, dim, dedup, grad);
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
     case Rule::kFtrl: {
       if (s1 == nullptr) return MissingSlot("Ftrl", "accumulator");
@@ -475,14 +628,14 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
       const A neg_power = -static_cast<A>(h.lr_power);
       FtrlFn<T> fn{var,        s1,         s2,        lr, static_cast<A>(h.l1),
                    two_l2_reg, two_shrink, neg_power};
-      return LaunchApply<T>(d, fn, dim, dedup, grad);
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
     case Rule::kRmsprop: {
       if (s1 == nullptr) return MissingSlot("RMSprop", "velocity");
       const A rho = static_cast<A>(h.rho);
       RmspropFn<T> fn{var, s1, s2, s3, lr, rho, A(1) - rho,
                       static_cast<A>(h.momentum), static_cast<A>(h.epsilon)};
-      return LaunchApply<T>(d, fn, dim, dedup, grad);
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
   }
   return Status::Error("unknown sparse optimizer rule " +
@@ -502,7 +655,9 @@ Status CopyDevice(const GpuDevice& d, void* dst, const void* src,
 
 #define SOK_INSTANTIATE_INDEX(Index)                                         \
   template Status Dedup<Index>(const GpuDevice&, const Index*, int64_t,     \
-                               int64_t, DedupResult*);
+                               int64_t, DedupResult*);                 \
+  template Status DistinctRows<Index>(const GpuDevice&, const Index*,      \
+                                      int64_t, int64_t, DedupResult*);
 SOK_INSTANTIATE_INDEX(int32_t)
 SOK_INSTANTIATE_INDEX(int64_t)
 #undef SOK_INSTANTIATE_INDEX

@@ -153,7 +153,8 @@ Status ApplyRmsprop(T* var, AccOf<T>* vel, AccOf<T>* mom, AccOf<T>* avg,
 // only in builds with SOK_WITH_CUDA). Plain C++ declarations, so the host
 // compiler can include them; every pointer argument below is device memory
 // unless said otherwise. All work is enqueued on d.stream, scratch comes
-// from d.allocate; the only host sync is the one inside Dedup.
+// from d.allocate; the only host sync is the one inside Dedup
+// (DistinctRows has none).
 namespace gpu {
 
 // The unique rows of a device index list, grouped by row (CSR layout).
@@ -170,6 +171,10 @@ struct DedupResult {
   const int64_t* positions = nullptr;  // [k]: positions[offsets[u] ..
                                        // offsets[u+1]) are the positions of
                                        // rows[u], ascending
+  // The variable's rows (host). With offsets == positions == nullptr (from
+  // DistinctRows) row u is rows[u] with its gradient at position u, and a
+  // row outside [0, num_rows) is skipped.
+  int64_t num_rows = 0;
 };
 
 // Validates indices[0..k) (device) against [0, num_rows) and groups equal
@@ -180,6 +185,17 @@ struct DedupResult {
 template <typename Index>
 Status Dedup(const GpuDevice& d, const Index* indices, int64_t k,
              int64_t num_rows, DedupResult* out);
+
+// The DedupResult of indices[0..k) (device) known to be distinct, without
+// sorting or validating them and with no host sync: U = k, row u =
+// indices[u] (int32 indices are widened into scratch), offsets and
+// positions null. For indices that sok_keras proves distinct at trace time
+// (the `indices_are_unique` attr: the rows output of SokPooledLookupGrad or
+// of a one-rank SokDedupBucketize, validated against the table's rows by
+// that op). ApplyRule never writes a row outside [0, num_rows).
+template <typename Index>
+Status DistinctRows(const GpuDevice& d, const Index* indices, int64_t k,
+                    int64_t num_rows, DedupResult* out);
 
 // The message of BuildUniqueIndex for an invalid index (same wording).
 inline std::string InvalidIndexMessage(int64_t position, int64_t value,

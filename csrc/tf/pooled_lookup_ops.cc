@@ -1,5 +1,6 @@
 // SokPooledLookup: a pooled lookup straight from a whole (unsharded) table,
-// CPU and GPU kernels over core/pooled_lookup.h.
+// CPU and GPU kernels over core/pooled_lookup.h; SokPooledLookupGrad, its
+// table gradient (core/lookup.h PooledLookupGrad).
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -156,12 +157,160 @@ class SokPooledLookupOp : public OpKernel {
   std::string table_name_;
 };
 
+REGISTER_OP("SokPooledLookupGrad")
+    .Input("grad: T")
+    .Input("ids: Tid")
+    .Input("row_splits: int64")
+    .Input("weights: T")
+    .Output("rows_grad: T")
+    .Output("rows: int64")
+    .Attr("T: {float, double}")
+    .Attr("Tid: {int32, int64}")
+    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("num_rows: int >= 0")
+    .Attr("table_name: string = ''")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, ids, splits, weights;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &weights));
+      const DimensionHandle unique = c->UnknownDim();
+      c->set_output(0, c->Matrix(unique, c->Dim(grad, 1)));
+      c->set_output(1, c->Vector(unique));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The table gradient of SokPooledLookup, reduced per distinct row.
+
+rows: the distinct ids of `ids` other than the padding -1, ascending (each
+  in [0, num_rows); distinct, so a sparse optimizer need not deduplicate
+  them again).
+rows_grad[u] = sum over i with ids[i] == rows[u] of
+               weights[i] / denominator(bag of i) * grad[bag of i],
+  with the combiner's denominator of SokPooledLookup (1 for 'sum'),
+  summed in the fixed order of SokSegmentCombineGrad: bit-identical to
+  dropping the padding, SokDedupBucketize and SokSegmentCombineGrad.
+
+grad: [batch, dim], the gradient of SokPooledLookup's output.
+ids, row_splits, weights: the lookup's inputs (weights [0]: all ones).
+num_rows: the table's rows; an id outside [0, num_rows) other than -1 fails
+  the op (InvalidArgument, naming the table).
+table_name: the table's name, for error messages.
+On the GPU: one sort and one blocking device-to-host copy (U and the
+errors); the host sync of the padding masks, the segment-id round trip, the
+second (group-by-row) sort and the segment-index check of the unfused
+chain are gone.
+)doc");
+
+template <typename Device, typename T, typename Tid>
+class SokPooledLookupGradOp : public OpKernel {
+ public:
+  explicit SokPooledLookupGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    const Status s = lookup::ParseCombiner(combiner, &combiner_);
+    OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& grad = ctx->input(0);
+    const Tensor& ids = ctx->input(1);
+    const Tensor& splits = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const std::string where = "sok_keras: table '" + table_name_ + "': ";
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(grad.shape()),
+                errors::InvalidArgument(where, "the gradient must be a "
+                                        "matrix, got shape ",
+                                        grad.shape().DebugString(), "."));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()),
+                errors::InvalidArgument(where, "ids must be a vector, got "
+                                        "shape ", ids.shape().DebugString(),
+                                        "."));
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(splits.shape()) &&
+                    splits.NumElements() == grad.dim_size(0) + 1,
+                errors::InvalidArgument(
+                    where, "row_splits must have one entry more than the "
+                    "gradient has rows (", grad.dim_size(0) + 1, "), got "
+                    "shape ", splits.shape().DebugString(), "."));
+    const int64_t nnz = ids.NumElements();
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(weights.shape()) &&
+                    (weights.NumElements() == 0 ||
+                     weights.NumElements() == nnz),
+                errors::InvalidArgument(
+                    where, "weights must be empty or have one entry per id (",
+                    nnz, "), got shape ", weights.shape().DebugString(), "."));
+    const int64_t batch = grad.dim_size(0);
+    const int64_t dim = grad.dim_size(1);
+    const T* w = weights.NumElements() == 0 ? nullptr
+                                            : weights.flat<T>().data();
+    lookup::PooledGradAllocate<T> allocate =
+        [ctx, dim](int64_t num_unique, T** rows_grad,
+                   int64_t** rows) -> Status {
+      Tensor* g = nullptr;
+      Tensor* r = nullptr;
+      absl::Status s =
+          ctx->allocate_output(0, TensorShape({num_unique, dim}), &g);
+      if (!s.ok()) return Status::Error(std::string(s.message()));
+      s = ctx->allocate_output(1, TensorShape({num_unique}), &r);
+      if (!s.ok()) return Status::Error(std::string(s.message()));
+      *rows_grad = g->flat<T>().data();
+      *rows = r->flat<int64_t>().data();
+      return Status::Ok();
+    };
+    lookup::PooledGradError error;
+    Status status;
+    if constexpr (std::is_same<Device, CpuDevice>::value) {
+      status = lookup::PooledLookupGrad<T, Tid>(
+          grad.flat<T>().data(), dim, ids.flat<Tid>().data(), nnz,
+          splits.flat<int64_t>().data(), batch, w, num_rows_, combiner_,
+          CpuParallelFor(ctx), allocate, &error);
+    } else {
+#ifdef SOK_WITH_CUDA
+      GpuScratch scratch(ctx);
+      GpuDevice d = MakeGpuDevice(ctx, &scratch);
+      status = lookup::gpu::PooledLookupGrad<T, Tid>(
+          d, grad.flat<T>().data(), dim, ids.flat<Tid>().data(), nnz,
+          splits.flat<int64_t>().data(), batch, w, num_rows_, combiner_,
+          allocate, &error);
+#else
+      status = Status::Error("built without CUDA");
+#endif
+    }
+    OP_REQUIRES(ctx, status.ok(), errors::Internal(where, status.message()));
+    OP_REQUIRES(ctx, error.bad_bag < 0,
+                errors::InvalidArgument(
+                    where, "row_splits are inconsistent at row ",
+                    error.bad_bag, " (they must rise from 0 to the number of "
+                    "ids, ", nnz, ")."));
+    OP_REQUIRES(ctx, error.position < 0,
+                errors::InvalidArgument(
+                    where, "id ", error.value, " at position ",
+                    error.position, " is out of range [0, ", num_rows_,
+                    ") (-1 is padding)."));
+  }
+
+ private:
+  lookup::Combiner combiner_ = lookup::Combiner::kSum;
+  int64_t num_rows_ = 0;
+  std::string table_name_;
+};
+
 #define REGISTER_POOLED(DEVICE_TYPE, DEV, T, Tid)                   \
   REGISTER_KERNEL_BUILDER(Name("SokPooledLookup")                   \
                               .Device(DEVICE_TYPE)                  \
                               .TypeConstraint<T>("T")               \
                               .TypeConstraint<Tid>("Tid"),          \
-                          SokPooledLookupOp<DEV, T, Tid>);
+                          SokPooledLookupOp<DEV, T, Tid>);  \
+  REGISTER_KERNEL_BUILDER(Name("SokPooledLookupGrad")               \
+                              .Device(DEVICE_TYPE)                  \
+                              .TypeConstraint<T>("T")               \
+                              .TypeConstraint<Tid>("Tid"),          \
+                          SokPooledLookupGradOp<DEV, T, Tid>);
 REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, float, int32_t)
 REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, float, int64_t)
 REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, double, int32_t)

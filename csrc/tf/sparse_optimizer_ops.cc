@@ -95,10 +95,17 @@ absl::Status SparseApplyShape(InferenceContext* c, int num_resources,
 // hyperparameters, the type every rule computes in: T for float and double,
 // float for half and bfloat16 (the new row is rounded once, to nearest even,
 // when it is stored).
+// indices_are_unique: the indices are known to be distinct and inside the
+// variable (sok_keras sets it only when it proves this at trace time: the
+// indices are the rows output of SokPooledLookupGrad or of a one-rank
+// SokDedupBucketize, validated against this variable's rows). The GPU
+// kernel then skips its sort, its validation and its host sync (and never
+// writes a row outside the variable); the CPU kernel ignores it.
 #define SOK_COMMON_ATTRS                      \
   Attr("T: {half, bfloat16, float, double}")  \
       .Attr("Tacc: {float, double}")          \
-      .Attr("Tindices: {int32, int64} = DT_INT64")
+      .Attr("Tindices: {int32, int64} = DT_INT64") \
+      .Attr("indices_are_unique: bool = false")
 
 REGISTER_OP("SokSparseApplySgd")
     .Input("var: resource")
@@ -302,7 +309,9 @@ class SokSparseApplyBase : public OpKernel {
 
   SokSparseApplyBase(OpKernelConstruction* c, std::vector<std::string> names,
                      int num_scalars)
-      : OpKernel(c), names_(std::move(names)), num_scalars_(num_scalars) {}
+      : OpKernel(c), names_(std::move(names)), num_scalars_(num_scalars) {
+    OP_REQUIRES_OK(c, c->GetAttr("indices_are_unique", &indices_are_unique_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const int nres = static_cast<int>(names_.size());
@@ -513,10 +522,17 @@ class SokSparseApplyBase : public OpKernel {
     ::sok::GpuScratch scratch(ctx);  // alive until Run returns
     const ::sok::GpuDevice d = ::sok::MakeGpuDevice(ctx, &scratch);
 
-    // Validates every index before anything is written.
+    // Validates every index before anything is written. Indices proven
+    // distinct at trace time (indices_are_unique, set by sok_keras only for
+    // the rows output of a dedup against this table's rows) skip the sort
+    // and its host sync; a row outside the table is then never written.
     so::gpu::DedupResult dedup;
-    so::Status st = so::gpu::Dedup<Index>(d, indices.flat<Index>().data(),
-                                          val->k, val->rows, &dedup);
+    so::Status st =
+        indices_are_unique_
+            ? so::gpu::DistinctRows<Index>(d, indices.flat<Index>().data(),
+                                           val->k, val->rows, &dedup)
+            : so::gpu::Dedup<Index>(d, indices.flat<Index>().data(), val->k,
+                                    val->rows, &dedup);
     OP_REQUIRES(ctx, st.ok(), errors::Internal(op, ": ", st.message()));
     OP_REQUIRES(ctx, dedup.bad_position < 0,
                 errors::InvalidArgument(
@@ -571,6 +587,9 @@ class SokSparseApplyBase : public OpKernel {
 
   std::vector<std::string> names_;
   int num_scalars_;
+  // The indices are distinct (see so::gpu::DistinctRows). The CPU kernel
+  // ignores it: its dedup finds out by itself, at no sync cost.
+  bool indices_are_unique_ = false;
 };
 
 // Each op class is templated on the device tag (CpuKernel / GpuKernel):

@@ -103,9 +103,47 @@ def slot_dtype(table_dtype):
     return tf.float32 if dtype in _HALF_DTYPES else dtype
 
 
+def indices_are_unique(indices, num_rows):
+    """Whether `indices` are provably distinct rows in `[0, num_rows)`, from
+    the op that made them (at trace time; never from a user's promise).
+
+    True for the `rows` output of `SokPooledLookupGrad` (the gradient of a
+    one-rank pooled or unpooled sok lookup) and the `local_rows` output of a
+    `SokDedupBucketize` with one rank or one owner (local row = id), when
+    that op validated its ids against at most `num_rows` rows. False for
+    anything else: eager tensors, a concatenation of several lookups'
+    gradients (Keras' aggregation of a table used twice), `tf.unique`'s
+    output (distinct but unvalidated), unknown `num_rows`.
+
+    Args:
+      indices: the indices tensor of a table's `tf.IndexedSlices` gradient.
+      num_rows: the table's (static) number of rows, or None.
+
+    Returns:
+      A Python bool: whether the sparse update may skip its dedup.
+    """
+    if num_rows is None or tf.executing_eagerly():
+        return False
+    if not isinstance(indices, tf.Tensor):
+        return False
+    try:
+        op = indices.op
+    except AttributeError:
+        return False
+    if op.type == "SokPooledLookupGrad" and indices.value_index == 1:
+        bound = op.get_attr("num_rows")
+    elif op.type == "SokDedupBucketize" and indices.value_index == 1 and (
+            op.get_attr("num_ranks") == 1 or op.get_attr("owner") >= 0):
+        bound = op.get_attr("vocab_size")
+    else:
+        return False
+    return 0 <= int(bound) <= int(num_rows)
+
+
 def _prep(var, indices, grad):
-    """Returns `(var, slot dtype, indices, grad)`, grad cast to the table's
-    dtype; the scalars are cast to the slot dtype."""
+    """Returns `(var, slot dtype, indices, grad, unique)`, grad cast to the
+    table's dtype (the scalars are cast to the slot dtype); `unique`: the
+    indices are provably distinct (`indices_are_unique`)."""
     var = _tf_var(var, "var")
     dtype = var.dtype
     if dtype not in _TABLE_DTYPES:
@@ -116,10 +154,12 @@ def _prep(var, indices, grad):
     indices = tf.convert_to_tensor(indices)
     if indices.dtype not in (tf.int32, tf.int64):
         indices = tf.cast(indices, tf.int64)
+    rows = var.shape[0] if var.shape.rank else None
+    unique = indices_are_unique(indices, rows)
     grad = tf.convert_to_tensor(grad)
     if grad.dtype != dtype:
         grad = tf.cast(grad, dtype)
-    return var, slot_dtype(dtype), indices, grad
+    return var, slot_dtype(dtype), indices, grad, unique
 
 
 def sparse_sgd(var, indices, grad, learning_rate):
@@ -138,10 +178,11 @@ def sparse_sgd(var, indices, grad, learning_rate):
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad = _prep(var, indices, grad)
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
     return ops().sok_sparse_apply_sgd(
         var=v.handle,
         indices=indices,
+        indices_are_unique=unique,
         grad=grad,
         lr=_scalar(learning_rate, dt, "learning_rate"),
     )
@@ -170,12 +211,13 @@ def sparse_momentum(
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad = _prep(var, indices, grad)
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
     m = _tf_var(momentum_slot, "momentum_slot")
     return ops().sok_sparse_apply_momentum(
         var=v.handle,
         m=m.handle,
         indices=indices,
+        indices_are_unique=unique,
         grad=grad,
         lr=_scalar(learning_rate, dt, "learning_rate"),
         momentum=_scalar(momentum, dt, "momentum"),
@@ -203,12 +245,13 @@ def sparse_adagrad(var, accumulator, indices, grad, learning_rate, epsilon=1e-7)
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad = _prep(var, indices, grad)
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
     acc = _tf_var(accumulator, "accumulator")
     return ops().sok_sparse_apply_adagrad(
         var=v.handle,
         accumulator=acc.handle,
         indices=indices,
+        indices_are_unique=unique,
         grad=grad,
         lr=_scalar(learning_rate, dt, "learning_rate"),
         epsilon=_scalar(epsilon, dt, "epsilon"),
@@ -217,7 +260,7 @@ def sparse_adagrad(var, accumulator, indices, grad, learning_rate, epsilon=1e-7)
 
 def _adam(var, m, v, indices, grad, learning_rate, step, beta_1, beta_2,
           epsilon, vhat, weight_decay):
-    tv, dt, indices, grad = _prep(var, indices, grad)
+    tv, dt, indices, grad, unique = _prep(var, indices, grad)
     m = _tf_var(m, "m")
     v = _tf_var(v, "v")
     amsgrad = vhat is not None
@@ -228,6 +271,7 @@ def _adam(var, m, v, indices, grad, learning_rate, step, beta_1, beta_2,
         v=v.handle,
         vhat=vh.handle,
         indices=indices,
+        indices_are_unique=unique,
         grad=grad,
         lr=_scalar(learning_rate, dt, "learning_rate"),
         beta_1=_scalar(beta_1, dt, "beta_1"),
@@ -367,7 +411,7 @@ def sparse_ftrl(
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad = _prep(var, indices, grad)
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
     acc = _tf_var(accumulator, "accumulator")
     lin = _tf_var(linear, "linear")
     return ops().sok_sparse_apply_ftrl(
@@ -375,6 +419,7 @@ def sparse_ftrl(
         accumulator=acc.handle,
         linear=lin.handle,
         indices=indices,
+        indices_are_unique=unique,
         grad=grad,
         lr=_scalar(learning_rate, dt, "learning_rate"),
         lr_power=_scalar(learning_rate_power, dt, "learning_rate_power"),
@@ -427,7 +472,7 @@ def sparse_rmsprop(
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad = _prep(var, indices, grad)
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
     vel = _tf_var(velocity, "velocity")
     mom = _tf_var(momentum_slot, "momentum_slot") if momentum_slot is not None else v
     mg = (
@@ -441,6 +486,7 @@ def sparse_rmsprop(
         mom=mom.handle,
         mg=mg.handle,
         indices=indices,
+        indices_are_unique=unique,
         grad=grad,
         lr=_scalar(learning_rate, dt, "learning_rate"),
         rho=_scalar(rho, dt, "rho"),

@@ -1,0 +1,199 @@
+"""`SokPooledLookupGrad`: the fused table gradient of `SokPooledLookup`.
+
+Checked on the CPU against the chain it replaces (padding dropped with
+boolean masks, `SokDedupBucketize`, `SokSegmentCombineGrad`), bit for bit,
+and against a NumPy reference; bad input raises naming the table. The
+CUDA kernel is compared with this CPU kernel in tests/test_gpu.py.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from sok_keras import lookup_ops
+from sok_keras._ops import ops
+
+
+def _bags(rng, batch, max_len, vocab, id_dtype, pad_frac=0.2, hot=5):
+    lengths = rng.integers(0, max_len + 1, batch)
+    splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    nnz = int(splits[-1])
+    ids = np.where(rng.random(nnz) < 0.5, rng.integers(0, hot, nnz),
+                   rng.integers(0, vocab, nnz))
+    ids = np.where(rng.random(nnz) < pad_frac, -1, ids).astype(id_dtype)
+    return ids, splits
+
+
+def _chain(dy, ids, splits, weights, combiner, vocab):
+    """The unfused backward (what lookup._pooled_lookup_grad did before)."""
+    segments = tf.ragged.row_splits_to_segment_ids(splits)
+    keep = tf.not_equal(ids, -1)
+    kept = tf.boolean_mask(ids, keep)
+    segments = tf.boolean_mask(segments, keep)
+    w = (tf.zeros([0], dy.dtype) if weights.shape[0] == 0
+         else tf.boolean_mask(weights, keep))
+    d = lookup_ops.dedup_bucketize(kept, num_ranks=1, vocab_size=vocab,
+                                   table_name="t")
+    g = ops().sok_segment_combine_grad(
+        grad=dy, inverse=d.inverse, segment_ids=segments, weights=w,
+        num_unique=tf.shape(d.local_rows, out_type=tf.int64)[0],
+        combiner=combiner)
+    return g.numpy(), d.local_rows.numpy()
+
+
+def _fused(dy, ids, splits, weights, combiner, vocab, name="t"):
+    g, rows = ops().sok_pooled_lookup_grad(
+        grad=dy, ids=ids, row_splits=splits, weights=weights,
+        combiner=combiner, num_rows=vocab, table_name=name)
+    return g.numpy(), rows.numpy()
+
+
+def _reference(dy, ids, splits, weights, combiner, vocab):
+    """NumPy: the dense table gradient, in float64."""
+    dy = np.asarray(dy, np.float64)
+    out = np.zeros([vocab, dy.shape[1]])
+    for b in range(len(splits) - 1):
+        lo, hi = splits[b], splits[b + 1]
+        w = (np.ones(hi - lo) if weights.size == 0
+             else np.asarray(weights[lo:hi], np.float64))
+        keep = ids[lo:hi] != -1
+        if combiner == "mean":
+            den = w[keep].sum()
+        elif combiner == "sqrtn":
+            den = np.sqrt((w[keep] ** 2).sum())
+        else:
+            den = 1.0
+        for i in np.nonzero(keep)[0]:
+            if den != 0:
+                out[ids[lo + i]] += w[i] * dy[b] / den
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_matches_unfused_chain_bitwise(dtype, id_dtype, combiner, weighted):
+    rng = np.random.default_rng(7)
+    vocab, dim = 300, 12
+    ids, splits = _bags(rng, 97, 9, vocab, id_dtype)
+    nnz = ids.size
+    dy = tf.constant(rng.standard_normal([97, dim]).astype(dtype))
+    weights = tf.constant(
+        rng.uniform(0.1, 2.0, nnz).astype(dtype) if weighted
+        else np.zeros([0], dtype))
+    ids_t, splits_t = tf.constant(ids), tf.constant(splits)
+    g, rows = _fused(dy, ids_t, splits_t, weights, combiner, vocab)
+    g0, rows0 = _chain(dy, ids_t, splits_t, weights, combiner, vocab)
+    np.testing.assert_array_equal(rows, rows0)
+    np.testing.assert_array_equal(g, g0)
+    # Distinct, ascending rows; the dense gradient matches NumPy.
+    assert np.all(np.diff(rows) > 0)
+    np.testing.assert_array_equal(rows, np.unique(ids[ids != -1]))
+    dense = np.zeros([vocab, dim])
+    dense[rows] = g
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(
+        dense, _reference(dy.numpy(), ids, splits, weights.numpy(), combiner,
+                          vocab), rtol=rtol, atol=rtol)
+
+
+def test_hot_row_over_many_chunks_matches_chain():
+    # One row seen far more than kGradChunk (64) times: the chunk tree.
+    rng = np.random.default_rng(3)
+    ids = np.where(rng.random(5000) < 0.7, 4, rng.integers(0, 50, 5000))
+    ids = np.where(rng.random(5000) < 0.1, -1, ids).astype(np.int64)
+    splits = np.arange(0, 5001, 5, dtype=np.int64)
+    dy = tf.constant(rng.standard_normal([1000, 8]).astype(np.float32))
+    w = tf.zeros([0], tf.float32)
+    args = (dy, tf.constant(ids), tf.constant(splits), w, "mean", 50)
+    for a, b in zip(_fused(*args), _chain(*args)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_empty_and_all_padding():
+    dy = tf.ones([3, 4])
+    w = tf.zeros([0])
+    g, rows = _fused(dy, tf.constant([-1, -1], tf.int64),
+                     tf.constant([0, 1, 1, 2], tf.int64), w, "sum", 10)
+    assert g.shape == (0, 4) and rows.shape == (0,)
+    g, rows = _fused(tf.ones([2, 4]), tf.zeros([0], tf.int64),
+                     tf.constant([0, 0, 0], tf.int64), w, "mean", 10)
+    assert g.shape == (0, 4) and rows.shape == (0,)
+    g, rows = _fused(tf.ones([0, 4]), tf.zeros([0], tf.int32),
+                     tf.constant([0], tf.int64), w, "sum", 10)
+    assert g.shape == (0, 4) and rows.shape == (0,)
+
+
+def test_invalid_id_names_table_and_position():
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"table 'emb'.*id 12 at position 2 .*\[0, 10\)"):
+        _fused(tf.ones([2, 4]), tf.constant([1, -1, 12, 3], tf.int64),
+               tf.constant([0, 2, 4], tf.int64), tf.zeros([0]), "sum", 10,
+               name="emb")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"table 'emb'.*id -2 at position 0"):
+        _fused(tf.ones([1, 4]), tf.constant([-2], tf.int64),
+               tf.constant([0, 1], tf.int64), tf.zeros([0]), "sum", 10,
+               name="emb")
+
+
+@pytest.mark.parametrize("splits", [[0, 3, 2, 4], [1, 2, 3, 4], [0, 1, 2, 3]])
+def test_bad_splits(splits):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="table 'emb'.*row_splits are inconsistent"):
+        _fused(tf.ones([3, 4]), tf.constant([1, 2, 3, 4], tf.int64),
+               tf.constant(splits, tf.int64), tf.zeros([0]), "sum", 10,
+               name="emb")
+
+
+def test_bad_shapes():
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match="row_splits must have one entry more"):
+        _fused(tf.ones([3, 4]), tf.constant([1, 2], tf.int64),
+               tf.constant([0, 2], tf.int64), tf.zeros([0]), "sum", 10)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match="weights must be empty or have one entry"):
+        _fused(tf.ones([1, 4]), tf.constant([1, 2], tf.int64),
+               tf.constant([0, 2], tf.int64), tf.ones([3]), "sum", 10)
+
+
+def test_lookup_gradient_is_the_fused_op():
+    """The registered gradient of SokPooledLookup uses the fused op, and
+    gives the same dense gradient as tf.nn.embedding_lookup_sparse."""
+    rng = np.random.default_rng(11)
+    vocab, dim = 40, 6
+    ids, splits = _bags(rng, 20, 6, vocab, np.int64)
+    table = tf.Variable(rng.standard_normal([vocab, dim]).astype(np.float32))
+    w = rng.uniform(0.5, 1.5, ids.size).astype(np.float32)
+
+    seen = []
+
+    @tf.function
+    def grads():
+        with tf.GradientTape() as tape:
+            out = ops().sok_pooled_lookup(
+                table=table, ids=tf.constant(ids),
+                row_splits=tf.constant(splits), weights=tf.constant(w),
+                combiner="sqrtn", table_name="t")
+            loss = tf.reduce_sum(out * out)
+        g = tape.gradient(loss, table)
+        seen.append(g.indices.op.type)
+        return g
+
+    g = grads()
+    assert isinstance(g, tf.IndexedSlices)
+    assert seen == ["SokPooledLookupGrad"]
+    keep = ids != -1
+    seg = np.repeat(np.arange(20), np.diff(splits))[keep]
+    sp = tf.SparseTensor(
+        np.stack([seg, np.arange(keep.sum())], 1).astype(np.int64),
+        ids[keep], [20, int(keep.sum())])
+    spw = tf.SparseTensor(sp.indices, w[keep], sp.dense_shape)
+    with tf.GradientTape() as tape:
+        ref = tf.nn.embedding_lookup_sparse(table, sp, spw, combiner="sqrtn")
+        loss = tf.reduce_sum(ref * ref)
+    g_ref = tape.gradient(loss, table)
+    np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
+                               tf.convert_to_tensor(g_ref).numpy(),
+                               rtol=1e-5, atol=1e-5)
