@@ -51,6 +51,7 @@ import tensorflow as tf
 from sok_keras import world
 from sok_keras.variable import DISTRIBUTED
 from sok_keras.variable import Variable
+from sok_keras.variable import dense_reads
 from sok_keras.variable import parse_mode
 from sok_keras.variable import shard_rows
 
@@ -846,6 +847,7 @@ def _assign(plan):
         b = min(a + step, plan.rows)
         target.scatter_update(tf.IndexedSlices(
             value[a:b], tf.range(a, b, dtype=tf.int64)))
+    dense_reads(target)
 
 
 def load(path, model_or_variables, optimizer=None):

@@ -34,14 +34,18 @@ def _np(v):
 
 
 def _dense_fit(make_opt, wrap, x, y):
+    # On the CPU, where two runs of one Keras model are bitwise equal (on a
+    # GPU, cuBLAS may round two runs of the same model apart in the last
+    # bit, so "exactly Keras' update" can only be checked here).
     keras.utils.clear_session()
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
-                              keras.layers.Dense(1)])
-    inner = make_opt()
-    model.compile(optimizer=Wrapper(inner) if wrap else inner, loss="mse",
-                  run_eagerly=True)
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    with tf.device("/CPU:0"):
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(1)])
+        inner = make_opt()
+        model.compile(optimizer=Wrapper(inner) if wrap else inner,
+                      loss="mse", run_eagerly=True)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     return [_np(w) for w in model.weights], int(model.optimizer.iterations)
 
 
