@@ -19,9 +19,7 @@ def _clear_session():
 # start last and run alone at the end. Under `--dist loadgroup` xdist hands
 # out work units one at a time in collection order, so the collection is
 # sorted here: the longest units first (known costs below), then the rest in
-# file order. Tests that share a module-scoped fixture of a multi-process
-# module form one unit (one `xdist_group`), so that the fixture's workers
-# run once. The order changes nothing else: each test sets up what it
+# file order. The order changes nothing else: each test sets up what it
 # needs.
 
 # Seconds of a test (its node id, or its node id without parameters) with
@@ -66,21 +64,34 @@ _KNOWN_SECONDS = {
 _DEFAULT_SECONDS = 1
 
 
-def _launches_workers(module):
-    """Whether a test module uses tests/multiprocess.py."""
-    return any(getattr(v, "__module__", None) == "tests.multiprocess"
-               for v in vars(module).values())
+# Modules whose module-scoped fixtures launch workers: each is one work
+# unit, so that those workers run once. (Not via `xdist_group` markers:
+# pytest-xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.)
+_WHOLE_MODULES = {
+    "tests/test_checkpoint.py", "tests/test_decisions_multirank.py",
+    "tests/test_recipes_horovod.py", "tests/test_recipes_mirrored.py",
+    "tests/test_recipes_strategy.py", "tests/test_training_multirank.py",
+    "tests/layers/test_keras_rs.py", "tests/layers/test_layers_multirank.py",
+}
 
 
-def _module_path(item):
-    return item.nodeid.split("::")[0]
+def _unit(nodeid):
+    """The work unit of a test: its module in _WHOLE_MODULES, else itself."""
+    module = nodeid.split("::")[0]
+    return module if module in _WHOLE_MODULES else nodeid
 
 
-def _shares_module_fixture(item):
-    """Whether `item` uses a module-scoped fixture of its own module."""
-    defs = item._fixtureinfo.name2fixturedefs
-    return any(d.scope == "module" and d.baseid == _module_path(item)
-               for name in item.fixturenames for d in defs.get(name, ()))
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Units(LoadScopeScheduling):
+        # Units in collection order (the workers sort it, below).
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+    return _Units(config, log)
 
 
 def _seconds(item):
@@ -95,18 +106,13 @@ def pytest_collection_modifyitems(config, items):
     # Only in an xdist worker under loadgroup: a plain run keeps file order,
     # and `--dist load` sends blocks of consecutive tests, for which
     # longest-first would put every long job on one worker.
+    # (A worker's own `dist` is "no"; xdist sets `loadgroup` there.)
     if (not os.environ.get("PYTEST_XDIST_WORKER")
-            or config.getoption("dist", "no") != "loadgroup"):
+            or not getattr(config.option, "loadgroup", False)):
         return
-    units = {}  # key -> [seconds, first index, items]
+    units = {}  # unit -> [seconds, first index, items]
     for index, item in enumerate(items):
-        key = item.nodeid
-        if (_launches_workers(item.module)
-                and _shares_module_fixture(item)
-                and not list(item.iter_markers("xdist_group"))):
-            key = _module_path(item)
-            item.add_marker(pytest.mark.xdist_group(key))
-        unit = units.setdefault(key, [0, index, []])
+        unit = units.setdefault(_unit(item.nodeid), [0, index, []])
         unit[0] += _seconds(item)
         unit[2].append(item)
     ordered = sorted(units.values(), key=lambda u: (-u[0], u[1]))
