@@ -358,7 +358,7 @@ def _to_numpy(out):
     return np.asarray(out.numpy() if hasattr(out, "numpy") else out)
 
 
-def run_cell(wd, input_name, entry, mode, bad):
+def run_cell(wd, input_name, entry, mode, bad, autograph=True):
     """Runs one cell; returns what happened as a JSON-able dict.
 
     Args:
@@ -366,6 +366,11 @@ def run_cell(wd, input_name, entry, mode, bad):
         input_name, entry: the cell.
         mode: `"eager"` or `"function"`.
         bad: whether this rank gets the bad input (see INPUTS).
+        autograph: in mode `"function"`, whether the `tf.function`
+            converts the code with AutoGraph (the 1-rank matrix, whose
+            errors raised while tracing pass through AutoGraph's error
+            rewriting, does; the multi-rank job, whose function cells are
+            errors at run time and inputs that work, need not).
 
     Returns:
         `{"error": type name or None, "message": str, "output": list or
@@ -381,7 +386,7 @@ def run_cell(wd, input_name, entry, mode, bad):
         ids, weights = make(kind, bad)
         fn = (lambda i, w: call(wd, i, w))
         if mode == "function":
-            fn = tf.function(fn)
+            fn = tf.function(fn, autograph=autograph)
         out = _to_numpy(fn(ids, weights))
         result["output"] = out.tolist()
         result["shape"] = list(out.shape)

@@ -10,3 +10,110 @@ import pytest  # noqa: E402
 def _clear_session():
     keras.utils.clear_session()
     yield
+
+
+# -- scheduling under pytest-xdist (`--dist loadgroup`, see pyproject.toml) --
+#
+# The suite's time is dominated by a few multi-process jobs (each starts 2-3
+# TensorFlow workers). With the tests in file order, a 3-minute job could
+# start last and run alone at the end. Under `--dist loadgroup` xdist hands
+# out work units one at a time in collection order, so the collection is
+# sorted here: the longest units first (known costs below), then the rest in
+# file order. The order changes nothing else: each test sets up what it
+# needs.
+
+# Seconds of a test (its node id, or its node id without parameters) with
+# its setup, roughly, from `--durations` of CI runs on the 2-core machine
+# (a module fixture's workers are counted with the test that sets it up).
+# Only the order matters; a test not listed counts one second.
+_KNOWN_SECONDS = {
+    "tests/test_lookup_multirank.py::test_pooling_on_the_owner_equals_"
+    "pooling_at_home": 200,
+    "tests/test_bad_inputs_multirank.py::test_bad_input_matrix_on_two_ranks":
+        100,
+    "tests/test_save_load_multirank.py::test_several_tables_in_one_step_on_"
+    "two_and_three_ranks": 75,
+    "tests/test_save_load_multirank.py::test_streamed_save_reads_own_rows_"
+    "and_exports_on_several_ranks": 70,
+    "tests/test_checkpoint.py::test_fit_killed_mid_epoch_resumes_to_the_"
+    "uninterrupted_result": 60,
+    "tests/test_save_load_multirank.py::test_save_on_two_ranks_load_on_one_"
+    "and_three": 50,
+    "tests/test_checkpoint.py::test_localized_tables_reshard": 52,
+    "tests/test_recipes_horovod.py::test_world_and_collectives": 50,
+    "tests/test_recipes_horovod.py::test_demo_model_recipe_parity": 50,
+    "tests/test_decisions_multirank.py::test_plateau_callbacks_decide_alike_"
+    "from_global_val_loss": 48,
+    "tests/test_training_multirank.py::test_fit_on_ranks_matches_one_"
+    "process[3]": 47,
+    "tests/test_save_load_multirank.py::test_mismatched_collective_order_"
+    "times_out_with_a_clear_error": 44,
+    "tests/test_world_launchers.py::test_two_ranks_without_sokrun": 44,
+    "tests/test_recipes_strategy.py::test_sok_adopts_the_programs_strategy":
+        42,
+    "tests/layers/test_layers_multirank.py::test_all_layers_fit_on_ranks_"
+    "matches_one_process[3]": 40,
+    "tests/test_checkpoint.py::test_backup_and_restore_resumes_a_killed_fit":
+        42,
+    "tests/test_init_global.py::test_blocks_bound_the_extra_memory_and_fill_"
+    "in_place": 36,
+    "tests/test_global_views.py::test_global_views_on_two_ranks": 32,
+    "tests/test_checkpoint.py::test_dump_on_two_ranks_load_on_one_and_three":
+        27,
+}
+_DEFAULT_SECONDS = 1
+
+
+# Modules whose module-scoped fixtures launch workers: each is one work
+# unit, so that those workers run once. (Not via `xdist_group` markers:
+# pytest-xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads.)
+_WHOLE_MODULES = {
+    "tests/test_checkpoint.py", "tests/test_decisions_multirank.py",
+    "tests/test_recipes_horovod.py", "tests/test_recipes_mirrored.py",
+    "tests/test_recipes_strategy.py", "tests/test_training_multirank.py",
+    "tests/layers/test_keras_rs.py", "tests/layers/test_layers_multirank.py",
+}
+
+
+def _unit(nodeid):
+    """The work unit of a test: its module in _WHOLE_MODULES, else itself."""
+    module = nodeid.split("::")[0]
+    return module if module in _WHOLE_MODULES else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Units(LoadScopeScheduling):
+        # Units in collection order (the workers sort it, below).
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+    return _Units(config, log)
+
+
+def _seconds(item):
+    for key in (item.nodeid, item.nodeid.split("[")[0]):
+        if key in _KNOWN_SECONDS:
+            return _KNOWN_SECONDS[key]
+    return _DEFAULT_SECONDS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Only in an xdist worker under loadgroup: a plain run keeps file order,
+    # and `--dist load` sends blocks of consecutive tests, for which
+    # longest-first would put every long job on one worker.
+    # (A worker's own `dist` is "no"; xdist sets `loadgroup` there.)
+    if (not os.environ.get("PYTEST_XDIST_WORKER")
+            or not getattr(config.option, "loadgroup", False)):
+        return
+    units = {}  # unit -> [seconds, first index, items]
+    for index, item in enumerate(items):
+        unit = units.setdefault(_unit(item.nodeid), [0, index, []])
+        unit[0] += _seconds(item)
+        unit[2].append(item)
+    ordered = sorted(units.values(), key=lambda u: (-u[0], u[1]))
+    items[:] = [item for unit in ordered for item in unit[2]]

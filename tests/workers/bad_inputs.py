@@ -34,7 +34,8 @@ results = {}
 for input_name, entry in cases.cells():
     bad = cases.INPUTS[input_name][2] or RANK == cases.BAD_RANK
     for mode in cases.multirank_modes(input_name):
-        r = cases.run_cell(wd, input_name, entry, mode, bad)
+        # Without AutoGraph: a third less tracing time; see run_cell.
+        r = cases.run_cell(wd, input_name, entry, mode, bad, autograph=False)
         r["message"] = short(r["message"])
         results[f"{input_name}|{entry}|{mode}"] = r
 

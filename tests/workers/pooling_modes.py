@@ -48,8 +48,12 @@ def reference(rows, w_rows, table, combiner):
 
 def make_run(var):
     # The table is captured, not passed: a tf.function argument would turn
-    # it into a tensor.
-    @tf.function
+    # it into a tensor. Traced in graph mode without AutoGraph: converting
+    # the lookup code made each of the 36 traces ~1.5x slower and cost ~20 s
+    # once per rank. The product code has no tensor-dependent Python control
+    # flow (that would fail to trace here), so the graph is the same; the
+    # AutoGraph path is traced by every multi-rank Keras fit test.
+    @tf.function(autograph=False)
     def run(ids, w, combiner, pooling):
         with tf.GradientTape() as tape:
             out = lookup_one(var, ids, w, combiner, pooling=pooling)
