@@ -1,0 +1,78 @@
+"""A lookup of a table that was written in place, with and without
+TensorFlow's copy-on-read mode (the regression fixed in
+`sok_keras.variable.dense_reads`).
+
+A sparse write (`scatter_update`, `ResourceStridedSliceAssign`) puts a
+`tf.Variable` in copy-on-read mode for good, and every dense read copies the
+whole table. sok_keras writes tables in place when it initializes them in
+blocks and when it loads them; it now turns the mode off afterwards. This
+script times the same pooled lookup on (a) a table made by `sok.Variable`
+(block-initialized, mode off by sok_keras), (b) the same table after a
+plain `scatter_update` of one row (mode on: what every table was before the
+fix), (c) after `DisableCopyOnRead` again. Baseline and fix in one run.
+
+    python bench/copy_on_read.py [--rows 2000000 --dim 64]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--hotness", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", default=os.path.join(_common.RESULTS,
+                                                 "copy_on_read.json"))
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    import keras
+    import tensorflow as tf
+
+    import sok_keras as sok
+
+    table = sok.Variable(keras.initializers.RandomUniform(-0.05, 0.05,
+                                                          seed=3),
+                         shape=(args.rows, args.dim), name="table")
+    ids = tf.constant(np.random.default_rng(0).integers(
+        0, args.rows, size=(args.batch, args.hotness)), tf.int64)
+    fwd = tf.function(lambda: sok.lookup_sparse(table, ids, combiners="sum"))
+
+    def ms():
+        fwd().numpy()
+        times = []
+        for _ in range(args.steps):
+            s = time.perf_counter()
+            fwd().numpy()
+            times.append((time.perf_counter() - s) * 1e3)
+        return float(np.median(times))
+
+    result = {"machine": _common.machine_info(),
+              "command": _common.command_line(), "config": vars(args),
+              "device": table.value.device}
+    result["sok_table_ms"] = ms()
+    table.value.scatter_update(tf.IndexedSlices(
+        tf.zeros([1, args.dim]), tf.constant([0], tf.int64)))
+    result["copy_on_read_ms"] = ms()
+    tf.raw_ops.DisableCopyOnRead(resource=table.value.handle)
+    result["mode_off_again_ms"] = ms()
+    result["slowdown_with_copy_on_read"] = round(
+        result["copy_on_read_ms"] / result["sok_table_ms"], 2)
+    _common.finish(args.out, result, t0)
+    for k in ("sok_table_ms", "copy_on_read_ms", "mode_off_again_ms",
+              "slowdown_with_copy_on_read"):
+        print(f"{k:28s} {result[k]}")
+
+
+if __name__ == "__main__":
+    main()
