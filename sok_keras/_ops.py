@@ -104,3 +104,13 @@ def build_info():
     with_cuda, syncs, copies = ops().sok_build_info()
     return {"with_cuda": bool(with_cuda), "gpu_host_syncs": int(syncs),
             "variable_copy_bytes": int(copies)}
+
+
+def not_converted(fn):
+    """`tf.autograph.experimental.do_not_convert`: sok_keras' entry points
+    (lookups, layer calls, optimizer steps) use TensorFlow control flow
+    explicitly, so AutoGraph need not rewrite them when a `tf.function`
+    (Keras' train step included) calls them. Converting their call tree
+    cost about 5-20 CPU-seconds per process at the first trace and made
+    every trace slower."""
+    return tf.autograph.experimental.do_not_convert(fn)

@@ -35,6 +35,7 @@ from sok_keras import world
 from sok_keras._ops import ops
 from sok_keras._ops import register_gradient_once
 from sok_keras.variable import Variable
+from sok_keras._ops import not_converted as _not_converted
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -1050,6 +1051,7 @@ def _ragged_weights(ids, weights, name):
         return tf.identity(weights.values)
 
 
+@_not_converted
 def lookup_one(param, ids, weights=None, combiner="sum", name=None,
                pooling="auto"):
     """Looks up (and pools) one feature in one table. See `lookup_sparse`.
@@ -1094,6 +1096,7 @@ def _to_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+@_not_converted
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
                   hotness=None, pooling="auto"):
     """Looks up and pools sparse ids in several sharded tables at once.
@@ -1178,6 +1181,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     return outputs if is_list else outputs[0]
 
 
+@_not_converted
 def all2all_dense_embedding(param, indices):
     """Looks up every id of a dense tensor, without pooling.
 

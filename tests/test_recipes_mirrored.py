@@ -97,8 +97,8 @@ def test_seed_custom_loop_parity(trained, n):
     _same_weights(got["weights"], want["weights"], 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("part", ["fit", "eager", "long"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n,part", [(2, "fit"), (2, "eager"), (2, "long"),
+                                    (4, "long")])
 def test_fit_under_mirrored_strategy_parity(trained, n, part):
     """`model.fit` of 3 sok layers (distributed, localized on the last
     replica, All2AllDenseEmbedding) + OptimizerWrapper(Adam): graph,
@@ -127,7 +127,7 @@ def test_embedding_collection_inside_strategy_run(trained, n):
         assert before != after  # the step trained both tables
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2])
 def test_save_and_load_under_mirrored_strategy(trained, n):
     fit = trained[n]["fit"]
     back = fit["saved"]["mirrored"]

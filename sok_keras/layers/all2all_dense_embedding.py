@@ -6,6 +6,7 @@ import tensorflow as tf
 from sok_keras import replicas
 from sok_keras.layers.base_embedding import BaseEmbedding
 from sok_keras.layers.base_embedding import check_positive_int
+from sok_keras._ops import not_converted as _not_converted
 
 
 @keras.saving.register_keras_serializable(package="sok_keras")
@@ -81,6 +82,7 @@ class All2AllDenseEmbedding(BaseEmbedding):
     def _table_mode(self):
         return "distributed"
 
+    @_not_converted
     def call(self, inputs):
         from sok_keras.lookup import all2all_dense_embedding
 

@@ -12,6 +12,7 @@ from sok_keras.variable import Variable
 from sok_keras.variable import save_entry
 from sok_keras.variable import saved_array
 from sok_keras.variable import table_entries
+from sok_keras._ops import not_converted as _not_converted
 
 
 def check_positive_int(value, arg, layer):
@@ -141,6 +142,7 @@ class BaseEmbedding(keras.layers.Layer):
         self.embeddings.optimizer = self.table_optimizer
         self.built = True
 
+    @_not_converted
     def call(self, inputs, weights=None):
         from sok_keras.lookup import lookup_one
 

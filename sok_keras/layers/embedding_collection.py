@@ -12,6 +12,7 @@ from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.variable import Variable
 from sok_keras.variable import parse_mode
+from sok_keras._ops import not_converted as _not_converted
 
 _TABLE_KEYS = ("vocabulary_size", "embedding_dim", "mode", "initializer",
                "optimizer")
@@ -261,6 +262,7 @@ class EmbeddingCollection(keras.layers.Layer):
             self.embeddings[t] = var
         self.built = True
 
+    @_not_converted
     def call(self, inputs, weights=None, training=None):
         del training
         if self._keras_rs is None:

@@ -16,6 +16,7 @@ from sok_keras.optimizers.wrapper import broadcast_variables
 from sok_keras.optimizers.wrapper import build_once
 from sok_keras.optimizers.wrapper import create_table_slots
 from sok_keras.variable import is_sok_variable
+from sok_keras._ops import not_converted as _not_converted
 
 
 class _TablesMixin:
@@ -35,6 +36,7 @@ class _TablesMixin:
         create_table_slots(self, var_list)
         broadcast_variables(dense, key="sok_optimizer/broadcast")
 
+    @_not_converted
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables

@@ -9,6 +9,7 @@ import tensorflow as tf
 from sok_keras import world
 from sok_keras.optimizers import sparse_kernels, sparse_rules
 from sok_keras.variable import is_sok_variable
+from sok_keras._ops import not_converted as _not_converted
 
 _UNSUPPORTED_BASE_ARGS = {
     "weight_decay": None,
@@ -437,6 +438,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
+    @_not_converted
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables
