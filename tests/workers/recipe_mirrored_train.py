@@ -32,6 +32,7 @@ elif N > 1:
 
 import sok_keras as sok  # noqa: E402
 from _worker import OUT  # noqa: E402
+from _seed_recipe import DemoModel, same_start, weights_of  # noqa: E402
 from _worker import write_result  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -42,58 +43,6 @@ LONG_STEPS = 100
 rng = np.random.default_rng(1)
 ids = rng.integers(0, VOCAB_PER_GPU, size=(STEPS, GLOBAL_BATCH, SLOT_NUM, NNZ))
 labels = rng.integers(0, 2, size=(STEPS, GLOBAL_BATCH, 1)).astype("float32")
-
-
-class DemoModel(tf.keras.models.Model):
-    """The seed's TF2 DemoModel, unchanged."""
-
-    def __init__(self, max_vocabulary_size_per_gpu, slot_num, nnz_per_slot,
-                 embedding_vector_size, num_of_dense_layers, **kwargs):
-        super(DemoModel, self).__init__(**kwargs)
-        self.max_vocabulary_size_per_gpu = max_vocabulary_size_per_gpu
-        self.slot_num = slot_num
-        self.nnz_per_slot = nnz_per_slot
-        self.embedding_vector_size = embedding_vector_size
-        self.num_of_dense_layers = num_of_dense_layers
-        self.embedding_layer = sok.All2AllDenseEmbedding(
-            max_vocabulary_size_per_gpu=self.max_vocabulary_size_per_gpu,
-            embedding_vec_size=self.embedding_vector_size,
-            slot_num=self.slot_num,
-            nnz_per_slot=self.nnz_per_slot)
-        self.dense_layers = list()
-        for _ in range(self.num_of_dense_layers):
-            self.layer = tf.keras.layers.Dense(units=64, activation="relu")
-            self.dense_layers.append(self.layer)
-        self.out_layer = tf.keras.layers.Dense(units=1, activation=None)
-
-    def call(self, inputs, training=True):
-        emb_vector = self.embedding_layer(inputs, training=training)
-        emb_vector = tf.reshape(emb_vector, shape=[
-            -1, self.slot_num * self.nnz_per_slot *
-            self.embedding_vector_size])
-        hidden = emb_vector
-        for layer in self.dense_layers:
-            hidden = layer(hidden)
-        logit = self.out_layer(hidden)
-        return logit
-
-
-def same_start(model, seed):
-    """The same initial tables (first rows of one draw, whatever the number
-    of rows) and dense weights for every configuration."""
-    r = np.random.default_rng(seed)
-    for v in model.weights:
-        if sok.variable.is_sok_variable(v):
-            rows, dim = v.global_shape
-            big = r.uniform(-0.05, 0.05, size=(4096, dim))
-            v.assign_global(big[:rows].astype("float32"))
-        else:
-            v.assign(r.normal(0, 0.05, size=v.shape).astype("float32"))
-
-
-def weights_of(model):
-    return [v.read_global().tolist() if sok.variable.is_sok_variable(v)
-            else np.asarray(v.numpy()).tolist() for v in model.weights]
 
 
 def devices(n):
@@ -110,7 +59,7 @@ def seed_loop(strategy):
         model = DemoModel(max_vocabulary_size_per_gpu=VOCAB_PER_GPU,
                           slot_num=SLOT_NUM, nnz_per_slot=NNZ,
                           embedding_vector_size=EMB_SIZE,
-                          num_of_dense_layers=DENSE)
+                          num_of_dense_layers=DENSE, dense_units=64)
         model(ids[0, :1])
         same_start(model, 2)
         emb_var, _ = sok.split_embedding_variable_from_others(
