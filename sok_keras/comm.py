@@ -638,20 +638,10 @@ class HostCollectiveCommunicator(CollectiveCommunicator):
                          group_key=group_key, device="/device:CPU:0")
 
 
-def _pinned_to_cpu(name):
-    """`CollectiveCommunicator.<name>`, run under `tf.device("/CPU:0")`."""
-    method = getattr(CollectiveCommunicator, name)
-
-    @functools.wraps(method)
-    def pinned(self, *args, **kwargs):
-        with tf.device("/CPU:0"):
-            return method(self, *args, **kwargs)
-
-    return pinned
-
-
-for _name in ("all_reduce", "all_gather", "broadcast", "exchange", "agree"):
-    setattr(HostCollectiveCommunicator, _name, _pinned_to_cpu(_name))
+# Its device is the CPU; `exchange` and `agree` also run whole under it (the
+# data group places only the collectives of an exchange).
+for _name in ("exchange", "agree"):
+    setattr(HostCollectiveCommunicator, _name, _on_device(_name))
 del _name
 
 
