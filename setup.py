@@ -63,11 +63,15 @@ def _nvcc():
 
 
 def _gencode_flags(nvcc):
-    """-gencode for sm_80 and sm_90, and newer architectures nvcc knows."""
+    """-gencode for sm_80 and sm_90, and newer architectures nvcc knows
+    (`SOK_CUDA_ARCHS`, e.g. "90", builds for the listed ones alone)."""
     out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True,
                          text=True, check=False).stdout
     known = {int(m) for m in re.findall(r"compute_(\d+)", out)}
     wanted = [a for a in (80, 90, 100, 120) if not known or a in known]
+    only = os.environ.get("SOK_CUDA_ARCHS", "").strip()
+    if only:  # e.g. "90" or "80,90": a faster build for those GPUs alone
+        wanted = sorted({int(a) for a in only.split(",") if a.strip()})
     flags = []
     for arch in wanted:
         flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]

@@ -1,7 +1,8 @@
 """Where a sok step's GPU time goes: kernel times from TensorFlow's profiler.
 
-Profiles, on the GPU, (a) the one-rank pooled lookup's forward + backward
-and (b) the sparse Adam update of its gradient, on the inputs of
+Profiles, on the GPU, the one-rank pooled lookup's forward, its forward +
+backward, the sparse Adam update of its gradient, and with `--steps-too`
+whole `train_on_batch` steps of bench/gpu_step.py's sok models, on the inputs of
 bench/gpu_step.py (Zipf ids, batch x features x hotness into a vocab x dim
 fp32 table), then reads the profiler's XPlane files and prints, per phase,
 the GPU kernels and copies that took the most device time (summed over the
@@ -17,16 +18,20 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_step  # noqa: E402  (zipf_ids)
 
 
 def _kernel_times(logdir):
-    """{event name: total device ms} over the GPU planes of the trace."""
+    """({event name: total device ms} over the GPU planes of the trace,
+    {event name: total ms} over the host plane: TF ops and runtime events,
+    nested events counted in each)."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     totals = collections.Counter()
+    host_totals = collections.Counter()
     seen = []
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
                           recursive=True):
@@ -35,6 +40,13 @@ def _kernel_times(logdir):
             space.ParseFromString(f.read())
         for plane in space.planes:
             seen.append((plane.name, [ln.name for ln in plane.lines][:8]))
+            if plane.name.startswith("/host:CPU"):
+                names = {k: v.name for k, v in plane.event_metadata.items()}
+                for line in plane.lines:
+                    for ev in line.events:
+                        host_totals[names.get(ev.metadata_id, "?")] += (
+                            ev.duration_ps / 1e9)
+                continue
             if not plane.name.startswith("/device:GPU"):
                 continue
             names = {k: v.name for k, v in plane.event_metadata.items()}
@@ -62,7 +74,7 @@ def _kernel_times(logdir):
                     totals[name] += ev.duration_ps / 1e9
     if not totals:
         print("no GPU stream events; planes and lines:", seen)
-    return totals
+    return totals, host_totals
 
 
 def main():
@@ -75,6 +87,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--out", default=None)
+    p.add_argument("--steps-too", action="store_true",
+                   help="also profile bench/gpu_step.py's sok train steps")
     args = p.parse_args()
     os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
     import keras
@@ -111,27 +125,67 @@ def main():
         return tf.constant(0)
 
     adam()
+
+    @tf.function
+    def forward():
+        return sok.lookup_sparse(table, bags, combiners="sum")
+
+    phases = [("forward", forward), ("forward_backward", fwd_bwd),
+              ("sparse_adam", adam)]
+    if args.steps_too:
+        # Whole `train_on_batch` steps of bench/gpu_step.py's sok models
+        # (the tables above are dropped first: the models make their own).
+        x3 = ids.reshape(B, F, H)
+        y = tf.constant((np.arange(B) % 2).astype(np.float32)[:, None])
+        for label, pooled, x in (("pooled_step", True, x3),
+                                 ("unpooled_step", False, x3[:, :, 0])):
+            model = gpu_step.build_step_model("sok", pooled, V, D, F, H)
+            xt = tf.constant(x)
+            model.train_on_batch(xt, y)
+            phases.append((label, lambda m=model, xt=xt: m.train_on_batch(
+                xt, y)))
+    def sync(out):
+        x = tf.nest.flatten(out)[0]
+        if isinstance(x, tf.Tensor):  # one element back, not the tensor
+            x = tf.reshape(x, [-1])[:1]
+        np.asarray(x)
+
     report = {"config": vars(args)}
-    for name, fn in (("forward_backward", fwd_bwd), ("sparse_adam", adam)):
+    for name, fn in phases:
+        # Wall time per call without the profiler, for comparison with the
+        # GPU time the profiler sees.
+        sync(fn())
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            out = fn()
+        sync(out)
+        wall_ms = (time.perf_counter() - t0) / args.steps * 1000.0
         logdir = tempfile.mkdtemp(prefix=f"sok_prof_{name}_")
         tf.profiler.experimental.start(logdir)
         for _ in range(args.steps):
             out = fn()
-        np.asarray(tf.nest.flatten(out)[0])
+        sync(out)
         tf.profiler.experimental.stop()
         try:
-            totals = _kernel_times(logdir)
+            totals, host = _kernel_times(logdir)
         except Exception as e:  # the trace format is TF's to change
             report[name] = {"error": repr(e)}
             print(name, "could not read the trace:", repr(e))
             continue
         per_step = {k: round(t / args.steps, 4)
                     for k, t in totals.most_common(args.top)}
-        report[name] = {"gpu_ms_per_step": round(
-            sum(totals.values()) / args.steps, 3), "top": per_step}
-        print(f"== {name}: {report[name]['gpu_ms_per_step']} ms of GPU "
-              "events per step")
+        report[name] = {
+            "wall_ms_per_step": round(wall_ms, 3),
+            "gpu_ms_per_step": round(sum(totals.values()) / args.steps, 3),
+            "top": per_step,
+            "host_top": {k: round(t / args.steps, 4)
+                         for k, t in host.most_common(args.top)}}
+        print(f"== {name}: {report[name]['wall_ms_per_step']} ms wall, "
+              f"{report[name]['gpu_ms_per_step']} ms of GPU events per step")
         for k, t in per_step.items():
+            print(f"  {t:8.3f} ms  {k[:110]}")
+        print("  host:")
+        for k, t in report[name]["host_top"].items():
             print(f"  {t:8.3f} ms  {k[:110]}")
     if args.out:
         with open(args.out, "w") as f:

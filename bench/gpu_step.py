@@ -7,7 +7,9 @@ same run, on the same ids):
 2. forward pooled lookup, batch B x F features x H ids (sum), a V x D fp32
    table, Zipf ids: torch `embedding_bag(mode="sum")` vs
    `sok.lookup_sparse`, and the HBM floor (B*F*H rows x D*4 bytes over the
-   copy bandwidth);
+   copy bandwidth). Both as device time (torch: CUDA events; sok: its
+   kernels' time from TensorFlow's profiler) and as wall time per call,
+   each call synchronized;
 3. a training step (`train_on_batch`: forward, backward, update) of
    B x F x H pooled features -> Dense(1): `keras.layers.Embedding` + Keras
    Adam vs `sok.layers.DistributedEmbedding` + `OptimizerWrapper(Adam)`;
@@ -73,9 +75,40 @@ for _ in range(30):
     times.append(ev[0].elapsed_time(ev[1]))
 times.sort()
 out["torch_embedding_bag_ms"] = times[len(times) // 2]
+# Wall time per call, each call synchronized (as sok's forward, which waits
+# for its kernel's error summary), for a wall-to-wall comparison.
+walls = []
+for _ in range(30):
+    t0 = time.perf_counter(); f(); torch.cuda.synchronize()
+    walls.append((time.perf_counter() - t0) * 1000.0)
+walls.sort()
+out["torch_embedding_bag_wall_ms"] = walls[len(walls) // 2]
 out["torch_version"] = torch.__version__
 print(json.dumps(out))
 """
+
+
+def _device_ms(fn, sync, steps):
+    """GPU time (kernels and copies) per call of `fn`, from the profiler."""
+    import tempfile
+
+    import tensorflow as tf
+
+    import gpu_profile
+
+    sync(fn())
+    logdir = tempfile.mkdtemp(prefix="sok_gpu_step_prof_")
+    tf.profiler.experimental.start(logdir)
+    for _ in range(steps):
+        r = fn()
+    sync(r)
+    tf.profiler.experimental.stop()
+    try:
+        totals, _ = gpu_profile._kernel_times(logdir)
+    except Exception as e:  # the trace format is TensorFlow's to change
+        print("could not read the profile:", repr(e))
+        return None
+    return round(sum(totals.values()) / steps, 3)
 
 
 def _time(fn, sync, steps, rounds=3):
@@ -92,6 +125,61 @@ def _time(fn, sync, steps, rounds=3):
     return round(per[len(per) // 2], 3), [round(p, 3) for p in per]
 
 
+def build_step_model(kind, pooled, vocab, dim, features, hotness):
+    """The benchmark's model, compiled with Adam(1e-3) and MSE.
+
+    kind: "keras" (`keras.layers.Embedding` + Keras Adam) or "sok"
+    (`DistributedEmbedding` + `OptimizerWrapper(Adam)`). pooled: inputs
+    (batch, features, hotness), each bag summed, then Dense(1); else inputs
+    (batch, features) of one id each, Flatten, Dense(256, relu), Dense(1).
+    """
+    import keras
+
+    import sok_keras as sok
+
+    F, H, D = features, hotness, dim
+    init = keras.initializers.RandomUniform(-0.05, 0.05, seed=3)
+
+    class PooledFeatures(keras.layers.Layer):
+        def __init__(self, emb, **kw):
+            super().__init__(**kw)
+            self.emb = emb
+
+        def build(self, input_shape):
+            if isinstance(self.emb, keras.layers.Embedding):
+                self.emb.build(input_shape)
+            else:
+                self.emb.build((None, H))
+
+        def call(self, x):
+            if isinstance(self.emb, keras.layers.Embedding):
+                return keras.ops.reshape(
+                    keras.ops.sum(self.emb(x), axis=2), (-1, F * D))
+            out = self.emb(keras.ops.reshape(x, (-1, H)))
+            return keras.ops.reshape(out, (-1, F * D))
+
+    keras.utils.clear_session()
+    if kind == "keras":
+        emb = keras.layers.Embedding(vocab, D, embeddings_initializer=init)
+        opt = keras.optimizers.Adam(1e-3)
+    else:
+        emb = sok.layers.DistributedEmbedding(
+            vocab, D, combiner="sum" if pooled else None,
+            embeddings_initializer=init)
+        opt = sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(1e-3))
+    if pooled:
+        inp = keras.Input((F, H), dtype="int64")
+        h = PooledFeatures(emb)(inp)
+    else:
+        inp = keras.Input((F,), dtype="int64")
+        h = keras.layers.Flatten()(emb(inp))
+        h = keras.layers.Dense(256, activation="relu")(h)
+    out = keras.layers.Dense(1)(h)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16384)
@@ -104,6 +192,9 @@ def main():
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--forward-only", action="store_true",
                    help="time only the forward lookup")
+    p.add_argument("--unroll-sweep", action="store_true",
+                   help="also time the forward at SOK_POOLED_LOOKUP_UNROLL="
+                        "1, 2, 4, 8")
     p.add_argument("--out", default=os.path.join(_common.RESULTS,
                                                  "gpu_step.json"))
     args = p.parse_args()
@@ -156,6 +247,19 @@ def main():
         _ops.build_info()["gpu_host_syncs"] - syncs0)
     result["sok_forward_ms"], result["sok_forward_rounds"] = _time(
         fwd, sync, args.steps * 3)
+
+    # The forward's device time, from TensorFlow's profiler (the kernels'
+    # time per call), as torch's is timed with CUDA events.
+    result["sok_forward_gpu_ms"] = _device_ms(fwd, sync, args.steps)
+
+    if args.unroll_sweep:  # the kernel reads the variable on each call
+        sweep = {}
+        for u in ("1", "2", "4", "8"):
+            os.environ["SOK_POOLED_LOOKUP_UNROLL"] = u
+            sweep[u] = _time(fwd, sync, args.steps * 3)[0]
+        os.environ.pop("SOK_POOLED_LOOKUP_UNROLL")
+        result["sok_forward_ms_by_unroll"] = sweep
+        print("forward ms by SOK_POOLED_LOOKUP_UNROLL", sweep)
 
     if args.forward_only:
         _common.finish(args.out, result, t0)
@@ -220,48 +324,11 @@ def main():
     slots.clear()  # frees the two tables' worth of slots
 
     # 3. Training step, pooled features.
-    class PooledFeatures(keras.layers.Layer):
-        def __init__(self, emb, **kw):
-            super().__init__(**kw)
-            self.emb = emb
-
-        def build(self, input_shape):
-            if isinstance(self.emb, keras.layers.Embedding):
-                self.emb.build(input_shape)
-            else:
-                self.emb.build((None, H))
-
-        def call(self, x):
-            if isinstance(self.emb, keras.layers.Embedding):
-                return keras.ops.reshape(
-                    keras.ops.sum(self.emb(x), axis=2), (-1, F * D))
-            out = self.emb(keras.ops.reshape(x, (-1, H)))
-            return keras.ops.reshape(out, (-1, F * D))
-
     x3 = ids.reshape(B, F, H)
     y = (np.arange(B) % 2).astype(np.float32)[:, None]
 
     def step_model(kind, pooled):
-        keras.utils.clear_session()
-        if kind == "keras":
-            emb = keras.layers.Embedding(V, D, embeddings_initializer=init)
-            opt = keras.optimizers.Adam(1e-3)
-        else:
-            emb = sok.layers.DistributedEmbedding(
-                V, D, combiner="sum" if pooled else None,
-                embeddings_initializer=init)
-            opt = sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(1e-3))
-        if pooled:
-            inp = keras.Input((F, H), dtype="int64")
-            h = PooledFeatures(emb)(inp)
-        else:
-            inp = keras.Input((F,), dtype="int64")
-            h = keras.layers.Flatten()(emb(inp))
-            h = keras.layers.Dense(256, activation="relu")(h)
-        out = keras.layers.Dense(1)(h)
-        model = keras.Model(inp, out)
-        model.compile(optimizer=opt, loss="mse")
-        return model
+        return build_step_model(kind, pooled, V, D, F, H)
 
     for name, pooled, x in (("pooled", True, x3),
                             ("unpooled", False, x3[:, :, 0])):
@@ -283,20 +350,34 @@ def main():
             result[f"{name}_{kind}_first_step_s"] = round(first, 2)
 
     copy = result.get("copy_GBps")
+    gpu_ms = result.get("sok_forward_gpu_ms")
     if copy:
         floor = nnz * D * 4 / (copy * 1e9) * 1000.0
         result["hbm_floor_ms"] = round(floor, 3)
-        result["forward_over_floor"] = round(result["sok_forward_ms"] / floor,
-                                             2)
+        # Device time over the floor (the floor is device time too), and
+        # the wall time per synchronized call over it.
+        if gpu_ms:
+            result["forward_over_floor"] = round(gpu_ms / floor, 2)
+        result["forward_wall_over_floor"] = round(
+            result["sok_forward_ms"] / floor, 2)
     if "torch_embedding_bag_ms" in result:
-        result["forward_vs_torch"] = round(
-            result["torch_embedding_bag_ms"] / result["sok_forward_ms"], 2)
+        # Device time against device time (torch: CUDA events), and wall
+        # against wall (each call synchronized on both sides).
+        if gpu_ms:
+            result["forward_vs_torch"] = round(
+                result["torch_embedding_bag_ms"] / gpu_ms, 2)
+        result["forward_wall_vs_torch"] = round(
+            result["torch_embedding_bag_wall_ms"] / result["sok_forward_ms"],
+            2)
     for name in ("pooled", "unpooled"):
         result[f"{name}_speedup_vs_keras"] = round(
             result[f"{name}_keras_step_ms"] / result[f"{name}_sok_step_ms"], 2)
     _common.finish(args.out, result, t0)
-    keys = ["copy_GBps", "torch_embedding_bag_ms", "sok_forward_ms",
-            "hbm_floor_ms", "forward_over_floor", "forward_vs_torch",
+    keys = ["copy_GBps", "torch_embedding_bag_ms",
+            "torch_embedding_bag_wall_ms", "sok_forward_ms",
+            "sok_forward_gpu_ms", "hbm_floor_ms", "forward_over_floor",
+            "forward_wall_over_floor", "forward_vs_torch",
+            "forward_wall_vs_torch",
             "sok_forward_host_syncs", "forward_stages_ms",
             "sok_forward_backward_ms", "pooled_grad_unique_rows",
             "sok_sparse_adam_ms", "sparse_adam_variable_copy_bytes",

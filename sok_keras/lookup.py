@@ -893,8 +893,11 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
 
 
 def _bags(ids, weights, name):
-    """Dense (-1 padded) or ragged ids as (flat ids, row splits, weights),
-    padding kept; None for a SparseTensor (whose order is not promised)."""
+    """Dense (-1 padded) or ragged ids as (flat ids, row splits, weights,
+    bag width), padding kept; None for a SparseTensor (whose order is not
+    promised). Dense ids of a static width give that width and empty row
+    splits: `SokPooledLookup` makes them on its device (`bag_width`), with
+    no shape through the host; otherwise the width is -1."""
     if isinstance(ids, tf.SparseTensor):
         return None
     if weights is not None:
@@ -911,14 +914,19 @@ def _bags(ids, weights, name):
         w = None
         if weights is not None:
             w = _ragged_weights(ids, weights, name)
-        return ids.values, tf.cast(ids.row_splits, tf.int64), w
+        return ids.values, tf.cast(ids.row_splits, tf.int64), w, -1
     ids = tf.convert_to_tensor(ids)
     _check_int(ids, name)
     if ids.shape.rank not in (1, 2):
         return None
-    shape = tf.shape(ids, out_type=tf.int64)
-    width = shape[1] if ids.shape.rank == 2 else tf.constant(1, tf.int64)
-    splits = tf.range(shape[0] + 1, dtype=tf.int64) * width
+    static_width = 1 if ids.shape.rank == 1 else ids.shape[1]
+    if static_width is not None and static_width >= 1:
+        splits, bag_width = tf.zeros([0], tf.int64), static_width
+    else:
+        shape = tf.shape(ids, out_type=tf.int64)
+        width = shape[1] if ids.shape.rank == 2 else tf.constant(1, tf.int64)
+        splits = tf.range(shape[0] + 1, dtype=tf.int64) * width
+        bag_width = -1
     w = None
     if weights is not None:
         if isinstance(weights, tf.RaggedTensor):
@@ -926,7 +934,7 @@ def _bags(ids, weights, name):
         w = tf.convert_to_tensor(weights)
         _check_static_weights_shape(w, ids, name)
         w = tf.reshape(w, [-1])
-    return tf.reshape(ids, [-1]), splits, w
+    return tf.reshape(ids, [-1]), splits, w, bag_width
 
 
 def _check_static_weights_shape(w, ids, name):
@@ -952,7 +960,7 @@ def _pooled_whole_table(param, ids, weights, combiner, name):
     bags = _bags(ids, weights, name)
     if bags is None:
         return None
-    values, splits, w = bags
+    values, splits, w, bag_width = bags
     if values.dtype not in (tf.int32, tf.int64):
         values = tf.cast(values, tf.int64)
     w = tf.zeros([0], dtype) if w is None else tf.cast(w, dtype)
@@ -961,9 +969,10 @@ def _pooled_whole_table(param, ids, weights, combiner, name):
     # tf.IndexedSlices it returns, never densified.
     out = ops().sok_pooled_lookup(
         table=param.value, ids=values, row_splits=splits, weights=w,
-        combiner=combiner, table_name=name)
+        combiner=combiner, table_name=name, bag_width=bag_width)
     out.set_shape([None, param.global_shape[1]])
     return out
+
 
 
 def _unpooled_whole_table(param, ids, weights, name):
@@ -989,12 +998,12 @@ def _unpooled_whole_table(param, ids, weights, name):
     flat = tf.reshape(ids, [-1])
     if flat.dtype not in (tf.int32, tf.int64):
         flat = tf.cast(flat, tf.int64)
-    n = tf.shape(flat, out_type=tf.int64)[0]
     w = (tf.zeros([0], dtype) if weights is None
          else tf.cast(tf.reshape(tf.convert_to_tensor(weights), [-1]), dtype))
+    # One-id bags: the op makes their row splits on its device.
     out = ops().sok_pooled_lookup(
-        table=param.value, ids=flat, row_splits=tf.range(n + 1), weights=w,
-        combiner="sum", table_name=name)
+        table=param.value, ids=flat, row_splits=tf.zeros([0], tf.int64),
+        weights=w, combiner="sum", table_name=name, bag_width=1)
     dim = param.global_shape[1]
     out = tf.reshape(out, tf.concat(
         [tf.shape(ids, out_type=tf.int64), [dim]], 0))
@@ -1033,7 +1042,7 @@ def _pooled_lookup_grad(op, dy):
     rows_grad, local_rows = ops().sok_pooled_lookup_grad(
         grad=dy, ids=values, row_splits=splits,
         weights=tf.cast(weights, dy.dtype), combiner=combiner,
-        num_rows=rows, table_name=name)
+        num_rows=rows, table_name=name, bag_width=op.get_attr("bag_width"))
     return [tf.IndexedSlices(rows_grad, local_rows, dense_shape), None,
             None, None]
 

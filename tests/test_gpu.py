@@ -569,6 +569,53 @@ def test_pooled_lookup_grad_bad_input_on_gpu():
                 weights=tf.zeros([0]), num_rows=10, table_name="emb")
 
 
+@pytest.mark.parametrize("width", [1, 3, 8])
+@pytest.mark.parametrize("dim", [4, 13, 128, 200])
+def test_pooled_lookup_uniform_bags_on_gpu(width, dim):
+    """`bag_width` on the GPU (the op makes the row splits on its device):
+    the CPU's result bit for bit, and that of the same bags given as row
+    splits; a bad id fails the forward and the gradient op, naming the
+    table, the value and its position."""
+    rng = np.random.default_rng(width * 1000 + dim)
+    vocab, batch = 50, 37
+    ids = rng.integers(0, vocab, batch * width)
+    ids[rng.random(ids.size) < 0.2] = -1
+    table = rng.standard_normal([vocab, dim]).astype(np.float32)
+
+    def run(ids):
+        return ops().sok_pooled_lookup(
+            table=tf.constant(table), ids=tf.identity(tf.constant(ids)),
+            row_splits=tf.zeros([0], tf.int64), weights=tf.zeros([0]),
+            combiner="mean", table_name="emb", bag_width=width)
+
+    cpu, gpu, gpu2 = _both(run, ids)
+    _assert_same(cpu, gpu, gpu2)
+    splits = np.arange(batch + 1, dtype=np.int64) * width
+    given = _on(GPU, lambda: ops().sok_pooled_lookup(
+        table=tf.constant(table), ids=tf.identity(tf.constant(ids)),
+        row_splits=tf.constant(splits), weights=tf.zeros([0]),
+        combiner="mean", table_name="emb"))
+    np.testing.assert_array_equal(gpu, given)
+    dy = rng.standard_normal([batch, dim]).astype(np.float32)
+
+    def grad(ids):
+        return ops().sok_pooled_lookup_grad(
+            grad=tf.constant(dy), ids=tf.identity(tf.constant(ids)),
+            row_splits=tf.zeros([0], tf.int64), weights=tf.zeros([0]),
+            combiner="mean", num_rows=vocab, table_name="emb",
+            bag_width=width)
+
+    _assert_same(*_both(grad, ids))
+    bad = ids.copy()
+    bad[width] = vocab + 7  # the first id of bag 1
+    message = rf"table 'emb'.*id {vocab + 7} at position {width} "
+    with tf.device(GPU):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            run(bad)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            grad(bad)
+
+
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])

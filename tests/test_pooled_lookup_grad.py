@@ -197,3 +197,53 @@ def test_lookup_gradient_is_the_fused_op():
     np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
                                tf.convert_to_tensor(g_ref).numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_uniform_bags_equal_explicit_row_splits(combiner, weighted):
+    """`bag_width` (dense ids; the op makes the row splits itself) gives the
+    forward and the fused gradient of the same bags given as row splits,
+    bit for bit."""
+    rng = np.random.default_rng(5)
+    vocab, dim, batch, width = 30, 8, 12, 4
+    ids = rng.integers(0, vocab, batch * width)
+    ids[rng.random(ids.size) < 0.2] = -1
+    ids = tf.constant(ids, tf.int64)
+    splits = tf.range(batch + 1, dtype=tf.int64) * width
+    table = tf.constant(rng.standard_normal([vocab, dim]), tf.float32)
+    w = (tf.constant(rng.uniform(0.5, 2, ids.shape[0]), tf.float32)
+         if weighted else tf.zeros([0]))
+    given = ops().sok_pooled_lookup(
+        table=table, ids=ids, row_splits=splits, weights=w,
+        combiner=combiner, table_name="t")
+    made = ops().sok_pooled_lookup(
+        table=table, ids=ids, row_splits=tf.zeros([0], tf.int64), weights=w,
+        combiner=combiner, table_name="t", bag_width=width)
+    np.testing.assert_array_equal(made.numpy(), given.numpy())
+    dy = tf.constant(rng.standard_normal([batch, dim]), tf.float32)
+    g1, r1 = ops().sok_pooled_lookup_grad(
+        grad=dy, ids=ids, row_splits=splits, weights=w, combiner=combiner,
+        num_rows=vocab, table_name="t")
+    g2, r2 = ops().sok_pooled_lookup_grad(
+        grad=dy, ids=ids, row_splits=tf.zeros([0], tf.int64), weights=w,
+        combiner=combiner, num_rows=vocab, table_name="t", bag_width=width)
+    np.testing.assert_array_equal(r2.numpy(), r1.numpy())
+    np.testing.assert_array_equal(g2.numpy(), g1.numpy())
+
+
+def test_uniform_bags_need_a_multiple_of_the_width():
+    for fn in (
+        lambda: ops().sok_pooled_lookup(
+            table=tf.ones([10, 4]), ids=tf.constant([1, 2, 3], tf.int64),
+            row_splits=tf.zeros([0], tf.int64), weights=tf.zeros([0]),
+            table_name="emb", bag_width=2),
+        lambda: ops().sok_pooled_lookup_grad(
+            grad=tf.ones([1, 4]), ids=tf.constant([1, 2, 3], tf.int64),
+            row_splits=tf.zeros([0], tf.int64), weights=tf.zeros([0]),
+            num_rows=10, table_name="emb", bag_width=2),
+    ):
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                           match="table 'emb'.*3 ids do not make bags of 2"):
+            fn()
+

@@ -53,6 +53,17 @@ Status PooledLookupFunctor<Device, T, Tid>::operator()(
   return Status::Ok();
 }
 
+template <typename Device>
+Status UniformSplitsFunctor<Device>::operator()(const Device& d,
+                                                int64_t width, int64_t batch,
+                                                int64_t* splits) {
+  d.parallel_for(batch + 1, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) splits[b] = b * width;
+  });
+  return Status::Ok();
+}
+
+template struct UniformSplitsFunctor<CpuDevice>;
 template struct PooledLookupFunctor<CpuDevice, float, int32_t>;
 template struct PooledLookupFunctor<CpuDevice, float, int64_t>;
 template struct PooledLookupFunctor<CpuDevice, double, int32_t>;

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/gpu_math.cuh"
 #include "core/gpu_util.cuh"
@@ -21,8 +22,8 @@ using ::sok::gpu::Add;
 using ::sok::gpu::Mul;
 
 struct DeviceError {
-  unsigned long long position;  // first bad id position (nnz: none)
-  unsigned long long bad_bag;   // first bag with bad splits (batch: none)
+  unsigned long long position;  // first bad id position (all ones: none)
+  unsigned long long bad_bag;   // first bag with bad splits (all ones: none)
 };
 
 template <typename T, int VEC>
@@ -47,24 +48,54 @@ struct Loader<float, 4> {
   }
 };
 
-// Ids of one bag are read UNROLL at a time and their rows loaded before any
-// of them is added (UNROLL independent row loads in flight per lane; see
-// kUnroll for what pays on the H200); the adds run in position order, as
-// on the CPU.
+// One group of `lanes` (a power of 2, <= 32) threads pools one bag; each
+// lane owns VEC consecutive columns (a column pass per lanes * VEC columns).
+// The group reads its bag's ids `lanes` at a time, one id per lane in one
+// coalesced load (the lane also checks its id), and hands them round with
+// warp shuffles; then UNROLL rows are loaded before any of them is added
+// (UNROLL independent 16-byte loads in flight per lane), and the adds run in
+// position order, as on the CPU.
+template <typename T, int VEC>
+struct Store {
+  __device__ __forceinline__ static void Put(T* o, const T* x,
+                                             int64_t valid) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if (k < valid) o[k] = x[k];
+    }
+  }
+};
+
+template <>
+struct Store<float, 4> {
+  // Streaming store: the pooled rows are written once and not read here,
+  // so they should not push the hot table rows out of L2.
+  __device__ __forceinline__ static void Put(float* o, const float* x,
+                                             int64_t valid) {
+    (void)valid;
+    __stcs(reinterpret_cast<float4*>(o), make_float4(x[0], x[1], x[2], x[3]));
+  }
+};
+
 template <typename T, typename Tid, int VEC, int UNROLL>
-__global__ void PooledLookupKernel(const T* __restrict__ table,
-                                   int64_t vocab_size, int64_t dim,
-                                   const Tid* __restrict__ ids, int64_t nnz,
-                                   const int64_t* __restrict__ splits,
-                                   int64_t batch, const T* __restrict__ weights,
-                                   int combiner, int lanes_log2,
-                                   T* __restrict__ out, DeviceError* error) {
-  const int64_t lanes = int64_t{1} << lanes_log2;
-  const int64_t total = batch * lanes;
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total;
-       t += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t bag = t >> lanes_log2;
-    const int64_t lane = t & (lanes - 1);
+__global__ void __launch_bounds__(256)
+    PooledLookupKernel(const T* __restrict__ table, int64_t vocab_size,
+                       int64_t dim, const Tid* __restrict__ ids, int64_t nnz,
+                       const int64_t* __restrict__ splits, int64_t batch,
+                       const T* __restrict__ weights, int combiner,
+                       int lanes_log2, T* __restrict__ out,
+                       DeviceError* error) {
+  const int lanes = 1 << lanes_log2;
+  const int lane = threadIdx.x & (lanes - 1);
+  // The lanes of this thread's group within its warp.
+  const unsigned group_mask =
+      lanes == 32 ? 0xffffffffu
+                  : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
+  const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
+  const int64_t groups = (int64_t{gridDim.x} * blockDim.x) >> lanes_log2;
+  for (int64_t bag = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) >>
+                     lanes_log2;
+       bag < batch; bag += groups) {
     int64_t begin = splits[bag];
     int64_t end = splits[bag + 1];
     if (begin < 0 || end < begin || end > nnz || (bag == 0 && begin != 0) ||
@@ -72,63 +103,74 @@ __global__ void PooledLookupKernel(const T* __restrict__ table,
       if (lane == 0) atomicMin(&error->bad_bag, (unsigned long long)bag);
       begin = end = 0;  // read nothing out of range
     }
-    for (int64_t c0 = lane * VEC; c0 < dim; c0 += lanes * VEC) {
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t c0 = (pass * lanes + lane) * VEC;
+      const bool columns = c0 < dim;
+      const int64_t valid = dim - c0;
       T acc[VEC];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) acc[k] = T(0);
       T weight_sum = 0;
       T square_sum = 0;
-      const int64_t valid = dim - c0;
-      for (int64_t i0 = begin; i0 < end; i0 += UNROLL) {
-        int64_t row[UNROLL];
-        bool use[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int64_t i = i0 + u;
-          const int64_t id = i < end ? static_cast<int64_t>(__ldg(ids + i))
-                                     : int64_t{-1};
-          use[u] = id >= 0 && id < vocab_size;
-          if (!use[u] && id != -1 && c0 == lane * VEC) {
+      for (int64_t base = begin; base < end; base += lanes) {
+        const int n = static_cast<int>(end - base < lanes ? end - base : lanes);
+        // This lane's id of the chunk: its row, or -1 (padding, invalid, or
+        // past the bag's end).
+        long long my_row = -1;
+        T my_weight = T(1);
+        if (lane < n) {
+          const int64_t i = base + lane;
+          const int64_t id = static_cast<int64_t>(__ldg(ids + i));
+          if (id >= 0 && id < vocab_size) {
+            my_row = id;
+          } else if (id != -1 && pass == 0) {
             atomicMin(&error->position, (unsigned long long)i);
           }
-          row[u] = use[u] ? id : 0;
+          if (weights != nullptr) my_weight = __ldg(weights + i);
         }
-        T v[UNROLL][VEC];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          if (use[u]) {
-            Loader<T, VEC>::Load(table + row[u] * dim + c0, valid, v[u]);
-          } else {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) v[u][k] = T(0);
-          }
-        }
-        if (weights == nullptr) {
-#pragma unroll
-          for (int u = 0; u < UNROLL; ++u) {
-            if (!use[u]) continue;
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) acc[k] = Add(acc[k], v[u][k]);
-            weight_sum = Add(weight_sum, T(1));
-          }
-        } else {
+        for (int k0 = 0; k0 < n; k0 += UNROLL) {
+          long long row[UNROLL];
           T w[UNROLL];
 #pragma unroll
           for (int u = 0; u < UNROLL; ++u) {
-            w[u] = use[u] ? __ldg(weights + i0 + u) : T(0);
+            // k0 + u < n is the same for the whole group.
+            row[u] = k0 + u < n
+                         ? __shfl_sync(group_mask, my_row, k0 + u, lanes)
+                         : -1LL;
+            w[u] = T(1);
+            if (weights != nullptr && k0 + u < n) {
+              w[u] = __shfl_sync(group_mask, my_weight, k0 + u, lanes);
+            }
+          }
+          T v[UNROLL][VEC];
+#pragma unroll
+          for (int u = 0; u < UNROLL; ++u) {
+            if (row[u] >= 0 && columns) {
+              Loader<T, VEC>::Load(table + row[u] * dim + c0, valid, v[u]);
+            } else {
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) v[u][k] = T(0);
+            }
           }
 #pragma unroll
           for (int u = 0; u < UNROLL; ++u) {
-            if (!use[u]) continue;
+            if (row[u] < 0) continue;
+            if (weights == nullptr) {
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-              acc[k] = Add(acc[k], Mul(w[u], v[u][k]));
+              for (int k = 0; k < VEC; ++k) acc[k] = Add(acc[k], v[u][k]);
+              weight_sum = Add(weight_sum, T(1));
+            } else {
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) {
+                acc[k] = Add(acc[k], Mul(w[u], v[u][k]));
+              }
+              weight_sum = Add(weight_sum, w[u]);
+              square_sum = Add(square_sum, Mul(w[u], w[u]));
             }
-            weight_sum = Add(weight_sum, w[u]);
-            square_sum = Add(square_sum, Mul(w[u], w[u]));
           }
         }
       }
+      if (!columns) continue;
       if (weights == nullptr) square_sum = weight_sum;
       T denominator = T(1);
       bool divide = false;
@@ -139,29 +181,40 @@ __global__ void PooledLookupKernel(const T* __restrict__ table,
         denominator = sqrt(square_sum);
         divide = true;
       }
-      T* o = out + bag * dim + c0;
+      if (divide) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        if (k < valid) {
-          T x = acc[k];
-          if (divide) x = denominator == T(0) ? T(0) : x / denominator;
-          o[k] = x;
+        for (int k = 0; k < VEC; ++k) {
+          acc[k] = denominator == T(0) ? T(0) : acc[k] / denominator;
         }
       }
+      Store<T, VEC>::Put(out + bag * dim + c0, acc, valid);
     }
   }
 }
 
-__global__ void InitError(DeviceError* e, int64_t nnz, int64_t batch) {
-  e->position = static_cast<unsigned long long>(nnz);
-  e->bad_bag = static_cast<unsigned long long>(batch);
+// UNROLL: rows loaded before they are added. Measured on the H200 (10M x
+// 128 fp32, 26 x 8 Zipf ids, wall ms per forward call, two runs): 1: 1.18 /
+// 0.87, 2: 1.14 / 0.83, 4: 0.97 / 0.88, 8: 1.25 / 1.09 (more rows in flight
+// cost more registers than they gain; bench/results/gpu/run4/). 4 it is.
+// SOK_POOLED_LOOKUP_UNROLL=1|2|4|8 overrides it (for benchmarks); results
+// do not depend on it.
+int UnrollFor() {
+  const char* v = std::getenv("SOK_POOLED_LOOKUP_UNROLL");  // read per call
+  const int forced = v == nullptr ? 0 : std::atoi(v);
+  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
+  return 4;
 }
 
-// UNROLL: ids per batch of row loads. 1 is what runs: on the H200 (10M x
-// 128 fp32, 8 ids per bag) 1 took 0.93 ms, 4 took 1.01 and 8 took 1.20 (more
-// registers cost more occupancy than the extra loads in flight gain;
-// bench/results/gpu/forward_unroll_*.json). Results do not depend on it.
-constexpr int kUnroll = 1;
+template <typename T, typename Tid, int VEC, int UNROLL>
+void LaunchKernel(int blocks, int threads, cudaStream_t stream,
+                  const T* table, int64_t vocab_size, int64_t dim,
+                  const Tid* ids, int64_t nnz, const int64_t* splits,
+                  int64_t batch, const T* weights, Combiner combiner,
+                  int lanes_log2, T* out, DeviceError* error) {
+  PooledLookupKernel<T, Tid, VEC, UNROLL><<<blocks, threads, 0, stream>>>(
+      table, vocab_size, dim, ids, nnz, splits, batch, weights,
+      static_cast<int>(combiner), lanes_log2, out, error);
+}
 
 template <typename T, typename Tid, int VEC>
 Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
@@ -175,13 +228,30 @@ Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
   const int threads = 256;
   const int blocks = ::sok::gpu::BlocksFor(batch << lanes_log2, threads);
   const cudaStream_t stream = ::sok::gpu::StreamOf(d);
-  PooledLookupKernel<T, Tid, VEC, kUnroll><<<blocks, threads, 0, stream>>>(
-      table, vocab_size, dim, ids, nnz, splits, batch, weights,
-      static_cast<int>(combiner), lanes_log2, out, error);
+  switch (UnrollFor()) {
+    case 1:
+      LaunchKernel<T, Tid, VEC, 1>(blocks, threads, stream, table, vocab_size,
+                                   dim, ids, nnz, splits, batch, weights,
+                                   combiner, lanes_log2, out, error);
+      break;
+    case 2:
+      LaunchKernel<T, Tid, VEC, 2>(blocks, threads, stream, table, vocab_size,
+                                   dim, ids, nnz, splits, batch, weights,
+                                   combiner, lanes_log2, out, error);
+      break;
+    case 8:
+      LaunchKernel<T, Tid, VEC, 8>(blocks, threads, stream, table, vocab_size,
+                                   dim, ids, nnz, splits, batch, weights,
+                                   combiner, lanes_log2, out, error);
+      break;
+    default:
+      LaunchKernel<T, Tid, VEC, 4>(blocks, threads, stream, table, vocab_size,
+                                   dim, ids, nnz, splits, batch, weights,
+                                   combiner, lanes_log2, out, error);
+  }
   SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup");
   return Status::Ok();
 }
-
 }  // namespace
 
 template <typename T, typename Tid>
@@ -196,8 +266,11 @@ Status PooledLookupFunctor<GpuDevice, T, Tid>::operator()(
   }
   DeviceError* dev_error = nullptr;
   SOK_RETURN_IF_ERROR(::sok::gpu::Scratch(d, 1, &dev_error, "SokPooledLookup"));
-  InitError<<<1, 1, 0, ::sok::gpu::StreamOf(d)>>>(dev_error, nnz, batch);
-  SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup init");
+  // All ones: "none" for both fields (atomicMin lowers them).
+  SOK_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(dev_error, 0xff, sizeof(DeviceError),
+                      ::sok::gpu::StreamOf(d)),
+      "SokPooledLookup init");
   if (dim > 0) {
     const bool vec4 = sizeof(T) == 4 && dim % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(table) % 16 == 0;
@@ -225,6 +298,26 @@ Status PooledLookupFunctor<GpuDevice, T, Tid>::operator()(
                                             "SokPooledLookup error value"));
     error->value = static_cast<int64_t>(value);
   }
+  return Status::Ok();
+}
+
+namespace {
+__global__ void UniformSplitsKernel(int64_t width, int64_t batch,
+                                    int64_t* splits) {
+  for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       b <= batch; b += int64_t{gridDim.x} * blockDim.x) {
+    splits[b] = b * width;
+  }
+}
+}  // namespace
+
+Status UniformSplitsFunctor<GpuDevice>::operator()(const GpuDevice& d,
+                                                   int64_t width,
+                                                   int64_t batch,
+                                                   int64_t* splits) {
+  UniformSplitsKernel<<<::sok::gpu::BlocksFor(batch + 1), 256, 0,
+                        ::sok::gpu::StreamOf(d)>>>(width, batch, splits);
+  SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup uniform splits");
   return Status::Ok();
 }
 

@@ -49,6 +49,21 @@ struct PooledLookupFunctor<GpuDevice, T, Tid> {
                     Combiner combiner, T* out, PooledLookupError* error);
 };
 
+// splits[b] = b * width for b in [0, batch]: the row splits of `batch` bags
+// of `width` ids each (dense ids), made where the lookup runs, so that no
+// shape goes through the host to build them.
+template <typename Device>
+struct UniformSplitsFunctor {
+  Status operator()(const Device& d, int64_t width, int64_t batch,
+                    int64_t* splits);
+};
+
+template <>
+struct UniformSplitsFunctor<GpuDevice> {
+  Status operator()(const GpuDevice& d, int64_t width, int64_t batch,
+                    int64_t* splits);
+};
+
 }  // namespace lookup
 }  // namespace sok
 

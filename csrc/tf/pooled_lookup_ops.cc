@@ -29,6 +29,49 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 namespace errors = ::tensorflow::errors;
 
+// The row splits of a lookup: input 2 (row_splits) as given, or, for
+// bag_width >= 1, `nnz / bag_width + 1` uniform splits made on the op's
+// device (no shape goes through the host).
+template <typename Device>
+absl::Status RowSplits(OpKernelContext* ctx, int64_t bag_width, int64_t nnz,
+                       const std::string& where, Tensor* splits) {
+  if (bag_width < 1) {
+    const Tensor& given = ctx->input(2);
+    if (!TensorShapeUtils::IsVector(given.shape()) ||
+        given.NumElements() < 1) {
+      return errors::InvalidArgument(where, "row_splits must be a non-empty "
+                                     "vector, got shape ",
+                                     given.shape().DebugString(), ".");
+    }
+    *splits = given;
+    return absl::OkStatus();
+  }
+  if (nnz % bag_width != 0) {
+    return errors::InvalidArgument(where, "the ", nnz, " ids do not make "
+                                   "bags of ", bag_width, " ids.");
+  }
+  const int64_t batch = nnz / bag_width;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(::tensorflow::DT_INT64,
+                                        TensorShape({batch + 1}), splits));
+  Status s;
+  if constexpr (std::is_same<Device, CpuDevice>::value) {
+    CpuDevice d{CpuParallelFor(ctx)};
+    s = lookup::UniformSplitsFunctor<CpuDevice>()(
+        d, bag_width, batch, splits->flat<int64_t>().data());
+  } else {
+#ifdef SOK_WITH_CUDA
+    GpuScratch scratch(ctx);
+    GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    s = lookup::UniformSplitsFunctor<GpuDevice>()(
+        d, bag_width, batch, splits->flat<int64_t>().data());
+#else
+    s = Status::Error("built without CUDA");
+#endif
+  }
+  if (!s.ok()) return errors::Internal(where, s.message());
+  return absl::OkStatus();
+}
+
 REGISTER_OP("SokPooledLookup")
     .Input("table: T")
     .Input("ids: Tid")
@@ -39,14 +82,22 @@ REGISTER_OP("SokPooledLookup")
     .Attr("Tid: {int32, int64}")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .Attr("table_name: string = ''")
+    .Attr("bag_width: int = -1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle table, ids, splits, weights;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &table));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &weights));
+      int64_t width = -1;
+      TF_RETURN_IF_ERROR(c->GetAttr("bag_width", &width));
       DimensionHandle batch;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &batch));
+      if (width >= 1) {
+        TF_RETURN_IF_ERROR(c->Divide(c->Dim(ids, 0), width,
+                                     /*evenly_divisible=*/false, &batch));
+      } else {
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &batch));
+      }
       c->set_output(0, c->Matrix(batch, c->Dim(table, 1)));
       return absl::OkStatus();
     })
@@ -63,6 +114,9 @@ row_splits: [batch + 1], non-decreasing, from 0 to nnz.
 weights: [nnz], or [0] for all-one weights.
 out: [batch, dim].
 table_name: the table's name, for error messages.
+bag_width: >= 1: every bag has bag_width ids (dense ids; nnz must be a
+  multiple of it) and row_splits is ignored (pass [0]); the splits are made
+  on the op's device. -1: the bags are given by row_splits.
 )doc");
 
 template <typename Device, typename T, typename Tid>
@@ -74,12 +128,12 @@ class SokPooledLookupOp : public OpKernel {
     const Status s = lookup::ParseCombiner(combiner, &combiner_);
     OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag_width", &bag_width_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& table = ctx->input(0);
     const Tensor& ids = ctx->input(1);
-    const Tensor& splits = ctx->input(2);
     const Tensor& weights = ctx->input(3);
     const std::string where = "sok_keras: table '" + table_name_ + "': ";
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(table.shape()),
@@ -90,12 +144,9 @@ class SokPooledLookupOp : public OpKernel {
                 errors::InvalidArgument(where, "ids must be a vector, got "
                                         "shape ", ids.shape().DebugString(),
                                         "."));
-    OP_REQUIRES(ctx,
-                TensorShapeUtils::IsVector(splits.shape()) &&
-                    splits.NumElements() >= 1,
-                errors::InvalidArgument(where, "row_splits must be a "
-                                        "non-empty vector, got shape ",
-                                        splits.shape().DebugString(), "."));
+    Tensor splits;
+    OP_REQUIRES_OK(ctx, RowSplits<Device>(ctx, bag_width_, ids.NumElements(),
+                                          where, &splits));
     const int64_t nnz = ids.NumElements();
     OP_REQUIRES(ctx,
                 TensorShapeUtils::IsVector(weights.shape()) &&
@@ -113,6 +164,7 @@ class SokPooledLookupOp : public OpKernel {
     lookup::PooledLookupError error;
     Status status = Run(ctx, table, vocab, dim, ids, nnz, splits, batch,
                         weights, out, &error);
+
     OP_REQUIRES(ctx, status.ok(), errors::Internal(where, status.message()));
     OP_REQUIRES(ctx, error.bad_bag < 0,
                 errors::InvalidArgument(
@@ -155,6 +207,7 @@ class SokPooledLookupOp : public OpKernel {
 
   lookup::Combiner combiner_ = lookup::Combiner::kSum;
   std::string table_name_;
+  int64_t bag_width_ = -1;
 };
 
 REGISTER_OP("SokPooledLookupGrad")
@@ -169,6 +222,7 @@ REGISTER_OP("SokPooledLookupGrad")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .Attr("num_rows: int >= 0")
     .Attr("table_name: string = ''")
+    .Attr("bag_width: int = -1")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle grad, ids, splits, weights;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
@@ -197,6 +251,8 @@ ids, row_splits, weights: the lookup's inputs (weights [0]: all ones).
 num_rows: the table's rows; an id outside [0, num_rows) other than -1 fails
   the op (InvalidArgument, naming the table).
 table_name: the table's name, for error messages.
+bag_width: as SokPooledLookup's (>= 1: bags of bag_width ids, row_splits
+  ignored).
 On the GPU: one sort and one blocking device-to-host copy (U and the
 errors); the host sync of the padding masks, the segment-id round trip, the
 second (group-by-row) sort and the segment-index check of the unfused
@@ -213,12 +269,12 @@ class SokPooledLookupGradOp : public OpKernel {
     OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag_width", &bag_width_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& grad = ctx->input(0);
     const Tensor& ids = ctx->input(1);
-    const Tensor& splits = ctx->input(2);
     const Tensor& weights = ctx->input(3);
     const std::string where = "sok_keras: table '" + table_name_ + "': ";
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(grad.shape()),
@@ -229,6 +285,9 @@ class SokPooledLookupGradOp : public OpKernel {
                 errors::InvalidArgument(where, "ids must be a vector, got "
                                         "shape ", ids.shape().DebugString(),
                                         "."));
+    Tensor splits;
+    OP_REQUIRES_OK(ctx, RowSplits<Device>(ctx, bag_width_, ids.NumElements(),
+                                          where, &splits));
     OP_REQUIRES(ctx,
                 TensorShapeUtils::IsVector(splits.shape()) &&
                     splits.NumElements() == grad.dim_size(0) + 1,
@@ -298,6 +357,7 @@ class SokPooledLookupGradOp : public OpKernel {
   lookup::Combiner combiner_ = lookup::Combiner::kSum;
   int64_t num_rows_ = 0;
   std::string table_name_;
+  int64_t bag_width_ = -1;
 };
 
 #define REGISTER_POOLED(DEVICE_TYPE, DEV, T, Tid)                   \
