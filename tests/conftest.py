@@ -117,3 +117,113 @@ def pytest_collection_modifyitems(config, items):
         unit[2].append(item)
     ordered = sorted(units.values(), key=lambda u: (-u[0], u[1]))
     items[:] = [item for unit in ordered for item in unit[2]]
+
+
+# -- opt-in CPU report (`SOK_TEST_CPU_REPORT=path`) --
+#
+# Per test: CPU seconds of the pytest process itself plus those of its
+# reaped children (sokrun jobs, their ranks, other Python subprocesses),
+# around its setup + call + teardown (a module fixture is charged to the
+# test that sets it up or tears it down), its wall time, and the Python /
+# sokrun processes it started (`launches`; `ranks` counts sokrun's ranks as
+# well). Each process (each xdist worker) appends its lines to
+# `path.raw`; the process that ends the session (xdist's controller, or a
+# plain run) writes them to `path`, the most CPU first, with totals.
+
+_CPU_REPORT = os.environ.get("SOK_TEST_CPU_REPORT")
+_launch_counts = [0, 0]  # [launches, ranks] since the last test began
+
+
+def _count_launch(cmd):
+    import sys
+
+    argv = [cmd] if isinstance(cmd, (str, bytes)) else list(cmd or ())
+    argv = [a.decode() if isinstance(a, bytes) else str(a) for a in argv]
+    if len(argv) == 1 and " " in argv[0]:
+        argv = argv[0].split()
+    names = [os.path.basename(a) for a in argv]
+    if "sokrun" in names or "sokrun.py" in names:
+        ranks = 1
+        if "-np" in argv[:-1]:
+            try:
+                ranks = int(argv[argv.index("-np") + 1])
+            except ValueError:
+                pass
+        _launch_counts[0] += 1
+        _launch_counts[1] += 1 + ranks
+    elif argv and (argv[0] == sys.executable
+                   or names[0].startswith("python")):
+        _launch_counts[0] += 1
+        _launch_counts[1] += 1
+
+
+if _CPU_REPORT:
+    import subprocess as _subprocess
+
+    _popen_init = _subprocess.Popen.__init__
+
+    def _counting_popen_init(self, args, *rest, **kwargs):
+        _count_launch(args)
+        _popen_init(self, args, *rest, **kwargs)
+
+    _subprocess.Popen.__init__ = _counting_popen_init
+
+
+def _cpu_seconds():
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_REPORT:
+        yield
+        return
+    import time
+
+    _launch_counts[:] = [0, 0]
+    own0, kids0 = _cpu_seconds()
+    wall0 = time.monotonic()
+    yield
+    wall = time.monotonic() - wall0
+    own1, kids1 = _cpu_seconds()
+    line = "\t".join([
+        f"{own1 - own0 + kids1 - kids0:.2f}", f"{own1 - own0:.2f}",
+        f"{kids1 - kids0:.2f}", f"{wall:.2f}", str(_launch_counts[0]),
+        str(_launch_counts[1]), item.nodeid,
+    ])
+    with open(_CPU_REPORT + ".raw", "a") as f:
+        f.write(line + "\n")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    if _CPU_REPORT and not os.environ.get("PYTEST_XDIST_WORKER"):
+        try:
+            os.remove(_CPU_REPORT + ".raw")
+        except FileNotFoundError:
+            pass
+
+
+def pytest_sessionfinish(session):
+    if not _CPU_REPORT or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        with open(_CPU_REPORT + ".raw") as f:
+            rows = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+    except FileNotFoundError:
+        rows = []
+    rows.sort(key=lambda r: -float(r[0]))
+    totals = [sum(float(r[i]) for r in rows) for i in range(4)]
+    totals += [sum(int(r[i]) for r in rows) for i in (4, 5)]
+    with open(_CPU_REPORT, "w") as f:
+        f.write("# cpu_s\tpytest_s\tchildren_s\twall_s\tlaunches\tprocs\t"
+                "test\n")
+        f.write("\t".join(f"{t:.2f}" for t in totals[:4]) + "\t"
+                + "\t".join(str(t) for t in totals[4:])
+                + f"\tTOTAL ({len(rows)} tests)\n")
+        for r in rows:
+            f.write("\t".join(r) + "\n")
