@@ -173,3 +173,36 @@ def run_workers(script_path, num_ranks, args=(), timeout=120, env=None):
     missing = [r for r in range(num_ranks) if r not in job.results]
     assert not missing, f"ranks {missing} wrote no result{detail}"
     return [job.results[r] for r in range(num_ranks)]
+
+
+def run_sequence(cases, num_ranks, timeout=120, env=None):
+    """Runs several worker scripts one after the other in one job (one
+    process per rank for all of them, `tests/workers/sequence.py`); asserts
+    success.
+
+    Args:
+        cases: `(worker name, args)` pairs, run in this order.
+        num_ranks: the number of ranks.
+        timeout: seconds before sokrun stops the job (all cases).
+        env: extra environment variables.
+
+    Returns:
+        One list per case: what each rank passed to `write_result` in that
+        case, in rank order.
+
+    Example:
+
+    >>> saved, tables = run_sequence(
+    ...     [("save_load", ["save", path]), ("multi_table", ["same"])], 2)
+    >>> saved[0]["losses"]
+    """
+    args = []
+    for name, case_args in cases:
+        if args:
+            args.append("+")
+        args += [name, *[str(a) for a in case_args]]
+    results = run_workers(worker_path("sequence"), num_ranks, args=args,
+                          timeout=timeout, env=env)
+    for rank, r in enumerate(results):
+        assert len(r["cases"]) == len(cases), (rank, r)
+    return [[r["cases"][i] for r in results] for i in range(len(cases))]
