@@ -9,7 +9,8 @@ its layers and variables are those of a fresh process). What it passes to
 `write_result` is collected; this rank's result is `{"cases": [result,
 ...]}` in script order (`tests/multiprocess.py` `run_sequence`). Each case
 is announced on stdout (`[case i] script args`), so that a failure in the
-job's output names its case. A script that changes module state for its own
+job's output names its case; `sys.exit(0)` ends a case, another exit code
+ends the job. A script that changes module state for its own
 checks (a patched function, a chunk size) must come last or restore it.
 """
 
@@ -49,7 +50,11 @@ for index, (script, *args) in enumerate(split_cases(sys.argv[1:])):
     got = []
     _worker.write_result = got.append
     sys.argv = [os.path.join(HERE, script), *args]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:  # sys.exit(0) ends a case; anything else fails
+        if e.code not in (None, 0):
+            raise
     if len(got) != 1:
         raise SystemExit(f"sequence: case {index} ({script} {args}) wrote "
                          f"{len(got)} results, not one")
