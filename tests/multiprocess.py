@@ -175,7 +175,7 @@ def run_workers(script_path, num_ranks, args=(), timeout=120, env=None):
     return [job.results[r] for r in range(num_ranks)]
 
 
-def run_sequence(cases, num_ranks, timeout=120, env=None):
+def run_sequence(cases, num_ranks, timeout=120, env=None, output=False):
     """Runs several worker scripts one after the other in one job (one
     process per rank for all of them, `tests/workers/sequence.py`); asserts
     success.
@@ -185,10 +185,11 @@ def run_sequence(cases, num_ranks, timeout=120, env=None):
         num_ranks: the number of ranks.
         timeout: seconds before sokrun stops the job (all cases).
         env: extra environment variables.
+        output: whether to return the job's output as well.
 
     Returns:
         One list per case: what each rank passed to `write_result` in that
-        case, in rank order.
+        case, in rank order; with `output=True`, `(that, the job's output)`.
 
     Example:
 
@@ -201,8 +202,15 @@ def run_sequence(cases, num_ranks, timeout=120, env=None):
         if args:
             args.append("+")
         args += [name, *[str(a) for a in case_args]]
-    results = run_workers(worker_path("sequence"), num_ranks, args=args,
-                          timeout=timeout, env=env)
+    job = launch(worker_path("sequence"), num_ranks, args, timeout=timeout,
+                 env=env)
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode == 0, f"job failed: exit {job.returncode}{detail}"
+    assert not job.leftovers, f"processes left running: {job.leftovers}{detail}"
+    missing = [r for r in range(num_ranks) if r not in job.results]
+    assert not missing, f"ranks {missing} wrote no result{detail}"
+    results = [job.results[r] for r in range(num_ranks)]
     for rank, r in enumerate(results):
         assert len(r["cases"]) == len(cases), (rank, r)
-    return [[r["cases"][i] for r in results] for i in range(len(cases))]
+    per_case = [[r["cases"][i] for r in results] for i in range(len(cases))]
+    return (per_case, job.output) if output else per_case
