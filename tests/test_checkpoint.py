@@ -69,16 +69,28 @@ def _data_file(folder, name):
     return os.path.join(folder, _manifest(folder)["data"], name)
 
 
-@pytest.fixture
-def trained(tmp_path):
-    """A one-rank DLRM trained 2 steps and dumped; a fresh model to load
-    into, and its state before loading."""
+@pytest.fixture(scope="module")
+def _pristine(tmp_path_factory):
+    """A one-rank DLRM trained 2 steps and dumped, once per module: the
+    checkpoint's path and the model's state."""
+    keras.utils.clear_session()
     model, (x, y) = _dlrm()
     model.fit(x, y, batch_size=16, verbose=0)
-    path = str(tmp_path / "ckpt")
+    path = str(tmp_path_factory.mktemp("pristine") / "ckpt")
     sok.dump(path, model)
     saved = _state(model)
     keras.utils.clear_session()
+    return path, saved
+
+
+@pytest.fixture
+def trained(_pristine, tmp_path):
+    """The one-rank DLRM trained 2 steps and dumped (a copy of `_pristine`'s
+    checkpoint, which this test may break), its state, a fresh model to
+    load into, and the fresh model's state before loading."""
+    pristine, saved = _pristine
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(pristine, path, symlinks=True)
     fresh, _ = _dlrm()
     build_once(fresh.optimizer, fresh.trainable_variables)
     return path, saved, fresh, _state(fresh)
