@@ -84,7 +84,7 @@ _WHOLE_MODULES = {
     "tests/test_recipes_strategy.py", "tests/test_training_multirank.py",
     "tests/test_lookup_multirank.py", "tests/test_save_load_multirank.py",
     "tests/test_consistency.py", "tests/test_seed_example_multirank.py",
-    "tests/test_divergence.py",
+    "tests/test_divergence.py", "tests/test_world_launchers.py",
     "tests/layers/test_keras_rs.py", "tests/layers/test_layers_multirank.py",
 }
 
