@@ -34,45 +34,78 @@ def _clear_session():
 # needs.
 
 # Seconds of a test (its node id, or its node id without parameters) with
-# its setup, roughly, from `--durations` of CI runs on the 2-core machine
-# (a module fixture's workers are counted with the test that sets it up).
-# Only the order matters; a test not listed counts one second.
+# its setup, roughly: wall seconds under `-n 3` on the 2-core CI machine,
+# from the CPU report (SOK_TEST_CPU_REPORT, below) of the run before the
+# launches were shared, scaled by each module's CPU after (a module
+# fixture's workers are counted with the test that sets it up; the tests
+# of a module in _WHOLE_MODULES add up to one unit). Only the order
+# matters; a test not listed counts one second.
 _KNOWN_SECONDS = {
-    "tests/test_lookup_multirank.py::test_pooling_on_the_owner_equals_"
-    "pooling_at_home": 200,
-    "tests/test_bad_inputs_multirank.py::test_bad_input_matrix_on_two_ranks":
-        100,
-    "tests/test_save_load_multirank.py::test_several_tables_in_one_step_on_"
-    "two_and_three_ranks": 75,
-    "tests/test_save_load_multirank.py::test_streamed_save_reads_own_rows_"
-    "and_exports_on_several_ranks": 70,
+    # test_checkpoint.py (one unit): 9 launches, ~200 s of CPU.
     "tests/test_checkpoint.py::test_fit_killed_mid_epoch_resumes_to_the_"
-    "uninterrupted_result": 60,
-    "tests/test_save_load_multirank.py::test_save_on_two_ranks_load_on_one_"
-    "and_three": 50,
-    "tests/test_checkpoint.py::test_localized_tables_reshard": 52,
-    "tests/test_recipes_horovod.py::test_world_and_collectives": 50,
-    "tests/test_recipes_horovod.py::test_demo_model_recipe_parity": 50,
-    "tests/test_decisions_multirank.py::test_plateau_callbacks_decide_alike_"
-    "from_global_val_loss": 48,
-    "tests/test_training_multirank.py::test_fit_on_ranks_matches_one_"
-    "process[3]": 47,
+    "uninterrupted_result": 170,
+    "tests/test_checkpoint.py::test_dump_on_two_ranks_load_on_one_and_"
+    "three": 110,
+    "tests/test_checkpoint.py::test_dump_killed_midway_leaves_the_"
+    "previous_checkpoint": 30,
+    "tests/test_checkpoint.py::test_error_on_one_rank_fails_every_rank_"
+    "and_loads_nothing": 30,
+    # test_save_load_multirank.py (one unit): a 2-rank and a 3-rank job
+    # for three tests, and the timeout test.
+    "tests/test_save_load_multirank.py::test_save_on_two_ranks_load_on_"
+    "one_and_three": 230,
     "tests/test_save_load_multirank.py::test_mismatched_collective_order_"
-    "times_out_with_a_clear_error": 44,
-    "tests/test_world_launchers.py::test_two_ranks_without_sokrun": 44,
+    "times_out_with_a_clear_error": 35,
+    # test_lookup_multirank.py (one unit).
+    "tests/test_lookup_multirank.py::test_pooling_on_the_owner_equals_"
+    "pooling_at_home": 130,
+    "tests/test_lookup_multirank.py::test_padding_only_rank_empty_batch_"
+    "and_mixed_precision": 100,
+    "tests/test_bad_inputs_multirank.py::test_bad_input_matrix_on_two_ranks":
+        190,
+    "tests/test_training_multirank.py::test_fit_on_ranks_matches_one_"
+    "process": 66,
+    "tests/test_training_multirank.py::test_clipping_engages_in_the_"
+    "clipped_references": 50,
     "tests/test_recipes_strategy.py::test_sok_adopts_the_programs_strategy":
-        42,
+        100,
+    "tests/test_decisions_multirank.py::test_plateau_callbacks_decide_alike_"
+    "from_global_val_loss": 85,
+    "tests/test_recipes_horovod.py::test_world_and_collectives": 84,
     "tests/layers/test_layers_multirank.py::test_all_layers_fit_on_ranks_"
-    "matches_one_process[3]": 40,
-    "tests/test_checkpoint.py::test_backup_and_restore_resumes_a_killed_fit":
-        42,
-    "tests/test_init_global.py::test_blocks_bound_the_extra_memory_and_fill_"
-    "in_place": 36,
+    "matches_one_process": 67,
+    "tests/test_world_launchers.py::test_two_ranks_without_sokrun": 55,
+    "tests/test_saving.py::test_every_rank_saves_one_file_atomically": 61,
+    "tests/test_saving.py::test_a_save_killed_half_way_leaves_the_previous_"
+    "file_loadable": 60,
+    "tests/test_recipes_mirrored.py::test_tables_are_sharded_over_the_"
+    "replicas": 28,
+    "tests/test_bench_scripts.py::test_dlrm_scaling_driver_on_one_and_two_"
+    "ranks": 56,
+    "tests/test_tensorboard.py::test_tensorboard_on_two_ranks": 55,
+    "tests/test_consistency.py::test_different_tables_raise_on_every_rank":
+        8,
+    "tests/test_saving.py::test_save_on_rank_0_only_fails_fast_with_a_clear_"
+    "error": 43,
+    "tests/test_comm.py::test_collectives[3]": 39,
+    "tests/test_comm.py::test_collectives[2]": 30,
+    "tests/test_seed_example_multirank.py::test_seed_example_distributed_on_"
+    "two_ranks": 35,
+    "tests/test_notebooks.py::test_notebook_runs[quickstart.ipynb]": 36,
+    "tests/layers/test_halfprec_layers.py::test_all_layers_bfloat16_fit_on_"
+    "two_ranks_matches_one_process": 35,
     "tests/test_global_views.py::test_global_views_on_two_ranks": 32,
-    "tests/test_checkpoint.py::test_dump_on_two_ranks_load_on_one_and_three":
-        27,
+    "tests/test_init_global.py::test_tables_are_bit_identical_on_1_2_and_3_"
+    "ranks[3]": 28,
+    "tests/optimizers/test_auto_wrap.py::test_plain_adam_on_two_ranks_keeps_"
+    "dense_weights_equal": 27,
+    "tests/test_export.py::test_export_serves_the_same_predictions_without_"
+    "sok_keras": 26,
 }
 _DEFAULT_SECONDS = 1
+# A module's default instead, where most tests launch a job of their own:
+# test_divergence.py (one unit), 10 launches among 17 tests.
+_MODULE_SECONDS = {"tests/test_divergence.py": 14}
 
 
 # Modules whose module-scoped fixtures launch workers: each is one work
@@ -89,8 +122,27 @@ _WHOLE_MODULES = {
 }
 
 
+# Tests of those modules that form a unit of their own (they share no
+# module fixture's workers with the rest of their module): test name ->
+# unit.
+_OWN_UNITS = {
+    # ShardedCheckpoint and BackupAndRestore in fit (fixtures killed_fits,
+    # resumed_fits): 5 launches, beside the dump/load tests' 4.
+    "tests/test_checkpoint.py::test_fit_killed_mid_epoch_resumes_to_the_"
+    "uninterrupted_result": "tests/test_checkpoint.py (fit)",
+    "tests/test_checkpoint.py::test_backup_and_restore_resumes_a_killed_fit":
+        "tests/test_checkpoint.py (fit)",
+    "tests/test_save_load_multirank.py::test_mismatched_collective_order_"
+    "times_out_with_a_clear_error": "tests/test_save_load_multirank.py "
+                                    "(timeout)",
+}
+
+
 def _unit(nodeid):
-    """The work unit of a test: its module in _WHOLE_MODULES, else itself."""
+    """The work unit of a test: its entry in _OWN_UNITS, else its module in
+    _WHOLE_MODULES, else itself."""
+    if nodeid.split("[")[0] in _OWN_UNITS:
+        return _OWN_UNITS[nodeid.split("[")[0]]
     module = nodeid.split("::")[0]
     return module if module in _WHOLE_MODULES else nodeid
 
@@ -112,7 +164,7 @@ def _seconds(item):
     for key in (item.nodeid, item.nodeid.split("[")[0]):
         if key in _KNOWN_SECONDS:
             return _KNOWN_SECONDS[key]
-    return _DEFAULT_SECONDS
+    return _MODULE_SECONDS.get(item.nodeid.split("::")[0], _DEFAULT_SECONDS)
 
 
 @pytest.hookimpl(tryfirst=True)
