@@ -12,7 +12,9 @@ write_result({"sum": float(total)})
 `run_workers(path, 2)` launches `python -m sokrun -np 2
 --timeout T python path ...` with `PYTHONPATH` set to the repository root,
 asserts that every rank exited 0 and returns the per-rank results (rank
-order). Failure messages include the whole output of the job. Whatever
+order). `run_sequence([(name, args), ...], N)` runs several worker scripts
+one after the other in one job (tests/workers/sequence.py): one process
+start per rank for several scenarios. Failure messages include the whole output of the job. Whatever
 happens, nothing started by the run is left running: every process of the
 job carries a unique marker in its environment, and `/proc` is scanned for
 it afterwards (leftovers are killed and reported).
