@@ -12,7 +12,9 @@ write_result({"sum": float(total)})
 `run_workers(path, 2)` launches `python -m sokrun -np 2
 --timeout T python path ...` with `PYTHONPATH` set to the repository root,
 asserts that every rank exited 0 and returns the per-rank results (rank
-order). Failure messages include the whole output of the job. Whatever
+order). `run_sequence([(name, args), ...], N)` runs several worker scripts
+one after the other in one job (tests/workers/sequence.py): one process
+start per rank for several scenarios. Failure messages include the whole output of the job. Whatever
 happens, nothing started by the run is left running: every process of the
 job carries a unique marker in its environment, and `/proc` is scanned for
 it afterwards (leftovers are killed and reported).
@@ -173,3 +175,44 @@ def run_workers(script_path, num_ranks, args=(), timeout=120, env=None):
     missing = [r for r in range(num_ranks) if r not in job.results]
     assert not missing, f"ranks {missing} wrote no result{detail}"
     return [job.results[r] for r in range(num_ranks)]
+
+
+def run_sequence(cases, num_ranks, timeout=120, env=None, output=False):
+    """Runs several worker scripts one after the other in one job (one
+    process per rank for all of them, `tests/workers/sequence.py`); asserts
+    success.
+
+    Args:
+        cases: `(worker name, args)` pairs, run in this order.
+        num_ranks: the number of ranks.
+        timeout: seconds before sokrun stops the job (all cases).
+        env: extra environment variables.
+        output: whether to return the job's output as well.
+
+    Returns:
+        One list per case: what each rank passed to `write_result` in that
+        case, in rank order; with `output=True`, `(that, the job's output)`.
+
+    Example:
+
+    >>> saved, tables = run_sequence(
+    ...     [("save_load", ["save", path]), ("multi_table", ["same"])], 2)
+    >>> saved[0]["losses"]
+    """
+    args = []
+    for name, case_args in cases:
+        if args:
+            args.append("+")
+        args += [name, *[str(a) for a in case_args]]
+    job = launch(worker_path("sequence"), num_ranks, args, timeout=timeout,
+                 env=env)
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode == 0, f"job failed: exit {job.returncode}{detail}"
+    assert not job.leftovers, f"processes left running: {job.leftovers}{detail}"
+    missing = [r for r in range(num_ranks) if r not in job.results]
+    assert not missing, f"ranks {missing} wrote no result{detail}"
+    results = [job.results[r] for r in range(num_ranks)]
+    for rank, r in enumerate(results):
+        assert len(r["cases"]) == len(cases), (rank, r)
+    per_case = [[r["cases"][i] for r in results] for i in range(len(cases))]
+    return (per_case, job.output) if output else per_case

@@ -15,6 +15,7 @@ import sok_keras as sok
 from sok_keras import checkpoint
 from sok_keras.optimizers.wrapper import build_once
 from tests.multiprocess import launch
+from tests.multiprocess import run_sequence
 from tests.multiprocess import run_workers
 from tests.multiprocess import worker_path
 from tests.training_setup import make_model_and_data
@@ -68,16 +69,28 @@ def _data_file(folder, name):
     return os.path.join(folder, _manifest(folder)["data"], name)
 
 
-@pytest.fixture
-def trained(tmp_path):
-    """A one-rank DLRM trained 2 steps and dumped; a fresh model to load
-    into, and its state before loading."""
+@pytest.fixture(scope="module")
+def _pristine(tmp_path_factory):
+    """A one-rank DLRM trained 2 steps and dumped, once per module: the
+    checkpoint's path and the model's state."""
+    keras.utils.clear_session()
     model, (x, y) = _dlrm()
     model.fit(x, y, batch_size=16, verbose=0)
-    path = str(tmp_path / "ckpt")
+    path = str(tmp_path_factory.mktemp("pristine") / "ckpt")
     sok.dump(path, model)
     saved = _state(model)
     keras.utils.clear_session()
+    return path, saved
+
+
+@pytest.fixture
+def trained(_pristine, tmp_path):
+    """The one-rank DLRM trained 2 steps and dumped (a copy of `_pristine`'s
+    checkpoint, which this test may break), its state, a fresh model to
+    load into, and the fresh model's state before loading."""
+    pristine, saved = _pristine
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(pristine, path, symlinks=True)
     fresh, _ = _dlrm()
     build_once(fresh.optimizer, fresh.trainable_variables)
     return path, saved, fresh, _state(fresh)
@@ -303,17 +316,47 @@ def _check_resharded(out, saved_state, loaded, n, uninterrupted, names):
 
 
 @pytest.fixture(scope="module")
-def dumped_on_two(tmp_path_factory):
+def dumps(tmp_path_factory):
+    """Both models dumped at 2 ranks, in one job: "dlrm" (a distributed
+    table) and "localized" (its LocalizedEmbedding on rank 1 of 2). Each:
+    (checkpoint path, out folder, per-rank results)."""
     base = tmp_path_factory.mktemp("ckpt2")
-    path, out = str(base / "ckpt"), str(base / "out")
-    os.makedirs(out)
-    results = run_workers(WORKER, 2, args=["dump", "dlrm", path, out],
-                          timeout=240)
+    made = {}
+    for kind in ("dlrm", "localized"):
+        made[kind] = (str(base / kind / "ckpt"), str(base / kind / "out"))
+        os.makedirs(made[kind][1])
+    dlrm, localized = run_sequence(
+        [("checkpoint_train", ["dump", "dlrm", *made["dlrm"]]),
+         ("checkpoint_train", ["dump", "localized", *made["localized"], 1])],
+        2, timeout=300)
+    return {"dlrm": (*made["dlrm"], dlrm),
+            "localized": (*made["localized"], localized)}
+
+
+@pytest.fixture(scope="module")
+def dumped_on_two(dumps):
+    path, out, results = dumps["dlrm"]
     assert results[0]["losses_after"] == results[1]["losses_after"]
     return path, out, results[0]["losses_after"]
 
 
-def test_dump_on_two_ranks_load_on_one_and_three(dumped_on_two):
+@pytest.fixture(scope="module")
+def loads(dumps):
+    """Both checkpoints of `dumps` loaded at 3 ranks and at 1, one job per
+    rank count: {n: {"dlrm": results, "localized": results}}; the localized
+    table goes to rank 2 of 3, and to the only rank."""
+    out = {}
+    for n, target in ((3, 2), (1, 0)):
+        dlrm, localized = run_sequence(
+            [("checkpoint_train", ["load", "dlrm", *dumps["dlrm"][:2]]),
+             ("checkpoint_train", ["load", "localized",
+                                   *dumps["localized"][:2], target])],
+            n, timeout=300)
+        out[n] = {"dlrm": dlrm, "localized": localized}
+    return out
+
+
+def test_dump_on_two_ranks_load_on_one_and_three(dumped_on_two, loads):
     path, out, uninterrupted = dumped_on_two
     saved = _npz(os.path.join(out, "saved.npz"))
     assert {"embedding/slot/m", "embedding/slot/v"} <= set(saved)
@@ -322,8 +365,7 @@ def test_dump_on_two_ranks_load_on_one_and_three(dumped_on_two):
     assert [f for f in m["tables"][0]["files"]] == ["t0-r0.bin", "t0-r1.bin"]
     vocab = saved["embedding/table"].shape[0]
     for n in (3, 1):
-        loaded = run_workers(WORKER, n, args=["load", "dlrm", path, out],
-                             timeout=240)
+        loaded = loads[n]["dlrm"]
         assert [r["local_rows"]["embedding"] for r in loaded] == [
             len(range(r, vocab, n)) for r in range(n)]
         assert all(r["iterations"] == 4 for r in loaded)
@@ -350,22 +392,17 @@ def test_error_on_one_rank_fails_every_rank_and_loads_nothing(
     assert r0["unchanged"] and r1["unchanged"]
 
 
-def test_localized_tables_reshard(tmp_path):
-    path, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    os.makedirs(out)
+def test_localized_tables_reshard(dumps, loads):
     # Saved with the localized table on rank 1 of 2; loaded with it on rank
     # 2 of 3, and on the only rank.
-    dumped = run_workers(WORKER, 2, args=["dump", "localized", path, out, 1],
-                         timeout=240)
+    path, out, dumped = dumps["localized"]
     saved = _npz(os.path.join(out, "saved.npz"))
     assert {"loc/slot/m", "dist/slot/v"} <= set(saved)
     m = _manifest(path)
     loc = [t for t in m["tables"] if t["name"] == "loc/embeddings"][0]
     assert loc["mode"] == "localized:1" and loc["files"][0] is None
     for n, target in ((3, 2), (1, 0)):
-        loaded = run_workers(
-            WORKER, n, args=["load", "localized", path, out, target],
-            timeout=240)
+        loaded = loads[n]["localized"]
         assert [r["local_rows"]["loc"] for r in loaded] == [
             37 if r == target else 0 for r in range(n)]
         _check_resharded(out, saved, loaded, n, dumped[0]["losses_after"],
@@ -438,29 +475,59 @@ def test_sharded_checkpoint_one_rank_keeps_last_k_and_restores(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """final_uninterrupted.npz of 2 epochs on 2 ranks, no interruption."""
-    out = str(tmp_path_factory.mktemp("uninterrupted"))
-    run_workers(FIT_WORKER, 2, args=["uninterrupted", out + "/u", out],
-                timeout=240)
-    return _npz(os.path.join(out, "final_uninterrupted.npz"))
+def killed_fits(tmp_path_factory):
+    """The two fits on 2 ranks where rank 1 dies mid-epoch (each its own
+    job): with ShardedCheckpoint ("killed", its checkpoints copied to
+    "copy" right after) and with BackupAndRestore ("backup-killed", the
+    names in its folder right after: "backup_files"; the resume deletes
+    the folder)."""
+    base = tmp_path_factory.mktemp("fits")
+    fits = {"out": str(base)}
+    for action, folder in (("killed", "ckpts"), ("backup-killed", "backup")):
+        directory = str(base / folder)
+        job = launch(FIT_WORKER, 2, args=[action, directory, str(base)],
+                     timeout=120, env={"SOK_COMM_TIMEOUT": "10"})
+        fits[action] = (directory, job)
+        if action == "killed" and os.path.isdir(directory):
+            fits["copy"] = str(base / "ckpts-copy")
+            shutil.copytree(directory, fits["copy"])
+        if action == "backup-killed" and os.path.isdir(directory):
+            fits["backup_files"] = sorted(os.listdir(directory))
+    return fits
+
+
+@pytest.fixture(scope="module")
+def resumed_fits(killed_fits):
+    """One 2-rank job after `killed_fits`: the uninterrupted fit (2 epochs,
+    no interruption), then "resume" (ShardedCheckpoint) and
+    "backup-resume" (BackupAndRestore) of the killed fits. Their per-rank
+    results and final_<action>.npz (in killed_fits["out"])."""
+    out = killed_fits["out"]
+    _, resume, backup = run_sequence(
+        [("checkpoint_fit", ["uninterrupted", out + "/u", out]),
+         ("checkpoint_fit", ["resume", killed_fits["killed"][0], out]),
+         ("checkpoint_fit", ["backup-resume",
+                             killed_fits["backup-killed"][0], out])],
+        2, timeout=360)
+    return {"resume": resume, "backup-resume": backup,
+            "uninterrupted": _npz(os.path.join(
+                out, "final_uninterrupted.npz"))}
 
 
 def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(
-        tmp_path, uninterrupted):
-    directory, out = str(tmp_path / "ckpts"), str(tmp_path)
-    job = launch(FIT_WORKER, 2, args=["killed", directory, out], timeout=120,
-                 env={"SOK_COMM_TIMEOUT": "10"})
+        tmp_path, killed_fits, request):
+    out = killed_fits["out"]
+    directory, job = killed_fits["killed"]
     assert job.returncode != 0, job.output
     assert job.leftovers == []
     # Killed at global step 9 (epoch 1, batch 3); checkpoints every 2
-    # steps, the last 2 kept.
-    assert sorted(os.listdir(directory)) == ["ckpt-0000000006",
-                                             "ckpt-0000000008"], job.output
-    copy = str(tmp_path / "ckpts-copy")
-    shutil.copytree(directory, copy)
-    r0, r1 = run_workers(FIT_WORKER, 2, args=["resume", directory, out],
-                         timeout=240)
+    # steps, the last 2 kept (as they were right after the kill: `copy`).
+    assert sorted(os.listdir(killed_fits["copy"])) == [
+        "ckpt-0000000006", "ckpt-0000000008"], job.output
+    copy = killed_fits["copy"]
+    resumed = request.getfixturevalue("resumed_fits")
+    uninterrupted = resumed["uninterrupted"]
+    r0, r1 = resumed["resume"]
     assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2}
     assert r0["iterations"] == 8 and r1["iterations"] == 8
     assert r0["checkpoints"] == [10, 12]
@@ -484,22 +551,24 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(
                                    err_msg=f"{k} at 3 ranks")
 
 
-def test_backup_and_restore_resumes_a_killed_fit(tmp_path, uninterrupted):
+def test_backup_and_restore_resumes_a_killed_fit(killed_fits, request):
     """keras.callbacks.BackupAndRestore on 2 ranks (its backups go through
     model.save_weights, called on every rank): rank 1 killed mid-epoch, the
     same command run again resumes from the last backup and ends with the
     uninterrupted run's weights, tables and slots; the folder is deleted
     once (by rank 0) at the end."""
-    directory, out = str(tmp_path / "backup"), str(tmp_path)
-    job = launch(FIT_WORKER, 2, args=["backup-killed", directory, out],
-                 timeout=120, env={"SOK_COMM_TIMEOUT": "10"})
+    out = killed_fits["out"]
+    directory, job = killed_fits["backup-killed"]
     assert job.returncode != 0, job.output
     assert job.leftovers == []
-    # One epoch's backup (6 steps), written by rank 0 alone.
-    assert os.path.exists(os.path.join(directory, "latest.weights.h5"))
-    assert not [n for n in os.listdir(directory) if "sok-tmp" in n]
-    r0, r1 = run_workers(FIT_WORKER, 2, args=["backup-resume", directory,
-                                              out], timeout=240)
+    # One epoch's backup (6 steps), written by rank 0 alone (the folder as
+    # the killed job left it, before the resume deleted it).
+    files = killed_fits.get("backup_files", [])
+    assert "latest.weights.h5" in files, (files, job.output)
+    assert not [n for n in files if "sok-tmp" in n], files
+    resumed = request.getfixturevalue("resumed_fits")
+    uninterrupted = resumed["uninterrupted"]
+    r0, r1 = resumed["backup-resume"]
     assert r0["iterations"] == 6 and r1["iterations"] == 6
     assert not r0["backup_left"] and not r1["backup_left"]
     got = _npz(os.path.join(out, "final_backup-resume.npz"))

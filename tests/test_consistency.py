@@ -5,23 +5,46 @@ an error naming the table, the field and both values."""
 
 import pytest
 
-from tests.multiprocess import launch
-from tests.multiprocess import worker_path
+from tests.multiprocess import run_sequence
 
 # Well below SOK_COMM_TIMEOUT: a check that does not fire shows as a hung
 # job (exit 124), not as a 10-minute wait.
-TIMEOUT = 90
+TIMEOUT = 480
 ENV = {"SOK_COMM_TIMEOUT": "600", "SOK_BACKEND": "collective"}
+# Every (field, stage) of the tests below, in one 2-rank job (one TensorFlow
+# start per rank for all): equal ranks first; each other case raises
+# InconsistentRanksError on both ranks before any collective of a step, and
+# the next one builds its own model. Last the lookup order in fit, found at
+# the first step, whose aborted collectives end the ranks' use of them.
+CASES = [
+    ("none", "fit"),
+    *[(f, "fit") for f in ("vocabulary_size", "embedding_dim", "dtype",
+                           "mode", "optimizer", "table_optimizer", "count")],
+    ("vocabulary_size", "evaluate"), ("vocabulary_size", "predict"),
+    ("vocabulary_size", "load"), ("vocabulary_size", "eager"),
+    ("order", "eager"), ("order", "fit"),
+]
 
 
-def _run(field, stage="fit"):
-    job = launch(worker_path("consistency_tables"), 2, [field, stage],
-                 timeout=TIMEOUT, env=ENV)
-    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
-    assert job.returncode == 0, f"exit {job.returncode}{detail}"
-    assert not job.leftovers, detail
-    assert sorted(job.results) == [0, 1], detail
-    return job.results[0], job.results[1], detail
+@pytest.fixture(scope="module")
+def runs():
+    results, output = run_sequence(
+        [("consistency_tables", list(case)) for case in CASES], 2,
+        timeout=TIMEOUT, env=ENV, output=True)
+    return dict(zip(CASES, results)), output
+
+
+@pytest.fixture
+def _run(runs):
+    def run(field, stage="fit"):
+        by_case, output = runs
+        r0, r1 = by_case[(field, stage)]
+        case = CASES.index((field, stage))
+        detail = (f"\n--- case {case}: {field} {stage}; the job's output "
+                  f"---\n{output}")
+        return r0, r1, detail
+
+    return run
 
 
 A = "a/embeddings"
@@ -36,7 +59,7 @@ B = "b/embeddings"
     ("optimizer", ("'SGD'", "'Adam'")),
     ("table_optimizer", ("'SGD'", "'Adagrad (the table's own)'")),
 ])
-def test_different_tables_raise_on_every_rank(field, values):
+def test_different_tables_raise_on_every_rank(field, values, _run):
     r0, r1, detail = _run(field)
     name = field.replace("table_", "")
     expected = (f"table '{A}': {name} is {values[0]} on rank 0 and "
@@ -47,7 +70,7 @@ def test_different_tables_raise_on_every_rank(field, values):
     assert r0["error"] == r1["error"], detail
 
 
-def test_vocabulary_16_vs_17_message():
+def test_vocabulary_16_vs_17_message(_run):
     r0, r1, detail = _run("vocabulary_size")
     expected = f"table '{A}': vocabulary_size is 16 on rank 0 and 17 on rank 1"
     assert expected in r0["error"] and expected in r1["error"], detail
@@ -57,7 +80,7 @@ def test_vocabulary_16_vs_17_message():
     assert "the start of fit of model 'two_tables'" in r0["error"], detail
 
 
-def test_different_lookup_order_raises_on_every_rank():
+def test_different_lookup_order_raises_on_every_rank(_run):
     r0, r1, detail = _run("order")
     for r in (r0, r1):
         assert r["type"] == "InconsistentRanksError", detail
@@ -66,7 +89,7 @@ def test_different_lookup_order_raises_on_every_rank():
                     detail)
 
 
-def test_different_number_of_tables_raises_on_every_rank():
+def test_different_number_of_tables_raises_on_every_rank(_run):
     r0, r1, detail = _run("count")
     for r in (r0, r1):
         assert r["type"] == "InconsistentRanksError", detail
@@ -75,7 +98,7 @@ def test_different_number_of_tables_raises_on_every_rank():
 
 
 @pytest.mark.parametrize("stage", ["evaluate", "predict"])
-def test_checked_at_the_start_of_evaluate_and_predict(stage):
+def test_checked_at_the_start_of_evaluate_and_predict(stage, _run):
     r0, r1, detail = _run("vocabulary_size", stage)
     for r in (r0, r1):
         assert r["type"] == "InconsistentRanksError", detail
@@ -84,7 +107,7 @@ def test_checked_at_the_start_of_evaluate_and_predict(stage):
             r["error"]), detail
 
 
-def test_checked_at_load():
+def test_checked_at_load(_run):
     r0, r1, detail = _run("vocabulary_size", "load")
     for r in (r0, r1):
         # Keras' load_weights re-raises a layer's error as a ValueError
@@ -100,7 +123,7 @@ def test_checked_at_load():
      f"table '{A}': vocabulary_size is 16 on rank 0 and 17 on rank 1"),
     ("order", f"table 1 is '{A}' on rank 0 and '{B}' on rank 1"),
 ])
-def test_checked_at_the_first_eager_lookup(field, expected):
+def test_checked_at_the_first_eager_lookup(field, expected, _run):
     # A model called on a batch before fit looks its tables up at once.
     r0, r1, detail = _run(field, "eager")
     for r in (r0, r1):
@@ -109,7 +132,7 @@ def test_checked_at_the_first_eager_lookup(field, expected):
         assert expected in r["error"], detail
 
 
-def test_equal_ranks_train_without_error():
+def test_equal_ranks_train_without_error(_run):
     r0, r1, detail = _run("none")
     assert r0["error"] is None and r1["error"] is None, detail
 

@@ -1,12 +1,26 @@
 """Lookup edge cases on 2 ranks: a rank with only padding, empty batches,
 mixed precision."""
 
+import pytest
+
+from tests.multiprocess import run_sequence
 from tests.multiprocess import run_workers
 from tests.multiprocess import worker_path
 
 
-def test_padding_only_rank_empty_batch_and_mixed_precision():
-    r0, r1 = run_workers(worker_path("edge_cases"), 2, timeout=90)
+@pytest.fixture(scope="module")
+def two_ranks():
+    """The 2-rank scenarios of this module in one job (one TensorFlow start
+    per rank): edge cases, the pooling modes on the batch of many samples,
+    and last the bad id (which ends in errors on purpose)."""
+    edge, pooling, bad_id = run_sequence(
+        [("edge_cases", []), ("pooling_modes", ["many"]), ("bad_id", [])],
+        2, timeout=360)
+    return {"edge_cases": edge, "pooling_modes": pooling, "bad_id": bad_id}
+
+
+def test_padding_only_rank_empty_batch_and_mixed_precision(two_ranks):
+    r0, r1 = two_ranks["edge_cases"]
     # Rank 0: v rows 1+2 and 3; w (localized on rank 1) means of rows.
     assert r0["a"] == [[6.0, 8.0], [6.0, 7.0]]
     assert r0["b"] == [[4.5, 5.5, 6.5], [9.0, 10.0, 11.0]]
@@ -23,24 +37,25 @@ def test_padding_only_rank_empty_batch_and_mixed_precision():
         assert r["mixed"] == ["float16", "float32"]
 
 
-def test_pooling_on_the_owner_equals_pooling_at_home():
+def test_pooling_on_the_owner_equals_pooling_at_home(two_ranks):
     # Each batch kind at one rank count (every combiner, weighting and
     # pooling mode on each): the one where pooling on the owner pays at 3
-    # ranks, the other at 2.
-    for n, args, cases in ((2, ["many"], 36), (3, ["few"], 36)):
-        for r in run_workers(worker_path("pooling_modes"), n, args=args,
-                             timeout=240):
-            assert r["cases"] == cases
-            assert r["max_err"] < 1e-4, r
-            assert r["max_grad_diff"] < 1e-4, r
+    # ranks, the other at 2 (in the module's 2-rank job).
+    three = run_workers(worker_path("pooling_modes"), 3, args=["few"],
+                        timeout=240)
+    for n, results in ((2, two_ranks["pooling_modes"]), (3, three)):
+        for r in results:
+            assert r["cases"] == 36, (n, r)
+            assert r["max_err"] < 1e-4, (n, r)
+            assert r["max_grad_diff"] < 1e-4, (n, r)
 
 
-def test_invalid_id_on_one_rank_raises_on_every_rank():
+def test_invalid_id_on_one_rank_raises_on_every_rank(two_ranks):
     """Every pooling mode and the fused multi-table exchange: rank 1's bad
     id raises the same error on both ranks (naming table, rank and id),
     nothing changes, the ranks stay in step. Before the fix, pooling
     'auto'/'owner' failed on rank 1 alone."""
-    results = run_workers(worker_path("bad_id"), 2, timeout=120)
+    results = two_ranks["bad_id"]
     expected_after = [[9.0, 11.0, 13.0], [9.0, 10.0, 11.0]]
     for r in results:
         assert r["unchanged"]

@@ -1,25 +1,44 @@
 """A .keras file saved at N ranks loads at M ranks; tables re-shard."""
 
+import os
+
 import keras
 import numpy as np
+import pytest
 
 from sok_keras.optimizers import OptimizerWrapper  # noqa: F401 (registers)
 from tests.multiprocess import launch
-from tests.multiprocess import run_workers
+from tests.multiprocess import run_sequence
 from tests.multiprocess import worker_path
 from tests.training_setup import VOCAB
 from tests.training_setup import make_model_and_data
 
 
-def test_save_on_two_ranks_load_on_one_and_three(tmp_path):
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """This module's scenarios in two jobs (one TensorFlow start per rank
+    for all of them): at 2 ranks save_load "save", multi_table "same" and
+    save_streaming "save"; then at 3 ranks save_load "load", multi_table
+    "same" and save_streaming "load" (save_streaming last: it patches
+    sok_keras' chunk size and h5 access for its own checks)."""
+    base = tmp_path_factory.mktemp("save_load")
+    path, folder = str(base / "model.keras"), str(base / "streaming")
+    os.makedirs(folder)
+    two = run_sequence(
+        [("save_load", ["save", path]), ("multi_table", ["same"]),
+         ("save_streaming", ["save", folder])], 2, timeout=420)
+    three = run_sequence(
+        [("save_load", ["load", path]), ("multi_table", ["same"]),
+         ("save_streaming", ["load", folder])], 3, timeout=420)
+    return {"path": path, "folder": folder, "two": two, "three": three}
+
+
+def test_save_on_two_ranks_load_on_one_and_three(jobs):
     """Saved at 2 ranks, loaded at 3 and at 1: the same slots, and the next
     5 steps give the losses of the uninterrupted run (the saving job
     continuing), to 1e-6."""
-    path = str(tmp_path / "model.keras")
-    saved = run_workers(worker_path("save_load"), 2, args=["save", path],
-                        timeout=120)
-    loaded3 = run_workers(worker_path("save_load"), 3, args=["load", path],
-                          timeout=120)
+    path = jobs["path"]
+    saved, loaded3 = jobs["two"][0], jobs["three"][0]
     assert [r["local_rows"] for r in loaded3] == [
         len(range(i, sum(VOCAB), 3)) for i in range(3)]
     # One process, here: the same 5 steps after loading.
@@ -56,15 +75,15 @@ def test_save_on_two_ranks_load_on_one_and_three(tmp_path):
                                atol=1e-6)
 
 
-def test_several_tables_in_one_step_on_two_and_three_ranks():
+def test_several_tables_in_one_step_on_two_and_three_ranks(jobs):
     for n in (2, 3):
-        results = run_workers(worker_path("multi_table"), n, args=["same"],
-                              timeout=120)
-        for r in results:
-            np.testing.assert_allclose(r["sums"], r["expected"], rtol=1e-4)
+        results = jobs["two" if n == 2 else "three"][1]
+        for rank, r in enumerate(results):
+            np.testing.assert_allclose(r["sums"], r["expected"], rtol=1e-4,
+                                       err_msg=f"rank {rank} of {n}")
             # lookup_sparse over the three tables (one fused exchange per
             # direction) equals three separate lookups, values and grads.
-            assert r["fused_max_diff"] < 1e-6
+            assert r["fused_max_diff"] < 1e-6, (n, rank, r)
 
 
 def test_mismatched_collective_order_times_out_with_a_clear_error():
@@ -77,7 +96,8 @@ def test_mismatched_collective_order_times_out_with_a_clear_error():
     assert job.leftovers == []
 
 
-def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(tmp_path):
+def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
+        jobs, tmp_path):
     """One 2-rank job: model.save streams a distributed table, a table
     localized on rank 1 and an EmbeddingCollection (slots included) in
     4 KiB chunks; the file holds every table whole; no block rank 0 got
@@ -88,10 +108,8 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(tmp_path):
     dataset, and they equal the saved rows."""
     from tests.test_export import serve_without_sok
 
-    folder = str(tmp_path)
-    saved = run_workers(worker_path("save_streaming"), 2,
-                        args=["save", folder], timeout=300)
-    r0, r1 = saved
+    folder = jobs["folder"]
+    r0, r1 = jobs["two"][2]
     assert r0["in_file"] and all(r0["in_file"].values()), r0["in_file"]
     assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
     assert 0 < r0["max_received"] <= r0["chunk_bytes"]
@@ -99,15 +117,15 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(tmp_path):
     assert "failed on another rank" in r1["failure"], r1["failure"]
     assert r0["unchanged"] and r0["leftovers"] == [] == r1["leftovers"]
     np.testing.assert_allclose(r0["predictions"], r1["predictions"])
-    expected = np.load(tmp_path / "expected.npz")
+    expected = np.load(os.path.join(folder, "expected.npz"))
     probe = {k[len("probe_"):]: expected[k] for k in expected.files
              if k.startswith("probe_")}
-    served = serve_without_sok(str(tmp_path / "serving"), probe, tmp_path)
+    served = serve_without_sok(os.path.join(folder, "serving"), probe,
+                               tmp_path)
     np.testing.assert_allclose(served.ravel(), r0["predictions"],
                                rtol=1e-6, atol=1e-6)
 
-    loaded = run_workers(worker_path("save_streaming"), 3,
-                         args=["load", folder], timeout=300)
+    loaded = jobs["three"][2]
     for rank, r in enumerate(loaded):
         assert all(r["same"].values()), (rank, r["same"])
         assert len(r["same"]) == 9

@@ -1,12 +1,21 @@
 """The seed example on 2 ranks: shard shapes, embeddings, gradient rows."""
 
 import numpy as np
+import pytest
 
-from tests.multiprocess import run_workers
-from tests.multiprocess import worker_path
+from tests.multiprocess import run_sequence
 
 EMB1 = [[6, 8, 10], [36, 39, 42]]
 EMB2 = [[5, 6, 7, 8, 9], [25, 27, 29, 31, 33]]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both modes of the seed example in one 2-rank job."""
+    distributed, localized = run_sequence(
+        [("seed_example", ["distributed"]), ("seed_example", ["localized"])],
+        2, timeout=150)
+    return {"distributed": distributed, "localized": localized}
 
 
 def _expected_delta():
@@ -20,9 +29,8 @@ def _expected_delta():
     return d1, d2
 
 
-def test_seed_example_distributed_on_two_ranks():
-    results = run_workers(worker_path("seed_example"), 2, args=["distributed"],
-                          timeout=90)
+def test_seed_example_distributed_on_two_ranks(runs):
+    results = runs["distributed"]
     assert results[0]["shapes"] == [[9, 3], [4, 5]]
     assert results[1]["shapes"] == [[8, 3], [3, 5]]
     for r in results:
@@ -47,9 +55,8 @@ def test_seed_example_distributed_on_two_ranks():
                 o[1], [after2[1], after2[2] + after2[3]], rtol=1e-6)
 
 
-def test_seed_example_localized_on_two_ranks():
-    results = run_workers(worker_path("seed_example"), 2, args=["localized"],
-                          timeout=90)
+def test_seed_example_localized_on_two_ranks(runs):
+    results = runs["localized"]
     assert results[0]["shapes"] == [[17, 3], [0, 5]]
     assert results[1]["shapes"] == [[0, 3], [7, 5]]
     for r in results:

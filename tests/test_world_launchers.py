@@ -79,9 +79,27 @@ def _run_two_ranks(style, worker, args, tmp_path):
             for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """Under torchrun's environment, one launch of 2 ranks for both tests
+    (tests/workers/sequence.py): the seed example, then the listening
+    sockets (those of every server the process has started by then)."""
+    results = _run_two_ranks(
+        "torchrun", os.path.join(REPO, "tests", "workers", "sequence.py"),
+        ["seed_example", "distributed", "+", "listen_check"],
+        tmp_path_factory.mktemp("torchrun"))
+    for r in results:
+        assert len(r["cases"]) == 2, r
+    return {"seed_example": [r["cases"][0] for r in results],
+            "listen_check": [r["cases"][1] for r in results]}
+
+
 @pytest.mark.parametrize("style", ["torchrun", "openmpi"])
-def test_two_ranks_without_sokrun(style, tmp_path):
-    results = _run_two_ranks(style, WORKER, ["distributed"], tmp_path)
+def test_two_ranks_without_sokrun(style, tmp_path, request):
+    if style == "torchrun":
+        results = request.getfixturevalue("torchrun_runs")["seed_example"]
+    else:
+        results = _run_two_ranks(style, WORKER, ["distributed"], tmp_path)
     assert results[0]["shapes"] == [[9, 3], [4, 5]]
     assert results[1]["shapes"] == [[8, 3], [3, 5]]
     assert results[0]["grad_rows"] == [1, 1]
@@ -94,7 +112,7 @@ def _loopback(addr):
 
 
 @pytest.mark.parametrize("launcher", ["sokrun", "torchrun"])
-def test_rank_servers_listen_on_loopback_only(launcher, tmp_path):
+def test_rank_servers_listen_on_loopback_only(launcher, request):
     """TensorFlow's gRPC server would listen on every interface (and serves
     anyone); under sokrun and under another launcher the ranks' servers
     must listen on loopback only."""
@@ -104,7 +122,7 @@ def test_rank_servers_listen_on_loopback_only(launcher, tmp_path):
 
         results = run_workers(worker, 2, timeout=90)
     else:
-        results = _run_two_ranks("torchrun", worker, [], tmp_path)
+        results = request.getfixturevalue("torchrun_runs")["listen_check"]
     for r in results:
         assert r["sum"] == 2.0
         assert r["listening"], r
