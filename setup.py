@@ -105,18 +105,19 @@ class BuildTfOps(build_ext):
                    "-I", os.path.join(HERE, "csrc"), "-DSOK_WITH_CUDA=1",
                    "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
                    "-Xcompiler", "-fvisibility=hidden"] + abi_flags + gencode
-            jobs.append((obj, None if fresh else cmd))
+            jobs.append((os.path.getsize(src), obj, None if fresh else cmd))
 
-        def run(job):
-            obj, cmd = job
-            if cmd is not None:
-                print(" ".join(cmd), flush=True)
-                subprocess.run(cmd, check=True)
-            return obj
+        def run(cmd):
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True)
 
-        workers = max(1, min(len(jobs), os.cpu_count() or 1))
-        with ThreadPoolExecutor(workers) as pool:
-            objects = list(pool.map(run, jobs))
+        # Queued on the shared pool (biggest first), where the C++ sources
+        # join them (`_compile_in_pool`): both compilers keep every core
+        # busy, and the link waits for all.
+        jobs.sort(reverse=True)
+        self._cuda_futures = [self._pool.submit(run, cmd)
+                              for _, _, cmd in jobs if cmd is not None]
+        objects = [obj for _, obj, _ in jobs]
         lib_dirs = [os.path.join(cuda_home, d) for d in ("lib64", "lib")]
         lib_dirs += glob.glob(os.path.join(cuda_home, "targets", "*", "lib"))
         lib_dirs = [d for d in lib_dirs
@@ -126,7 +127,36 @@ class BuildTfOps(build_ext):
         return objects, ["-L" + lib_dirs[0], "-l:libcudart_static.a", "-ldl",
                          "-lrt", "-lpthread"]
 
+    def _compile_in_pool(self, sources, output_dir=None, macros=None,
+                         include_dirs=None, debug=0, extra_preargs=None,
+                         extra_postargs=None, depends=None):
+        """`CCompiler.compile`, each source on the shared pool (distutils
+        compiles an extension's sources one by one); returns when they and
+        the CUDA objects are built."""
+        compiler = self.compiler
+        macros, objects, extra_postargs, pp_opts, build = (
+            compiler._setup_compile(output_dir, macros, include_dirs,
+                                    sources, depends, extra_postargs))
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        futures = [
+            self._pool.submit(compiler._compile, obj, build[obj][0],
+                              build[obj][1], cc_args, extra_postargs,
+                              pp_opts)
+            for obj in objects if obj in build]
+        for f in futures + self._cuda_futures:
+            f.result()
+        return objects
+
     def build_extensions(self):
+        self._pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1))
+        self._cuda_futures = []
+        self.compiler.compile = self._compile_in_pool
+        try:
+            self._build_extensions()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def _build_extensions(self):
         tf = _tf()
         cflags = list(tf.sysconfig.get_compile_flags())
         lflags = list(tf.sysconfig.get_link_flags())
