@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_step  # noqa: E402  (zipf_ids)
 
 
-def _kernel_times(logdir):
+def kernel_times(logdir):
     """({event name: total device ms} over the GPU planes of the trace,
     {event name: total ms} over the host plane: TF ops and runtime events,
     nested events counted in each)."""
@@ -144,11 +144,7 @@ def main():
             model.train_on_batch(xt, y)
             phases.append((label, lambda m=model, xt=xt: m.train_on_batch(
                 xt, y)))
-    def sync(out):
-        x = tf.nest.flatten(out)[0]
-        if isinstance(x, tf.Tensor):  # one element back, not the tensor
-            x = tf.reshape(x, [-1])[:1]
-        np.asarray(x)
+    sync = gpu_step.sync_first
 
     report = {"config": vars(args)}
     for name, fn in phases:
@@ -167,7 +163,7 @@ def main():
         sync(out)
         tf.profiler.experimental.stop()
         try:
-            totals, host = _kernel_times(logdir)
+            totals, host = kernel_times(logdir)
         except Exception as e:  # the trace format is TF's to change
             report[name] = {"error": repr(e)}
             print(name, "could not read the trace:", repr(e))

@@ -88,6 +88,18 @@ print(json.dumps(out))
 """
 
 
+def sync_first(out):
+    """Waits for `out` (a tensor, a structure of them, or a number) by
+    copying one element of its first tensor to the host, not the tensor."""
+    import numpy as np
+    import tensorflow as tf
+
+    x = tf.nest.flatten(out)[0]
+    if isinstance(x, tf.Tensor):
+        x = tf.reshape(x, [-1])[:1]
+    np.asarray(x)
+
+
 def _device_ms(fn, sync, steps):
     """GPU time (kernels and copies) per call of `fn`, from the profiler."""
     import tempfile
@@ -104,7 +116,7 @@ def _device_ms(fn, sync, steps):
     sync(r)
     tf.profiler.experimental.stop()
     try:
-        totals, _ = gpu_profile._kernel_times(logdir)
+        totals, _ = gpu_profile.kernel_times(logdir)
     except Exception as e:  # the trace format is TensorFlow's to change
         print("could not read the profile:", repr(e))
         return None
@@ -232,10 +244,7 @@ def main():
     B, F, H, V, D = (args.batch, args.features, args.hotness, args.vocab,
                      args.dim)
 
-    def sync(x):
-        x = tf.nest.flatten(x)[0]
-        np.asarray(tf.reshape(x, [-1])[:1])
-
+    sync = sync_first
     # 2. Forward pooled lookup.
     init = keras.initializers.RandomUniform(-0.05, 0.05, seed=3)
     table = sok.Variable(init, shape=(V, D), name="bench_table")

@@ -17,13 +17,9 @@ namespace lookup {
 // What was wrong with the inputs, if anything: the first (by position) id
 // outside [0, vocab_size) that is not the padding value -1, and the first
 // bag whose row splits are inconsistent (decreasing, outside [0, nnz], not
-// starting at 0 or not ending at nnz).
-struct PooledLookupError {
-  int64_t position = -1;  // of the first invalid id
-  int64_t value = 0;      // that id
-  int64_t bad_bag = -1;   // first bag with bad splits
-  bool ok() const { return position < 0 && bad_bag < 0; }
-};
+// starting at 0 or not ending at nnz). The same report as the gradient's
+// (core/lookup.h).
+using PooledLookupError = PooledGradError;
 
 // out[b] = combine(weights[i] * table[ids[i]] for i in
 //                  [splits[b], splits[b + 1]) with ids[i] != -1)

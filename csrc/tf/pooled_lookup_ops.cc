@@ -72,6 +72,72 @@ absl::Status RowSplits(OpKernelContext* ctx, int64_t bag_width, int64_t nnz,
   return absl::OkStatus();
 }
 
+// What SokPooledLookup and SokPooledLookupGrad share: their attrs, the
+// checks of their ids / row splits / weights inputs (1-3), and the errors
+// their kernels report.
+template <typename Device>
+class PooledOpBase : public OpKernel {
+ protected:
+  explicit PooledOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string combiner;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
+    const Status s = lookup::ParseCombiner(combiner, &combiner_);
+    OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag_width", &bag_width_));
+  }
+
+  std::string Where() const {
+    return "sok_keras: table '" + table_name_ + "': ";
+  }
+
+  // Checks the ids (a vector) and the weights (empty or one per id), and
+  // gives the row splits (`RowSplits`).
+  absl::Status Bags(OpKernelContext* ctx, const std::string& where,
+                    Tensor* splits) const {
+    const Tensor& ids = ctx->input(1);
+    const Tensor& weights = ctx->input(3);
+    if (!TensorShapeUtils::IsVector(ids.shape())) {
+      return errors::InvalidArgument(where, "ids must be a vector, got "
+                                     "shape ", ids.shape().DebugString(),
+                                     ".");
+    }
+    const int64_t nnz = ids.NumElements();
+    TF_RETURN_IF_ERROR(RowSplits<Device>(ctx, bag_width_, nnz, where,
+                                         splits));
+    if (!TensorShapeUtils::IsVector(weights.shape()) ||
+        (weights.NumElements() != 0 && weights.NumElements() != nnz)) {
+      return errors::InvalidArgument(
+          where, "weights must be empty or have one entry per id (", nnz,
+          "), got shape ", weights.shape().DebugString(), ".");
+    }
+    return absl::OkStatus();
+  }
+
+  // The kernel's report on its inputs (a PooledGradError or a
+  // PooledLookupError) as the op's error.
+  template <typename Error>
+  static absl::Status InputError(const std::string& where,
+                                 const Error& error, int64_t nnz,
+                                 int64_t rows) {
+    if (error.bad_bag >= 0) {
+      return errors::InvalidArgument(
+          where, "row_splits are inconsistent at row ", error.bad_bag,
+          " (they must rise from 0 to the number of ids, ", nnz, ").");
+    }
+    if (error.position >= 0) {
+      return errors::InvalidArgument(
+          where, "id ", error.value, " at position ", error.position,
+          " is out of range [0, ", rows, ") (-1 is padding).");
+    }
+    return absl::OkStatus();
+  }
+
+  lookup::Combiner combiner_ = lookup::Combiner::kSum;
+  std::string table_name_;
+  int64_t bag_width_ = -1;
+};
+
 REGISTER_OP("SokPooledLookup")
     .Input("table: T")
     .Input("ids: Tid")
@@ -120,41 +186,23 @@ bag_width: >= 1: every bag has bag_width ids (dense ids; nnz must be a
 )doc");
 
 template <typename Device, typename T, typename Tid>
-class SokPooledLookupOp : public OpKernel {
+class SokPooledLookupOp : public PooledOpBase<Device> {
  public:
-  explicit SokPooledLookupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string combiner;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
-    const Status s = lookup::ParseCombiner(combiner, &combiner_);
-    OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag_width", &bag_width_));
-  }
+  explicit SokPooledLookupOp(OpKernelConstruction* ctx)
+      : PooledOpBase<Device>(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& table = ctx->input(0);
     const Tensor& ids = ctx->input(1);
     const Tensor& weights = ctx->input(3);
-    const std::string where = "sok_keras: table '" + table_name_ + "': ";
+    const std::string where = this->Where();
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(table.shape()),
                 errors::InvalidArgument(where, "the table must be a matrix, "
                                         "got shape ",
                                         table.shape().DebugString(), "."));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()),
-                errors::InvalidArgument(where, "ids must be a vector, got "
-                                        "shape ", ids.shape().DebugString(),
-                                        "."));
     Tensor splits;
-    OP_REQUIRES_OK(ctx, RowSplits<Device>(ctx, bag_width_, ids.NumElements(),
-                                          where, &splits));
+    OP_REQUIRES_OK(ctx, this->Bags(ctx, where, &splits));
     const int64_t nnz = ids.NumElements();
-    OP_REQUIRES(ctx,
-                TensorShapeUtils::IsVector(weights.shape()) &&
-                    (weights.NumElements() == 0 ||
-                     weights.NumElements() == nnz),
-                errors::InvalidArgument(
-                    where, "weights must be empty or have one entry per id (",
-                    nnz, "), got shape ", weights.shape().DebugString(), "."));
     const int64_t batch = splits.NumElements() - 1;
     const int64_t vocab = table.dim_size(0);
     const int64_t dim = table.dim_size(1);
@@ -164,18 +212,8 @@ class SokPooledLookupOp : public OpKernel {
     lookup::PooledLookupError error;
     Status status = Run(ctx, table, vocab, dim, ids, nnz, splits, batch,
                         weights, out, &error);
-
     OP_REQUIRES(ctx, status.ok(), errors::Internal(where, status.message()));
-    OP_REQUIRES(ctx, error.bad_bag < 0,
-                errors::InvalidArgument(
-                    where, "row_splits are inconsistent at row ",
-                    error.bad_bag, " (they must rise from 0 to the number of "
-                    "ids, ", nnz, ")."));
-    OP_REQUIRES(ctx, error.position < 0,
-                errors::InvalidArgument(
-                    where, "id ", error.value, " at position ",
-                    error.position, " is out of range [0, ", vocab,
-                    ") (-1 is padding)."));
+    OP_REQUIRES_OK(ctx, this->InputError(where, error, nnz, vocab));
   }
 
  private:
@@ -189,7 +227,7 @@ class SokPooledLookupOp : public OpKernel {
       CpuDevice d{CpuParallelFor(ctx)};
       return lookup::PooledLookupFunctor<CpuDevice, T, Tid>()(
           d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, combiner_,
+          splits.flat<int64_t>().data(), batch, w, this->combiner_,
           out->flat<T>().data(), error);
     } else {
 #ifdef SOK_WITH_CUDA
@@ -197,17 +235,13 @@ class SokPooledLookupOp : public OpKernel {
       GpuDevice d = MakeGpuDevice(ctx, &scratch);
       return lookup::PooledLookupFunctor<GpuDevice, T, Tid>()(
           d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, combiner_,
+          splits.flat<int64_t>().data(), batch, w, this->combiner_,
           out->flat<T>().data(), error);
 #else
       return Status::Error("built without CUDA");
 #endif
     }
   }
-
-  lookup::Combiner combiner_ = lookup::Combiner::kSum;
-  std::string table_name_;
-  int64_t bag_width_ = -1;
 };
 
 REGISTER_OP("SokPooledLookupGrad")
@@ -260,34 +294,24 @@ chain are gone.
 )doc");
 
 template <typename Device, typename T, typename Tid>
-class SokPooledLookupGradOp : public OpKernel {
+class SokPooledLookupGradOp : public PooledOpBase<Device> {
  public:
-  explicit SokPooledLookupGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string combiner;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
-    const Status s = lookup::ParseCombiner(combiner, &combiner_);
-    OP_REQUIRES(ctx, s.ok(), errors::InvalidArgument(s.message()));
+  explicit SokPooledLookupGradOp(OpKernelConstruction* ctx)
+      : PooledOpBase<Device>(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bag_width", &bag_width_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& grad = ctx->input(0);
     const Tensor& ids = ctx->input(1);
     const Tensor& weights = ctx->input(3);
-    const std::string where = "sok_keras: table '" + table_name_ + "': ";
+    const std::string where = this->Where();
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(grad.shape()),
                 errors::InvalidArgument(where, "the gradient must be a "
                                         "matrix, got shape ",
                                         grad.shape().DebugString(), "."));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()),
-                errors::InvalidArgument(where, "ids must be a vector, got "
-                                        "shape ", ids.shape().DebugString(),
-                                        "."));
     Tensor splits;
-    OP_REQUIRES_OK(ctx, RowSplits<Device>(ctx, bag_width_, ids.NumElements(),
-                                          where, &splits));
+    OP_REQUIRES_OK(ctx, this->Bags(ctx, where, &splits));
     OP_REQUIRES(ctx,
                 TensorShapeUtils::IsVector(splits.shape()) &&
                     splits.NumElements() == grad.dim_size(0) + 1,
@@ -296,13 +320,6 @@ class SokPooledLookupGradOp : public OpKernel {
                     "gradient has rows (", grad.dim_size(0) + 1, "), got "
                     "shape ", splits.shape().DebugString(), "."));
     const int64_t nnz = ids.NumElements();
-    OP_REQUIRES(ctx,
-                TensorShapeUtils::IsVector(weights.shape()) &&
-                    (weights.NumElements() == 0 ||
-                     weights.NumElements() == nnz),
-                errors::InvalidArgument(
-                    where, "weights must be empty or have one entry per id (",
-                    nnz, "), got shape ", weights.shape().DebugString(), "."));
     const int64_t batch = grad.dim_size(0);
     const int64_t dim = grad.dim_size(1);
     const T* w = weights.NumElements() == 0 ? nullptr
@@ -326,38 +343,26 @@ class SokPooledLookupGradOp : public OpKernel {
     if constexpr (std::is_same<Device, CpuDevice>::value) {
       status = lookup::PooledLookupGrad<T, Tid>(
           grad.flat<T>().data(), dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, num_rows_, combiner_,
-          CpuParallelFor(ctx), allocate, &error);
+          splits.flat<int64_t>().data(), batch, w, num_rows_,
+          this->combiner_, CpuParallelFor(ctx), allocate, &error);
     } else {
 #ifdef SOK_WITH_CUDA
       GpuScratch scratch(ctx);
       GpuDevice d = MakeGpuDevice(ctx, &scratch);
       status = lookup::gpu::PooledLookupGrad<T, Tid>(
           d, grad.flat<T>().data(), dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, num_rows_, combiner_,
-          allocate, &error);
+          splits.flat<int64_t>().data(), batch, w, num_rows_,
+          this->combiner_, allocate, &error);
 #else
       status = Status::Error("built without CUDA");
 #endif
     }
     OP_REQUIRES(ctx, status.ok(), errors::Internal(where, status.message()));
-    OP_REQUIRES(ctx, error.bad_bag < 0,
-                errors::InvalidArgument(
-                    where, "row_splits are inconsistent at row ",
-                    error.bad_bag, " (they must rise from 0 to the number of "
-                    "ids, ", nnz, ")."));
-    OP_REQUIRES(ctx, error.position < 0,
-                errors::InvalidArgument(
-                    where, "id ", error.value, " at position ",
-                    error.position, " is out of range [0, ", num_rows_,
-                    ") (-1 is padding)."));
+    OP_REQUIRES_OK(ctx, this->InputError(where, error, nnz, num_rows_));
   }
 
  private:
-  lookup::Combiner combiner_ = lookup::Combiner::kSum;
   int64_t num_rows_ = 0;
-  std::string table_name_;
-  int64_t bag_width_ = -1;
 };
 
 #define REGISTER_POOLED(DEVICE_TYPE, DEV, T, Tid)                   \
