@@ -1016,13 +1016,19 @@ _INT64_MAX = 2 ** 63 - 1
 
 @register_gradient_once("SokPooledLookup")
 def _pooled_lookup_grad(op, dy):
-    """The table's gradient as a `tf.IndexedSlices` over distinct rows, from
-    one op (`SokPooledLookupGrad`): padding dropped, ids deduplicated, the
-    pooled gradient spread back and summed per row, bit-identical to
-    boolean-masking the padding, `SokDedupBucketize` and
-    `SokSegmentCombineGrad`, with one host sync on the GPU (the row count).
-    Its `rows` are distinct, which the sparse optimizers use to skip their
-    own dedup (`sparse_kernels.indices_are_unique`)."""
+    """The table gradient as a `tf.IndexedSlices` over distinct rows, from
+    two ops: `SokPooledGradPlan` (padding dropped, ids deduplicated and
+    grouped by row) and `SokPooledGradCombine` (the pooled gradient spread
+    back and summed per row), bit-identical to boolean-masking the padding,
+    `SokDedupBucketize` and `SokSegmentCombineGrad`.
+
+    The plan reads only the lookup's inputs, so in a step it is ready when
+    the forward is, and runs beside it: on the GPU its one host sync (the
+    row count that sizes the gradient) then waits for little more than the
+    forward's kernel, not for the dense layers' forward and backward, and
+    the backward has no host sync left. Its `rows` are distinct, which the
+    sparse optimizers use to skip their own dedup
+    (`sparse_kernels.indices_are_unique`)."""
     table, values, splits, weights = op.inputs
     combiner = op.get_attr("combiner")
     if isinstance(combiner, bytes):
@@ -1039,11 +1045,14 @@ def _pooled_lookup_grad(op, dy):
     else:
         dense_shape = tf.shape(table, out_type=tf.int64)
         rows = _INT64_MAX
-    rows_grad, local_rows = ops().sok_pooled_lookup_grad(
-        grad=dy, ids=values, row_splits=splits,
-        weights=tf.cast(weights, dy.dtype), combiner=combiner,
+    plan = ops().sok_pooled_grad_plan(
+        ids=values, row_splits=splits, weights=weights, combiner=combiner,
         num_rows=rows, table_name=name, bag_width=op.get_attr("bag_width"))
-    return [tf.IndexedSlices(rows_grad, local_rows, dense_shape), None,
+    rows_grad = ops().sok_pooled_grad_combine(
+        grad=dy, offsets=plan.offsets, segments=plan.segments,
+        sorted_weights=plan.sorted_weights, denominator=plan.denominator,
+        table_name=name)
+    return [tf.IndexedSlices(rows_grad, plan.rows, dense_shape), None,
             None, None]
 
 

@@ -495,8 +495,9 @@ def test_segment_combine_grad_hot_rows_match_cpu_exactly(weighted):
 
 
 # ---------------------------------------------------------------------------
-# SokPooledLookupGrad (the fused backward of SokPooledLookup) and the sparse
-# updates' distinct-indices path.
+# The backward of SokPooledLookup (SokPooledGradPlan + SokPooledGradCombine,
+# and both in one op, SokPooledLookupGrad) and the sparse updates'
+# distinct-indices path.
 
 def _pooled_bags(rng, batch, max_len, vocab, id_dtype, pad_frac=0.2):
     lengths = rng.integers(0, max_len + 1, batch)
@@ -528,6 +529,43 @@ def test_pooled_lookup_grad_matches_cpu(dtype, id_dtype, combiner, weighted,
             grad=tf.identity(dy), ids=tf.identity(ids),
             row_splits=tf.identity(splits), weights=tf.identity(w),
             combiner=combiner, num_rows=vocab, table_name="t"))
+
+    _assert_same(*_both(f, dy, ids, splits, w))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("width", [-1, 1, 4])
+def test_pooled_grad_plan_and_combine_match_cpu(dtype, combiner, weighted,
+                                                width):
+    """The two halves the registered gradient uses, on their own: every
+    tensor of SokPooledGradPlan, and SokPooledGradCombine's sums (a GPU
+    plan on the GPU, a CPU plan on the CPU), the CPU's bit for bit; ragged
+    bags (width -1) and uniform ones."""
+    rng = np.random.default_rng(70 + width)
+    vocab, dim, batch = 3000, 40, 2000
+    if width < 1:
+        ids, splits = _pooled_bags(rng, batch, 10, vocab, np.int64)
+    else:
+        ids = _ids(rng, batch * width, vocab, np.int64)
+        ids = np.where(rng.random(ids.size) < 0.2, -1, ids)
+        splits = np.zeros([0], np.int64)
+    dy = tf.constant(rng.normal(size=(batch, dim)).astype(dtype))
+    w = tf.constant(rng.uniform(0.1, 2.0, ids.size).astype(dtype)
+                    if weighted else np.zeros([0], dtype))
+    ids, splits = tf.constant(ids), tf.constant(splits)
+
+    def f(dy, ids, splits, w):
+        plan = ops().sok_pooled_grad_plan(
+            ids=tf.identity(ids), row_splits=tf.identity(splits),
+            weights=tf.identity(w), combiner=combiner, num_rows=vocab,
+            table_name="t", bag_width=width)
+        g = ops().sok_pooled_grad_combine(
+            grad=tf.identity(dy), offsets=plan.offsets,
+            segments=plan.segments, sorted_weights=plan.sorted_weights,
+            denominator=plan.denominator, table_name="t")
+        return tuple(plan) + (g,)
 
     _assert_same(*_both(f, dy, ids, splits, w))
 
@@ -701,9 +739,10 @@ def test_fit_pooled_adam_on_gpu_matches_cpu():
 
 
 def test_one_rank_train_step_makes_two_host_syncs_on_gpu():
-    """A one-rank pooled step (forward, fused backward, Adam's update of
-    the distinct rows) makes exactly 2 of the library's blocking copies:
-    SokPooledLookup's and SokPooledLookupGrad's (docs/gpu.md)."""
+    """A one-rank pooled step (forward, the backward's plan and sums,
+    Adam's update of the distinct rows) makes exactly 2 of the library's
+    blocking copies: SokPooledLookup's and SokPooledGradPlan's
+    (docs/gpu.md)."""
     from sok_keras._ops import build_info
 
     with tf.device(GPU):

@@ -1,9 +1,11 @@
-"""`SokPooledLookupGrad`: the fused table gradient of `SokPooledLookup`.
+"""The table gradient of `SokPooledLookup`: `SokPooledGradPlan` +
+`SokPooledGradCombine` (what the registered gradient uses) and the same two
+halves in one op, `SokPooledLookupGrad`.
 
-Checked on the CPU against the chain it replaces (padding dropped with
+Checked on the CPU against the chain they replace (padding dropped with
 boolean masks, `SokDedupBucketize`, `SokSegmentCombineGrad`), bit for bit,
 and against a NumPy reference; bad input raises naming the table. The
-CUDA kernel is compared with this CPU kernel in tests/test_gpu.py.
+CUDA kernels are compared with these CPU kernels in tests/test_gpu.py.
 """
 
 import numpy as np
@@ -48,6 +50,19 @@ def _fused(dy, ids, splits, weights, combiner, vocab, name="t"):
     return g.numpy(), rows.numpy()
 
 
+def _split(dy, ids, splits, weights, combiner, vocab, name="t",
+           bag_width=-1):
+    """The two ops the registered gradient uses: plan, then combine."""
+    plan = ops().sok_pooled_grad_plan(
+        ids=ids, row_splits=splits, weights=weights, combiner=combiner,
+        num_rows=vocab, table_name=name, bag_width=bag_width)
+    g = ops().sok_pooled_grad_combine(
+        grad=dy, offsets=plan.offsets, segments=plan.segments,
+        sorted_weights=plan.sorted_weights, denominator=plan.denominator,
+        table_name=name)
+    return g.numpy(), plan.rows.numpy()
+
+
 def _reference(dy, ids, splits, weights, combiner, vocab):
     """NumPy: the dense table gradient, in float64."""
     dy = np.asarray(dy, np.float64)
@@ -87,6 +102,9 @@ def test_matches_unfused_chain_bitwise(dtype, id_dtype, combiner, weighted):
     g0, rows0 = _chain(dy, ids_t, splits_t, weights, combiner, vocab)
     np.testing.assert_array_equal(rows, rows0)
     np.testing.assert_array_equal(g, g0)
+    g1, rows1 = _split(dy, ids_t, splits_t, weights, combiner, vocab)
+    np.testing.assert_array_equal(rows1, rows0)
+    np.testing.assert_array_equal(g1, g0)
     # Distinct, ascending rows; the dense gradient matches NumPy.
     assert np.all(np.diff(rows) > 0)
     np.testing.assert_array_equal(rows, np.unique(ids[ids != -1]))
@@ -107,7 +125,10 @@ def test_hot_row_over_many_chunks_matches_chain():
     dy = tf.constant(rng.standard_normal([1000, 8]).astype(np.float32))
     w = tf.zeros([0], tf.float32)
     args = (dy, tf.constant(ids), tf.constant(splits), w, "mean", 50)
-    for a, b in zip(_fused(*args), _chain(*args)):
+    chain = _chain(*args)
+    for a, b in zip(_fused(*args), chain):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_split(*args), chain):
         np.testing.assert_array_equal(a, b)
 
 
@@ -123,28 +144,91 @@ def test_empty_and_all_padding():
     g, rows = _fused(tf.ones([0, 4]), tf.zeros([0], tf.int32),
                      tf.constant([0], tf.int64), w, "sum", 10)
     assert g.shape == (0, 4) and rows.shape == (0,)
+    for combiner in ("sum", "mean", "sqrtn"):
+        g, rows = _split(dy, tf.constant([-1, -1], tf.int64),
+                         tf.constant([0, 1, 1, 2], tf.int64), w, combiner, 10)
+        assert g.shape == (0, 4) and rows.shape == (0,)
+        plan = ops().sok_pooled_grad_plan(
+            ids=tf.zeros([0], tf.int64), row_splits=tf.constant([0, 0, 0],
+                                                                tf.int64),
+            weights=w, combiner=combiner, num_rows=10)
+        assert plan.offsets.numpy().tolist() == [0]
+        assert plan.segments.shape == (0,)
+        assert plan.denominator.numpy().tolist() == (
+            [] if combiner == "sum" else [0.0, 0.0])
 
 
-def test_invalid_id_names_table_and_position():
+@pytest.mark.parametrize("fn", [_fused, _split])
+def test_invalid_id_names_table_and_position(fn):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"table 'emb'.*id 12 at position 2 .*\[0, 10\)"):
-        _fused(tf.ones([2, 4]), tf.constant([1, -1, 12, 3], tf.int64),
-               tf.constant([0, 2, 4], tf.int64), tf.zeros([0]), "sum", 10,
-               name="emb")
+        fn(tf.ones([2, 4]), tf.constant([1, -1, 12, 3], tf.int64),
+           tf.constant([0, 2, 4], tf.int64), tf.zeros([0]), "sum", 10,
+           name="emb")
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"table 'emb'.*id -2 at position 0"):
-        _fused(tf.ones([1, 4]), tf.constant([-2], tf.int64),
-               tf.constant([0, 1], tf.int64), tf.zeros([0]), "sum", 10,
-               name="emb")
+        fn(tf.ones([1, 4]), tf.constant([-2], tf.int64),
+           tf.constant([0, 1], tf.int64), tf.zeros([0]), "sum", 10,
+           name="emb")
 
 
+@pytest.mark.parametrize("fn", [_fused, _split])
 @pytest.mark.parametrize("splits", [[0, 3, 2, 4], [1, 2, 3, 4], [0, 1, 2, 3]])
-def test_bad_splits(splits):
+def test_bad_splits(splits, fn):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="table 'emb'.*row_splits are inconsistent"):
-        _fused(tf.ones([3, 4]), tf.constant([1, 2, 3, 4], tf.int64),
-               tf.constant(splits, tf.int64), tf.zeros([0]), "sum", 10,
-               name="emb")
+        fn(tf.ones([3, 4]), tf.constant([1, 2, 3, 4], tf.int64),
+           tf.constant(splits, tf.int64), tf.zeros([0]), "sum", 10,
+           name="emb")
+
+
+def test_plan_layout():
+    """The plan's tensors, as documented: distinct rows ascending; each
+    row's terms (kept positions, ascending) with their bags and weights;
+    the bags' denominators."""
+    rng = np.random.default_rng(2)
+    vocab = 25
+    ids, splits = _bags(rng, 30, 7, vocab, np.int64)
+    w = rng.uniform(0.5, 2.0, ids.size).astype(np.float32)
+    plan = ops().sok_pooled_grad_plan(
+        ids=tf.constant(ids), row_splits=tf.constant(splits),
+        weights=tf.constant(w), combiner="sqrtn", num_rows=vocab,
+        table_name="t")
+    rows, offsets = plan.rows.numpy(), plan.offsets.numpy()
+    np.testing.assert_array_equal(rows, np.unique(ids[ids != -1]))
+    bag = np.repeat(np.arange(30), np.diff(splits))
+    expect_seg, expect_w = [], []
+    for r in rows:
+        (pos,) = np.nonzero(ids == r)
+        expect_seg += bag[pos].tolist()
+        expect_w += w[pos].tolist()
+    assert offsets[0] == 0 and offsets[-1] == len(expect_seg)
+    assert np.all(np.diff(offsets) >= 1)
+    np.testing.assert_array_equal(plan.segments.numpy(), expect_seg)
+    np.testing.assert_array_equal(plan.sorted_weights.numpy(),
+                                  np.float32(expect_w))
+    den = [np.sqrt(np.float32((w[splits[b]:splits[b + 1]][
+        ids[splits[b]:splits[b + 1]] != -1] ** 2).sum()))
+        for b in range(30)]
+    np.testing.assert_allclose(plan.denominator.numpy(), den, rtol=1e-6)
+    plain = ops().sok_pooled_grad_plan(
+        ids=tf.constant(ids), row_splits=tf.constant(splits),
+        weights=tf.zeros([0]), combiner="sum", num_rows=vocab)
+    assert plain.sorted_weights.shape == (0,)
+    assert plain.denominator.shape == (0,)
+
+
+def test_combine_rejects_a_foreign_plan():
+    plan = ops().sok_pooled_grad_plan(
+        ids=tf.constant([1, 2, 3], tf.int64),
+        row_splits=tf.constant([0, 1, 3], tf.int64), weights=tf.zeros([0]),
+        combiner="mean", num_rows=10, table_name="emb")
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match="table 'emb'.*SokPooledGradPlan's outputs"):
+        ops().sok_pooled_grad_combine(
+            grad=tf.ones([3, 4]), offsets=plan.offsets,
+            segments=plan.segments, sorted_weights=plan.sorted_weights,
+            denominator=plan.denominator, table_name="emb")
 
 
 def test_bad_shapes():
@@ -158,9 +242,10 @@ def test_bad_shapes():
                tf.constant([0, 2], tf.int64), tf.ones([3]), "sum", 10)
 
 
-def test_lookup_gradient_is_the_fused_op():
-    """The registered gradient of SokPooledLookup uses the fused op, and
-    gives the same dense gradient as tf.nn.embedding_lookup_sparse."""
+def test_lookup_gradient_is_plan_and_combine():
+    """The registered gradient of SokPooledLookup is SokPooledGradPlan's
+    rows and SokPooledGradCombine's sums, and gives the same dense gradient
+    as tf.nn.embedding_lookup_sparse."""
     rng = np.random.default_rng(11)
     vocab, dim = 40, 6
     ids, splits = _bags(rng, 20, 6, vocab, np.int64)
@@ -179,11 +264,12 @@ def test_lookup_gradient_is_the_fused_op():
             loss = tf.reduce_sum(out * out)
         g = tape.gradient(loss, table)
         seen.append(g.indices.op.type)
+        seen.append(g.values.op.type)
         return g
 
     g = grads()
     assert isinstance(g, tf.IndexedSlices)
-    assert seen == ["SokPooledLookupGrad"]
+    assert seen == ["SokPooledGradPlan", "SokPooledGradCombine"]
     keep = ids != -1
     seg = np.repeat(np.arange(20), np.diff(splits))[keep]
     sp = tf.SparseTensor(
@@ -230,6 +316,10 @@ def test_uniform_bags_equal_explicit_row_splits(combiner, weighted):
         combiner=combiner, num_rows=vocab, table_name="t", bag_width=width)
     np.testing.assert_array_equal(r2.numpy(), r1.numpy())
     np.testing.assert_array_equal(g2.numpy(), g1.numpy())
+    g3, r3 = _split(dy, ids, tf.zeros([0], tf.int64), w, combiner, vocab,
+                    bag_width=width)
+    np.testing.assert_array_equal(r3, r1.numpy())
+    np.testing.assert_array_equal(g3, g1.numpy())
 
 
 def test_uniform_bags_need_a_multiple_of_the_width():

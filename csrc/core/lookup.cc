@@ -477,56 +477,54 @@ void SegmentCombine(const T* rows, int64_t dim, const int32_t* inverse,
   });
 }
 
-template <typename T, typename Tseg>
-void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
-                        const Tseg* segment_ids, const T* weights, int64_t nnz,
-                        int64_t num_segments, int64_t num_rows,
-                        Combiner combiner, const ParallelFor& parallel_for,
-                        T* out) {
+namespace {
+
+// The gradient the terms of SegmentCombineGrad read, in Acc: grad itself
+// (a float or double sum), or a copy loaded into Acc and, where
+// `denominator` is given, divided by each segment's (div_no_nan: the
+// forward divides after summing). One rounding, at the store of the sums.
+template <typename T>
+const AccOf<T>* ScaledGrad(const T* grad, int64_t dim, int64_t num_segments,
+                           const AccOf<T>* denominator,
+                           const ParallelFor& parallel_for,
+                           std::vector<AccOf<T>>* scaled) {
+  using Acc = AccOf<T>;
+  using S = Storage<T>;
+  if constexpr (std::is_same<Acc, T>::value) {
+    if (denominator == nullptr) return grad;
+  }
+  scaled->resize(num_segments * dim);
+  Acc* out = scaled->data();
+  RunParallel(parallel_for, num_segments, dim * 4 + 8,
+              [&](int64_t begin, int64_t end) {
+                for (int64_t b = begin; b < end; ++b) {
+                  const T* g = grad + b * dim;
+                  Acc* s = out + b * dim;
+                  if (denominator == nullptr) {
+                    for (int64_t d = 0; d < dim; ++d) s[d] = S::Load(g[d]);
+                    continue;
+                  }
+                  const Acc den = denominator[b];
+                  for (int64_t d = 0; d < dim; ++d) {
+                    s[d] = den == Acc(0) ? Acc(0) : S::Load(g[d]) / den;
+                  }
+                }
+              });
+  return out;
+}
+
+// out[u] = the sum over k in [offsets[u], offsets[u + 1]) of
+// source[segment_ids[i]] * weights[i] (i = order[k], or k without an
+// order), left to right within kGradChunk terms and then over the chunks'
+// partial sums (the tree of core/lookup.h, as on the GPU).
+template <typename T, typename Tseg, typename Toff>
+void SumGrouped(const AccOf<T>* source, int64_t dim, const Tseg* segment_ids,
+                const T* weights, const Toff* offsets, const int64_t* order,
+                int64_t nnz, int64_t num_rows,
+                const ParallelFor& parallel_for, T* out) {
   using Acc = AccOf<T>;
   using S = Storage<T>;
   constexpr bool kWide = std::is_same<Acc, T>::value;
-  // For mean and sqrtn, scale the incoming gradient by each segment's
-  // denominator first (div_no_nan), as the forward divides after summing.
-  // The scaled gradient (and, for the 16-bit types, the loaded gradient)
-  // stays in Acc: one rounding, at the store of out.
-  std::vector<Acc> scaled;
-  const Acc* source = nullptr;
-  if constexpr (kWide) source = grad;
-  if (combiner != Combiner::kSum || !kWide) {
-    std::vector<Acc> denominator;
-    if (combiner != Combiner::kSum) {
-      denominator.assign(num_segments, Acc(0));
-      for (int64_t i = 0; i < nnz; ++i) {
-        const Acc w = weights == nullptr ? Acc(1) : S::Load(weights[i]);
-        denominator[static_cast<int64_t>(segment_ids[i])] +=
-            combiner == Combiner::kMean ? w : w * w;
-      }
-    }
-    scaled.resize(num_segments * dim);
-    RunParallel(parallel_for, num_segments, dim * 4 + 8,
-                [&](int64_t begin, int64_t end) {
-                  for (int64_t b = begin; b < end; ++b) {
-                    const T* g = grad + b * dim;
-                    Acc* s = scaled.data() + b * dim;
-                    if (combiner == Combiner::kSum) {
-                      for (int64_t d = 0; d < dim; ++d) s[d] = S::Load(g[d]);
-                      continue;
-                    }
-                    Acc den = denominator[b];
-                    if (combiner == Combiner::kSqrtn) den = std::sqrt(den);
-                    for (int64_t d = 0; d < dim; ++d) {
-                      s[d] = den == Acc(0) ? Acc(0) : S::Load(g[d]) / den;
-                    }
-                  }
-                });
-    source = scaled.data();
-  }
-
-  std::vector<int64_t> offsets;
-  std::vector<int64_t> order;
-  GroupPositions(inverse, nnz, num_rows, &offsets, &order);
-  const bool identity = order.empty();
   const int64_t cost = (nnz / std::max<int64_t>(num_rows, 1) + 1) *
                        (dim * 2 + 8);
   RunParallel(parallel_for, num_rows, cost, [&](int64_t begin, int64_t end) {
@@ -540,13 +538,13 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
       } else {
         o = buffer.data();
       }
-      const int64_t first = offsets[u];
-      const int64_t n = offsets[u + 1] - first;
+      const int64_t first = static_cast<int64_t>(offsets[u]);
+      const int64_t n = static_cast<int64_t>(offsets[u + 1]) - first;
       // Sums terms [from, to) of row u left to right into acc[0, dim).
       auto sum_terms = [&](int64_t from, int64_t to, Acc* acc) {
         std::fill(acc, acc + dim, Acc(0));
         for (int64_t k = first + from; k < first + to; ++k) {
-          const int64_t i = identity ? k : order[k];
+          const int64_t i = order == nullptr ? k : order[k];
           const Acc* g = source + static_cast<int64_t>(segment_ids[i]) * dim;
           if (weights == nullptr) {
             for (int64_t d = 0; d < dim; ++d) acc[d] += g[d];
@@ -559,7 +557,6 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
       if (n <= kGradChunk) {
         sum_terms(0, n, o);
       } else {
-        // The kGradChunk tree order (core/lookup.h), as on the GPU.
         int64_t count = (n + kGradChunk - 1) / kGradChunk;
         partials.assign(count * dim, Acc(0));
         for (int64_t j = 0; j < count; ++j) {
@@ -594,17 +591,62 @@ void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
   });
 }
 
+}  // namespace
+
+template <typename T, typename Tseg>
+void SegmentCombineGrad(const T* grad, int64_t dim, const int32_t* inverse,
+                        const Tseg* segment_ids, const T* weights, int64_t nnz,
+                        int64_t num_segments, int64_t num_rows,
+                        Combiner combiner, const ParallelFor& parallel_for,
+                        T* out) {
+  using Acc = AccOf<T>;
+  using S = Storage<T>;
+  // For mean and sqrtn, each segment's denominator over its terms, in
+  // position order.
+  std::vector<Acc> denominator;
+  if (combiner != Combiner::kSum) {
+    denominator.assign(num_segments, Acc(0));
+    for (int64_t i = 0; i < nnz; ++i) {
+      const Acc w = weights == nullptr ? Acc(1) : S::Load(weights[i]);
+      denominator[static_cast<int64_t>(segment_ids[i])] +=
+          combiner == Combiner::kMean ? w : w * w;
+    }
+    if (combiner == Combiner::kSqrtn) {
+      for (Acc& den : denominator) den = std::sqrt(den);
+    }
+  }
+  std::vector<Acc> scaled;
+  const Acc* source = ScaledGrad(
+      grad, dim, num_segments,
+      combiner == Combiner::kSum ? nullptr : denominator.data(), parallel_for,
+      &scaled);
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> order;
+  GroupPositions(inverse, nnz, num_rows, &offsets, &order);
+  SumGrouped<T, Tseg, int64_t>(source, dim, segment_ids, weights,
+                               offsets.data(),
+                               order.empty() ? nullptr : order.data(), nnz,
+                               num_rows, parallel_for, out);
+}
+
 template <typename T, typename Tid>
-LookupStatus PooledLookupGrad(const T* grad, int64_t dim, const Tid* ids,
-                              int64_t nnz, const int64_t* splits,
-                              int64_t batch, const T* weights,
-                              int64_t num_rows, Combiner combiner,
-                              const ParallelFor& parallel_for,
-                              const PooledGradAllocate<T>& allocate,
-                              PooledGradError* error) {
+LookupStatus PooledGradPlan(const Tid* ids, int64_t nnz,
+                            const int64_t* splits, int64_t batch,
+                            int64_t bag_width, const T* weights,
+                            int64_t num_rows, Combiner combiner,
+                            const ParallelFor& parallel_for,
+                            const PooledGradPlanAllocate<T>& allocate,
+                            PooledGradError* error) {
+  using Acc = AccOf<T>;
+  using S = Storage<T>;
+  (void)bag_width;  // the splits are given either way
   *error = PooledGradError();
   if (batch < 0 || nnz < 0) {
     return LookupStatus::Error("negative batch or id count");
+  }
+  if (nnz > std::numeric_limits<int32_t>::max()) {
+    return LookupStatus::Error("the number of ids (" + std::to_string(nnz) +
+                               ") must fit in int32.");
   }
   for (int64_t b = 0; b < batch; ++b) {
     if (splits[b] > splits[b + 1] || (b == 0 && splits[0] != 0)) {
@@ -621,18 +663,15 @@ LookupStatus PooledLookupGrad(const T* grad, int64_t dim, const Tid* ids,
   std::vector<Tid> kept;
   std::vector<int64_t> positions;
   std::vector<int64_t> segments;
-  std::vector<T> kept_weights;
   kept.reserve(static_cast<size_t>(nnz));
   positions.reserve(static_cast<size_t>(nnz));
   segments.reserve(static_cast<size_t>(nnz));
-  if (weights != nullptr) kept_weights.reserve(static_cast<size_t>(nnz));
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = splits[b]; i < splits[b + 1]; ++i) {
       if (static_cast<int64_t>(ids[i]) == -1) continue;
       kept.push_back(ids[i]);
       positions.push_back(i);
       segments.push_back(b);
-      if (weights != nullptr) kept_weights.push_back(weights[i]);
     }
   }
   const int64_t n = static_cast<int64_t>(kept.size());
@@ -649,19 +688,50 @@ LookupStatus PooledLookupGrad(const T* grad, int64_t dim, const Tid* ids,
                                    inverse.data(), &dedup);
   if (!st.ok()) return st;
   const int64_t num_unique = static_cast<int64_t>(dedup.local_rows.size());
-  T* rows_grad = nullptr;
-  int64_t* rows = nullptr;
-  st = allocate(num_unique, &rows_grad, &rows);
+  PooledGradPlanBuffers<T> out;
+  st = allocate(num_unique, n, &out);
   if (!st.ok()) return st;
-  if (num_unique == 0) return LookupStatus::Ok();
-  std::copy(dedup.local_rows.begin(), dedup.local_rows.end(), rows);
-  if (dim > 0) {
-    SegmentCombineGrad<T, int64_t>(
-        grad, dim, inverse.data(), segments.data(),
-        weights == nullptr ? nullptr : kept_weights.data(), n, batch,
-        num_unique, combiner, parallel_for, rows_grad);
+  std::copy(dedup.local_rows.begin(), dedup.local_rows.end(), out.rows);
+  // The kept positions grouped by row (ascending within a row).
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> order;
+  GroupPositions(inverse.data(), n, num_unique, &offsets, &order);
+  for (int64_t u = 0; u <= num_unique; ++u) {
+    out.offsets[u] = static_cast<int32_t>(offsets[u]);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t j = order.empty() ? k : order[k];
+    out.segments[k] = segments[j];
+    if (weights != nullptr) out.sorted_weights[k] = weights[positions[j]];
+  }
+  if (combiner != Combiner::kSum) {
+    for (int64_t b = 0; b < batch; ++b) {
+      Acc den = Acc(0);
+      for (int64_t i = splits[b]; i < splits[b + 1]; ++i) {
+        if (static_cast<int64_t>(ids[i]) == -1) continue;
+        const Acc w = weights == nullptr ? Acc(1) : S::Load(weights[i]);
+        den += combiner == Combiner::kMean ? w : w * w;
+      }
+      out.denominator[b] =
+          combiner == Combiner::kSqrtn ? Acc(std::sqrt(den)) : den;
+    }
   }
   return LookupStatus::Ok();
+}
+
+template <typename T>
+void PooledGradCombine(const T* grad, int64_t dim, int64_t batch,
+                       const int32_t* offsets, int64_t num_unique,
+                       const int64_t* segments, int64_t kept,
+                       const T* sorted_weights, const AccOf<T>* denominator,
+                       const ParallelFor& parallel_for, T* rows_grad) {
+  if (num_unique == 0 || dim <= 0) return;
+  std::vector<AccOf<T>> scaled;
+  const AccOf<T>* source =
+      ScaledGrad(grad, dim, batch, denominator, parallel_for, &scaled);
+  SumGrouped<T, int64_t, int32_t>(source, dim, segments, sorted_weights,
+                                  offsets, nullptr, kept, num_unique,
+                                  parallel_for, rows_grad);
 }
 
 int64_t FirstRankWithError(const int64_t* gathered, int64_t num_ranks,
@@ -716,14 +786,24 @@ SOK_INSTANTIATE_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_COMBINE
 
 #define SOK_INSTANTIATE_POOLED_GRAD(T, Tid)                                  \
-  template LookupStatus PooledLookupGrad<T, Tid>(                            \
-      const T*, int64_t, const Tid*, int64_t, const int64_t*, int64_t,       \
-      const T*, int64_t, Combiner, const ParallelFor&,                       \
-      const PooledGradAllocate<T>&, PooledGradError*);
+  template LookupStatus PooledGradPlan<T, Tid>(                              \
+      const Tid*, int64_t, const int64_t*, int64_t, int64_t, const T*,       \
+      int64_t, Combiner, const ParallelFor&, const PooledGradPlanAllocate<T>&, \
+      PooledGradError*);
 SOK_INSTANTIATE_POOLED_GRAD(float, int32_t)
 SOK_INSTANTIATE_POOLED_GRAD(float, int64_t)
 SOK_INSTANTIATE_POOLED_GRAD(double, int32_t)
 SOK_INSTANTIATE_POOLED_GRAD(double, int64_t)
+template void PooledGradCombine<float>(const float*, int64_t, int64_t,
+                                       const int32_t*, int64_t,
+                                       const int64_t*, int64_t, const float*,
+                                       const float*, const ParallelFor&,
+                                       float*);
+template void PooledGradCombine<double>(const double*, int64_t, int64_t,
+                                        const int32_t*, int64_t,
+                                        const int64_t*, int64_t,
+                                        const double*, const double*,
+                                        const ParallelFor&, double*);
 #undef SOK_INSTANTIATE_POOLED_GRAD
 
 }  // namespace lookup

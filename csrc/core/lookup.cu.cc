@@ -1151,11 +1151,12 @@ __global__ void PooledGradRowsKernel(const Tkey* keys, const int32_t* flags,
 }
 
 // In sorted order, k < kept: segments[k] = the bag of position
-// positions[k] (splits validated) and sorted_weights[k] = its weight (when
-// weights are given), so that the gradient's sums read them without the
-// order indirection.
+// positions[k] (splits validated; position / bag_width for uniform bags)
+// and sorted_weights[k] = its weight (when weights are given), so that the
+// gradient's sums read them without the order indirection.
 template <typename T>
 __global__ void PooledGradSegmentsKernel(const int64_t* splits, int64_t batch,
+                                         int64_t bag_width,
                                          const int32_t* positions,
                                          int64_t kept, const T* weights,
                                          int64_t* segments,
@@ -1163,18 +1164,22 @@ __global__ void PooledGradSegmentsKernel(const int64_t* splits, int64_t batch,
   for (int64_t k = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; k < kept;
        k += int64_t{gridDim.x} * blockDim.x) {
     const int64_t i = positions[k];
-    // The number of splits[1 .. batch] that are <= i.
-    int64_t lo = 0;
-    int64_t hi = batch;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (splits[mid + 1] <= i) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+    if (bag_width >= 1) {
+      segments[k] = i / bag_width;
+    } else {
+      // The number of splits[1 .. batch] that are <= i.
+      int64_t lo = 0;
+      int64_t hi = batch;
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (splits[mid + 1] <= i) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
       }
+      segments[k] = lo;
     }
-    segments[k] = lo;
     if (weights != nullptr) sorted_weights[k] = weights[i];
   }
 }
@@ -1200,12 +1205,12 @@ __global__ void PooledGradDenominatorKernel(const Tid* ids, const T* weights,
 }
 
 template <typename T, typename Tid, typename Tkey>
-Status PooledGradSorted(const GpuDevice& d, const T* grad, int64_t dim,
-                        const Tid* ids, int64_t nnz, const int64_t* splits,
-                        int64_t batch, const T* weights, int64_t num_rows,
-                        Combiner combiner,
-                        const PooledGradAllocate<T>& allocate,
-                        PooledGradError* error) {
+Status PooledGradPlanSorted(const GpuDevice& d, const Tid* ids, int64_t nnz,
+                            const int64_t* splits, int64_t batch,
+                            int64_t bag_width, const T* weights,
+                            int64_t num_rows, Combiner combiner,
+                            const PooledGradPlanAllocate<T>& allocate,
+                            PooledGradError* error) {
   const cudaStream_t stream = StreamOf(d);
   const Tkey pad_key = static_cast<Tkey>(num_rows);
   ull* info = nullptr;
@@ -1230,9 +1235,11 @@ Status PooledGradSorted(const GpuDevice& d, const T* grad, int64_t dim,
   SOK_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(info + kPgBadBag, 0xFF, sizeof(ull), stream),
       "pooled grad summary init");
-  PooledGradSplitsKernel<<<BlocksFor(batch + 1, kThreads), kThreads, 0,
-                           stream>>>(splits, batch, nnz, info);
-  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSplitsKernel");
+  if (bag_width < 1) {  // uniform splits are made right
+    PooledGradSplitsKernel<<<BlocksFor(batch + 1, kThreads), kThreads, 0,
+                             stream>>>(splits, batch, nnz, info);
+    SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSplitsKernel");
+  }
   const int blocks = BlocksFor(nnz, kThreads);
   PooledGradKeysKernel<Tid, Tkey><<<blocks, kThreads, 0, stream>>>(
       ids, nnz, num_rows, pad_key, keys_in, positions_in, info);
@@ -1262,7 +1269,7 @@ Status PooledGradSorted(const GpuDevice& d, const T* grad, int64_t dim,
   // The one blocking copy: U, the kept count and the errors.
   ull host[kPgSize];
   SOK_RETURN_IF_ERROR(CopyToHostSync(d, host, info, sizeof(host),
-                                     "SokPooledLookupGrad summary"));
+                                     "SokPooledGradPlan summary"));
   if (host[kPgBadBag] != kNone) {
     error->bad_bag = static_cast<int64_t>(host[kPgBadBag]);
     return Status::Ok();
@@ -1274,58 +1281,45 @@ Status PooledGradSorted(const GpuDevice& d, const T* grad, int64_t dim,
   }
   const int64_t num_unique = static_cast<int64_t>(host[kPgUnique]);
   const int64_t kept = static_cast<int64_t>(host[kPgKept]);
-  T* rows_grad = nullptr;
-  int64_t* rows = nullptr;
-  SOK_RETURN_IF_ERROR(allocate(num_unique, &rows_grad, &rows));
-  if (num_unique == 0) return Status::Ok();
-
-  int32_t* offsets = nullptr;
-  int64_t* segments = nullptr;
-  SOK_RETURN_IF_ERROR(
-      Scratch(d, num_unique + 1, &offsets, "pooled grad offsets"));
-  SOK_RETURN_IF_ERROR(Scratch(d, kept, &segments, "pooled grad segments"));
-  PooledGradRowsKernel<Tkey><<<BlocksFor(kept, kThreads), kThreads, 0,
-                               stream>>>(keys, flags, rank, kept, num_unique,
-                                         rows, offsets);
-  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradRowsKernel");
-  if (dim <= 0) return Status::Ok();
-  T* sorted_weights = nullptr;
-  if (weights != nullptr) {
-    SOK_RETURN_IF_ERROR(
-        Scratch(d, kept, &sorted_weights, "pooled grad sorted weights"));
-  }
-  PooledGradSegmentsKernel<T>
-      <<<BlocksFor(kept, kThreads), kThreads, 0, stream>>>(
-          splits, batch, positions, kept, weights, segments, sorted_weights);
-  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSegmentsKernel");
-  AccOf<T>* denominator = nullptr;
-  if (combiner != Combiner::kSum) {
-    SOK_RETURN_IF_ERROR(
-        Scratch(d, batch, &denominator, "pooled grad denominators"));
+  PooledGradPlanBuffers<T> out;
+  SOK_RETURN_IF_ERROR(allocate(num_unique, kept, &out));
+  if (combiner != Combiner::kSum && batch > 0) {
     PooledGradDenominatorKernel<T, Tid>
         <<<BlocksFor(batch, kThreads), kThreads, 0, stream>>>(
             ids, weights, splits, batch, combiner == Combiner::kSqrtn,
-            denominator);
+            out.denominator);
     SOK_LAUNCH_RETURN_IF_ERROR("PooledGradDenominatorKernel");
   }
+  if (num_unique == 0) {
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(out.offsets, 0, sizeof(int32_t), stream),
+        "pooled grad offsets");
+    return Status::Ok();
+  }
+  PooledGradRowsKernel<Tkey><<<BlocksFor(kept, kThreads), kThreads, 0,
+                               stream>>>(keys, flags, rank, kept, num_unique,
+                                         out.rows, out.offsets);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradRowsKernel");
   // The sorted positions are the kept positions grouped by row, ascending
   // within a row (a stable sort): the order SegmentCombineGrad's grouping
-  // gives the padding-free ids. Their bags and weights are already in that
-  // order (no indirection).
-  return CombineGradGrouped<T, int64_t>(d, grad, dim, segments,
-                                        sorted_weights, denominator, offsets,
-                                        nullptr, kept, num_unique, rows_grad);
+  // gives the padding-free ids. Their bags and weights are put in that
+  // order, so that the sums read them without indirection.
+  PooledGradSegmentsKernel<T>
+      <<<BlocksFor(kept, kThreads), kThreads, 0, stream>>>(
+          splits, batch, bag_width, positions, kept, weights, out.segments,
+          weights == nullptr ? nullptr : out.sorted_weights);
+  SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSegmentsKernel");
+  return Status::Ok();
 }
 
 }  // namespace
 
 template <typename T, typename Tid>
-Status PooledLookupGrad(const GpuDevice& d, const T* grad, int64_t dim,
-                        const Tid* ids, int64_t nnz, const int64_t* splits,
-                        int64_t batch, const T* weights, int64_t num_rows,
-                        Combiner combiner,
-                        const PooledGradAllocate<T>& allocate,
-                        PooledGradError* error) {
+Status PooledGradPlan(const GpuDevice& d, const Tid* ids, int64_t nnz,
+                      const int64_t* splits, int64_t batch, int64_t bag_width,
+                      const T* weights, int64_t num_rows, Combiner combiner,
+                      const PooledGradPlanAllocate<T>& allocate,
+                      PooledGradError* error) {
   *error = PooledGradError();
   if (batch < 0 || nnz < 0 || num_rows < 0) {
     return Status::Error("negative batch, id count or row count");
@@ -1337,34 +1331,57 @@ Status PooledLookupGrad(const GpuDevice& d, const T* grad, int64_t dim,
   if (nnz == 0) {
     // Only the splits can be wrong (they must all be 0): one small check
     // and its blocking copy.
+    const cudaStream_t stream = StreamOf(d);
     ull* info = nullptr;
     SOK_RETURN_IF_ERROR(Scratch(d, kPgSize, &info, "pooled grad summary"));
     SOK_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(info, 0xFF, kPgSize * sizeof(ull), StreamOf(d)),
+        cudaMemsetAsync(info, 0xFF, kPgSize * sizeof(ull), stream),
         "pooled grad summary init");
     PooledGradSplitsKernel<<<BlocksFor(batch + 1, kThreads), kThreads, 0,
-                             StreamOf(d)>>>(splits, batch, 0, info);
+                             stream>>>(splits, batch, 0, info);
     SOK_LAUNCH_RETURN_IF_ERROR("PooledGradSplitsKernel");
     ull host[kPgSize];
     SOK_RETURN_IF_ERROR(CopyToHostSync(d, host, info, sizeof(host),
-                                       "SokPooledLookupGrad summary"));
+                                       "SokPooledGradPlan summary"));
     if (host[kPgBadBag] != kNone) {
       error->bad_bag = static_cast<int64_t>(host[kPgBadBag]);
       return Status::Ok();
     }
-    T* rows_grad = nullptr;
-    int64_t* rows = nullptr;
-    return allocate(0, &rows_grad, &rows);
+    PooledGradPlanBuffers<T> out;
+    SOK_RETURN_IF_ERROR(allocate(0, 0, &out));
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(out.offsets, 0, sizeof(int32_t), stream),
+        "pooled grad offsets");
+    if (combiner != Combiner::kSum && batch > 0) {  // empty bags: 0
+      SOK_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(out.denominator, 0, batch * sizeof(AccOf<T>),
+                          stream),
+          "pooled grad denominators");
+    }
+    return Status::Ok();
   }
   // The padding key num_rows must fit the sort key.
   if (static_cast<uint64_t>(num_rows) < std::numeric_limits<uint32_t>::max()) {
-    return PooledGradSorted<T, Tid, uint32_t>(d, grad, dim, ids, nnz, splits,
-                                              batch, weights, num_rows,
-                                              combiner, allocate, error);
+    return PooledGradPlanSorted<T, Tid, uint32_t>(
+        d, ids, nnz, splits, batch, bag_width, weights, num_rows, combiner,
+        allocate, error);
   }
-  return PooledGradSorted<T, Tid, uint64_t>(d, grad, dim, ids, nnz, splits,
-                                            batch, weights, num_rows, combiner,
-                                            allocate, error);
+  return PooledGradPlanSorted<T, Tid, uint64_t>(
+      d, ids, nnz, splits, batch, bag_width, weights, num_rows, combiner,
+      allocate, error);
+}
+
+template <typename T>
+Status PooledGradCombine(const GpuDevice& d, const T* grad, int64_t dim,
+                         int64_t batch, const int32_t* offsets,
+                         int64_t num_unique, const int64_t* segments,
+                         int64_t kept, const T* sorted_weights,
+                         const AccOf<T>* denominator, T* rows_grad) {
+  (void)batch;
+  if (num_unique == 0 || dim <= 0) return Status::Ok();
+  return CombineGradGrouped<T, int64_t>(d, grad, dim, segments,
+                                        sorted_weights, denominator, offsets,
+                                        nullptr, kept, num_unique, rows_grad);
 }
 
 // Explicit instantiations.
@@ -1402,14 +1419,23 @@ SOK_INSTANTIATE_GPU_COMBINE(BFloat16, int64_t)
 #undef SOK_INSTANTIATE_GPU_COMBINE
 
 #define SOK_INSTANTIATE_GPU_POOLED_GRAD(T, Tid)                             \
-  template Status PooledLookupGrad<T, Tid>(                                 \
-      const GpuDevice&, const T*, int64_t, const Tid*, int64_t,             \
-      const int64_t*, int64_t, const T*, int64_t, Combiner,                 \
-      const PooledGradAllocate<T>&, PooledGradError*);
+  template Status PooledGradPlan<T, Tid>(                                   \
+      const GpuDevice&, const Tid*, int64_t, const int64_t*, int64_t,       \
+      int64_t, const T*, int64_t, Combiner,                                 \
+      const PooledGradPlanAllocate<T>&, PooledGradError*);
 SOK_INSTANTIATE_GPU_POOLED_GRAD(float, int32_t)
 SOK_INSTANTIATE_GPU_POOLED_GRAD(float, int64_t)
 SOK_INSTANTIATE_GPU_POOLED_GRAD(double, int32_t)
 SOK_INSTANTIATE_GPU_POOLED_GRAD(double, int64_t)
+template Status PooledGradCombine<float>(const GpuDevice&, const float*,
+                                         int64_t, int64_t, const int32_t*,
+                                         int64_t, const int64_t*, int64_t,
+                                         const float*, const float*, float*);
+template Status PooledGradCombine<double>(const GpuDevice&, const double*,
+                                          int64_t, int64_t, const int32_t*,
+                                          int64_t, const int64_t*, int64_t,
+                                          const double*, const double*,
+                                          double*);
 #undef SOK_INSTANTIATE_GPU_POOLED_GRAD
 
 }  // namespace gpu

@@ -139,17 +139,19 @@ class RowPooler {
 LookupStatus ParseCombiner(const std::string& name, Combiner* combiner);
 
 // The table gradient of a one-rank pooled lookup (SokPooledLookup), reduced
-// per distinct row, in one call: the ids of `ids` that are not the padding
-// value -1 are deduplicated (the distinct rows ascending), and
+// per distinct row, in two halves: a plan from the ids alone, then the
+// gradient's sums over it. The ids of `ids` that are not the padding value
+// -1 are deduplicated (the distinct rows ascending), and
 //   rows_grad[u] = sum over i with ids[i] == rows[u] of
 //                  weights[i] / denominator(bag of i) * grad[bag of i]
 // summed exactly as SegmentCombineGrad sums it over the padding-free ids
 // (the same kGradChunk order), so the result is bit-identical to dropping
 // the padding, DedupBucketize and SegmentCombineGrad.
-// grad: [batch, dim]; ids: [nnz]; splits: [batch + 1] (from 0 to nnz,
-// non-decreasing); weights: [nnz] or nullptr (all ones).
-// `allocate(U, &rows_grad, &rows)` is called once, when U is known, and
-// must return buffers of [U, dim] and [U] (U may be 0).
+//
+// The plan does not read the gradient, so a step can make it (and, on the
+// GPU, its one blocking copy, which sizes it) beside the forward, when the
+// device has little queued; the sums have no host sync.
+//
 // On bad input `error` says what and nothing is allocated: an id that is
 // neither -1 nor in [0, num_rows) (its position in `ids` and value), or the
 // first inconsistent bag of `splits` (PooledGradError::bad_bag).
@@ -160,19 +162,52 @@ struct PooledGradError {
   bool ok() const { return position < 0 && bad_bag < 0; }
 };
 
+// The plan of a pooled gradient over U distinct rows and `kept`
+// padding-free ids, in the gradient's order (the kept positions grouped by
+// row, ascending within a row):
+//   rows [U]: the distinct ids, ascending;
+//   offsets [U + 1]: row u's terms are k in [offsets[u], offsets[u + 1]);
+//   segments [kept]: the bag of term k;
+//   sorted_weights [kept]: its weight (only when the lookup has weights);
+//   denominator [batch]: each bag's combiner denominator over its kept ids
+//     (the weights' sum for mean, the square root of their squares' sum for
+//     sqrtn; only for those combiners).
 template <typename T>
-using PooledGradAllocate =
-    std::function<LookupStatus(int64_t num_unique, T** rows_grad,
-                               int64_t** rows)>;
+struct PooledGradPlanBuffers {
+  int64_t* rows = nullptr;
+  int32_t* offsets = nullptr;
+  int64_t* segments = nullptr;
+  T* sorted_weights = nullptr;
+  AccOf<T>* denominator = nullptr;
+};
 
+// `allocate(U, kept, &buffers)` is called once, when U and kept are known,
+// and must fill `buffers` with [U], [U + 1], [kept], and [kept] and [batch]
+// where the lookup has weights / a mean or sqrtn combiner.
+template <typename T>
+using PooledGradPlanAllocate = std::function<LookupStatus(
+    int64_t num_unique, int64_t kept, PooledGradPlanBuffers<T>* buffers)>;
+
+// ids: [nnz]; splits: [batch + 1] (from 0 to nnz, non-decreasing); weights:
+// [nnz] or nullptr (all ones); bag_width >= 1: every bag has that many ids
+// (splits are then b * bag_width), else -1. Requires nnz <= INT32_MAX.
 template <typename T, typename Tid>
-LookupStatus PooledLookupGrad(const T* grad, int64_t dim, const Tid* ids,
-                              int64_t nnz, const int64_t* splits,
-                              int64_t batch, const T* weights,
-                              int64_t num_rows, Combiner combiner,
-                              const ParallelFor& parallel_for,
-                              const PooledGradAllocate<T>& allocate,
-                              PooledGradError* error);
+LookupStatus PooledGradPlan(const Tid* ids, int64_t nnz,
+                            const int64_t* splits, int64_t batch,
+                            int64_t bag_width, const T* weights,
+                            int64_t num_rows, Combiner combiner,
+                            const ParallelFor& parallel_for,
+                            const PooledGradPlanAllocate<T>& allocate,
+                            PooledGradError* error);
+
+// rows_grad [num_unique, dim] from grad [batch, dim] and a plan (above);
+// sorted_weights / denominator nullptr where the plan has none.
+template <typename T>
+void PooledGradCombine(const T* grad, int64_t dim, int64_t batch,
+                       const int32_t* offsets, int64_t num_unique,
+                       const int64_t* segments, int64_t kept,
+                       const T* sorted_weights, const AccOf<T>* denominator,
+                       const ParallelFor& parallel_for, T* rows_grad);
 
 // Checks that every inverse[i] is in [0, num_rows) and every segment_ids[i]
 // is in [0, num_segments). Reports the first offending position.
@@ -302,20 +337,26 @@ Status SegmentCombineGrad(const GpuDevice& d, const T* grad, int64_t dim,
                           int64_t num_rows, Combiner combiner,
                           const SegmentIndexCheck& check, T* out);
 
-// PooledLookupGrad (above) on the device, bit-identical to the CPU, with
-// one blocking device-to-host copy (the distinct-row count and the error;
-// none when nnz == 0): one stable sort of (id, position) with the padding
-// sorted last, whose order is also the gradient's grouping by row (no
-// second sort, no padding removal pass, no segment-index check). grad,
-// ids, splits, weights [device]; the buffers `allocate` returns [device].
-// Requires nnz <= INT32_MAX.
+// PooledGradPlan (above) on the device, bit-identical to the CPU, with
+// one blocking device-to-host copy (U, kept and the errors): one stable sort
+// of (id, position) with the padding sorted last, whose order is also the
+// gradient's grouping by row. ids, splits, weights [device]; the buffers
+// `allocate` gives [device].
 template <typename T, typename Tid>
-Status PooledLookupGrad(const GpuDevice& d, const T* grad, int64_t dim,
-                        const Tid* ids, int64_t nnz, const int64_t* splits,
-                        int64_t batch, const T* weights, int64_t num_rows,
-                        Combiner combiner,
-                        const PooledGradAllocate<T>& allocate,
-                        PooledGradError* error);
+Status PooledGradPlan(const GpuDevice& d, const Tid* ids, int64_t nnz,
+                      const int64_t* splits, int64_t batch, int64_t bag_width,
+                      const T* weights, int64_t num_rows, Combiner combiner,
+                      const PooledGradPlanAllocate<T>& allocate,
+                      PooledGradError* error);
+
+// PooledGradCombine (above) on the device: no host sync. All pointers
+// [device].
+template <typename T>
+Status PooledGradCombine(const GpuDevice& d, const T* grad, int64_t dim,
+                         int64_t batch, const int32_t* offsets,
+                         int64_t num_unique, const int64_t* segments,
+                         int64_t kept, const T* sorted_weights,
+                         const AccOf<T>* denominator, T* rows_grad);
 
 }  // namespace gpu
 }  // namespace lookup

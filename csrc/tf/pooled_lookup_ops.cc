@@ -1,7 +1,10 @@
 // SokPooledLookup: a pooled lookup straight from a whole (unsharded) table,
-// CPU and GPU kernels over core/pooled_lookup.h; SokPooledLookupGrad, its
-// table gradient (core/lookup.h PooledLookupGrad).
+// CPU and GPU kernels over core/pooled_lookup.h; its table gradient
+// (core/lookup.h PooledGradPlan and PooledGradCombine) as two ops,
+// SokPooledGradPlan and SokPooledGradCombine, and as one,
+// SokPooledLookupGrad.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <type_traits>
 
@@ -29,14 +32,15 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 namespace errors = ::tensorflow::errors;
 
-// The row splits of a lookup: input 2 (row_splits) as given, or, for
+// The row splits of a lookup: input `input` (row_splits) as given, or, for
 // bag_width >= 1, `nnz / bag_width + 1` uniform splits made on the op's
 // device (no shape goes through the host).
 template <typename Device>
-absl::Status RowSplits(OpKernelContext* ctx, int64_t bag_width, int64_t nnz,
-                       const std::string& where, Tensor* splits) {
+absl::Status RowSplits(OpKernelContext* ctx, int input, int64_t bag_width,
+                       int64_t nnz, const std::string& where,
+                       Tensor* splits) {
   if (bag_width < 1) {
-    const Tensor& given = ctx->input(2);
+    const Tensor& given = ctx->input(input);
     if (!TensorShapeUtils::IsVector(given.shape()) ||
         given.NumElements() < 1) {
       return errors::InvalidArgument(where, "row_splits must be a non-empty "
@@ -72,13 +76,14 @@ absl::Status RowSplits(OpKernelContext* ctx, int64_t bag_width, int64_t nnz,
   return absl::OkStatus();
 }
 
-// What SokPooledLookup and SokPooledLookupGrad share: their attrs, the
-// checks of their ids / row splits / weights inputs (1-3), and the errors
-// their kernels report.
+// What the pooled ops share: their attrs, the checks of their ids / row
+// splits / weights inputs (`ids_input` and the two after it), and the
+// errors their kernels report.
 template <typename Device>
 class PooledOpBase : public OpKernel {
  protected:
-  explicit PooledOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  PooledOpBase(OpKernelConstruction* ctx, int ids_input)
+      : OpKernel(ctx), ids_input_(ids_input) {
     std::string combiner;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("combiner", &combiner));
     const Status s = lookup::ParseCombiner(combiner, &combiner_);
@@ -95,16 +100,16 @@ class PooledOpBase : public OpKernel {
   // gives the row splits (`RowSplits`).
   absl::Status Bags(OpKernelContext* ctx, const std::string& where,
                     Tensor* splits) const {
-    const Tensor& ids = ctx->input(1);
-    const Tensor& weights = ctx->input(3);
+    const Tensor& ids = ctx->input(ids_input_);
+    const Tensor& weights = ctx->input(ids_input_ + 2);
     if (!TensorShapeUtils::IsVector(ids.shape())) {
       return errors::InvalidArgument(where, "ids must be a vector, got "
                                      "shape ", ids.shape().DebugString(),
                                      ".");
     }
     const int64_t nnz = ids.NumElements();
-    TF_RETURN_IF_ERROR(RowSplits<Device>(ctx, bag_width_, nnz, where,
-                                         splits));
+    TF_RETURN_IF_ERROR(RowSplits<Device>(ctx, ids_input_ + 1, bag_width_,
+                                         nnz, where, splits));
     if (!TensorShapeUtils::IsVector(weights.shape()) ||
         (weights.NumElements() != 0 && weights.NumElements() != nnz)) {
       return errors::InvalidArgument(
@@ -133,6 +138,7 @@ class PooledOpBase : public OpKernel {
     return absl::OkStatus();
   }
 
+  const int ids_input_;
   lookup::Combiner combiner_ = lookup::Combiner::kSum;
   std::string table_name_;
   int64_t bag_width_ = -1;
@@ -189,7 +195,7 @@ template <typename Device, typename T, typename Tid>
 class SokPooledLookupOp : public PooledOpBase<Device> {
  public:
   explicit SokPooledLookupOp(OpKernelConstruction* ctx)
-      : PooledOpBase<Device>(ctx) {}
+      : PooledOpBase<Device>(ctx, /*ids_input=*/1) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& table = ctx->input(0);
@@ -244,6 +250,91 @@ class SokPooledLookupOp : public PooledOpBase<Device> {
   }
 };
 
+REGISTER_OP("SokPooledGradPlan")
+    .Input("ids: Tid")
+    .Input("row_splits: int64")
+    .Input("weights: T")
+    .Output("rows: int64")
+    .Output("offsets: int32")
+    .Output("segments: int64")
+    .Output("sorted_weights: T")
+    .Output("denominator: T")
+    .Attr("T: {float, double}")
+    .Attr("Tid: {int32, int64}")
+    .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
+    .Attr("num_rows: int >= 0")
+    .Attr("table_name: string = ''")
+    .Attr("bag_width: int = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids, splits, weights;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &weights));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The first half of SokPooledLookup's table gradient: what depends on the ids
+alone (core/lookup.h PooledGradPlan), so that a training step can make it
+beside the forward. SokPooledGradCombine sums the gradient over it.
+
+rows: [U] the distinct ids of `ids` other than the padding -1, ascending
+  (each in [0, num_rows); distinct, so a sparse optimizer need not
+  deduplicate them again).
+offsets: [U + 1]; the terms of rows[u] are k in [offsets[u], offsets[u+1]).
+segments: [kept] the bag of each term (the kept positions grouped by row,
+  ascending within a row).
+sorted_weights: [kept] their weights, or [0] without weights.
+denominator: [batch] each bag's combiner denominator, or [0] for 'sum'.
+ids, row_splits, weights: the lookup's inputs (weights [0]: all ones).
+num_rows: the table's rows; an id outside [0, num_rows) other than -1 fails
+  the op (InvalidArgument, naming the table).
+bag_width: as SokPooledLookup's (>= 1: bags of bag_width ids, row_splits
+  ignored).
+On the GPU: one sort and one blocking device-to-host copy (U, the kept
+count and the errors).
+)doc");
+
+REGISTER_OP("SokPooledGradCombine")
+    .Input("grad: T")
+    .Input("offsets: int32")
+    .Input("segments: int64")
+    .Input("sorted_weights: T")
+    .Input("denominator: T")
+    .Output("rows_grad: T")
+    .Attr("T: {float, double}")
+    .Attr("table_name: string = ''")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad, offsets, segments, weights, denominator;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &offsets));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &segments));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &weights));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &denominator));
+      DimensionHandle unique;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(offsets, 0), 1, &unique));
+      c->set_output(0, c->Matrix(unique, c->Dim(grad, 1)));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The second half of SokPooledLookup's table gradient: its sums over a plan
+of SokPooledGradPlan (whose outputs offsets, segments, sorted_weights and
+denominator it takes, unchanged).
+
+rows_grad[u] = sum over the terms k of row u of
+               sorted_weights[k] / denominator[segments[k]] *
+               grad[segments[k]],
+  summed in the fixed order of SokSegmentCombineGrad: with the plan's rows,
+  bit-identical to dropping the padding, SokDedupBucketize and
+  SokSegmentCombineGrad.
+grad: [batch, dim], the gradient of SokPooledLookup's output.
+No host sync on the GPU.
+)doc");
+
 REGISTER_OP("SokPooledLookupGrad")
     .Input("grad: T")
     .Input("ids: Tid")
@@ -269,35 +360,210 @@ REGISTER_OP("SokPooledLookupGrad")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-The table gradient of SokPooledLookup, reduced per distinct row.
+The table gradient of SokPooledLookup, reduced per distinct row, in one op:
+SokPooledGradPlan and SokPooledGradCombine in turn (the same results).
 
-rows: the distinct ids of `ids` other than the padding -1, ascending (each
-  in [0, num_rows); distinct, so a sparse optimizer need not deduplicate
-  them again).
+rows: the distinct ids of `ids` other than the padding -1, ascending.
 rows_grad[u] = sum over i with ids[i] == rows[u] of
                weights[i] / denominator(bag of i) * grad[bag of i],
   with the combiner's denominator of SokPooledLookup (1 for 'sum'),
-  summed in the fixed order of SokSegmentCombineGrad: bit-identical to
-  dropping the padding, SokDedupBucketize and SokSegmentCombineGrad.
-
+  summed in the fixed order of SokSegmentCombineGrad.
 grad: [batch, dim], the gradient of SokPooledLookup's output.
-ids, row_splits, weights: the lookup's inputs (weights [0]: all ones).
-num_rows: the table's rows; an id outside [0, num_rows) other than -1 fails
-  the op (InvalidArgument, naming the table).
-table_name: the table's name, for error messages.
-bag_width: as SokPooledLookup's (>= 1: bags of bag_width ids, row_splits
-  ignored).
-On the GPU: one sort and one blocking device-to-host copy (U and the
-errors); the host sync of the padding masks, the segment-id round trip, the
-second (group-by-row) sort and the segment-index check of the unfused
-chain are gone.
+ids, row_splits, weights, num_rows, table_name, bag_width: as
+  SokPooledGradPlan's.
 )doc");
+
+// The plan of a pooled gradient (core/lookup.h PooledGradPlan), into
+// buffers `allocate` gives; `where` prefixes its errors.
+template <typename Device, typename T, typename Tid>
+absl::Status RunPlan(OpKernelContext* ctx, const Tensor& ids,
+                     const Tensor& splits, const Tensor& weights,
+                     int64_t bag_width, int64_t num_rows,
+                     lookup::Combiner combiner, const std::string& where,
+                     const lookup::PooledGradPlanAllocate<T>& allocate,
+                     lookup::PooledGradError* error) {
+  const int64_t nnz = ids.NumElements();
+  const int64_t batch = splits.NumElements() - 1;
+  const T* w = weights.NumElements() == 0 ? nullptr
+                                          : weights.flat<T>().data();
+  Status status;
+  if constexpr (std::is_same<Device, CpuDevice>::value) {
+    status = lookup::PooledGradPlan<T, Tid>(
+        ids.flat<Tid>().data(), nnz, splits.flat<int64_t>().data(), batch,
+        bag_width, w, num_rows, combiner, CpuParallelFor(ctx), allocate,
+        error);
+  } else {
+#ifdef SOK_WITH_CUDA
+    GpuScratch scratch(ctx);
+    GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    status = lookup::gpu::PooledGradPlan<T, Tid>(
+        d, ids.flat<Tid>().data(), nnz, splits.flat<int64_t>().data(), batch,
+        bag_width, w, num_rows, combiner, allocate, error);
+#else
+    status = Status::Error("built without CUDA");
+#endif
+  }
+  if (!status.ok()) return errors::Internal(where, status.message());
+  return absl::OkStatus();
+}
+
+// The plan's allocator: rows, offsets, segments, sorted weights and
+// denominators from `make(index, shape, &tensor)` (an output or a temp).
+template <typename T>
+lookup::PooledGradPlanAllocate<T> PlanAllocator(
+    std::function<absl::Status(int, const TensorShape&, Tensor**)> make,
+    bool weighted, bool divided, int64_t batch) {
+  return [make, weighted, divided, batch](
+             int64_t num_unique, int64_t kept,
+             lookup::PooledGradPlanBuffers<T>* out) -> Status {
+    Tensor* t[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+    const TensorShape shapes[5] = {
+        TensorShape({num_unique}), TensorShape({num_unique + 1}),
+        TensorShape({kept}), TensorShape({weighted ? kept : 0}),
+        TensorShape({divided ? batch : 0})};
+    for (int i = 0; i < 5; ++i) {
+      const absl::Status s = make(i, shapes[i], &t[i]);
+      if (!s.ok()) return Status::Error(std::string(s.message()));
+    }
+    out->rows = t[0]->flat<int64_t>().data();
+    out->offsets = t[1]->flat<int32_t>().data();
+    out->segments = t[2]->flat<int64_t>().data();
+    out->sorted_weights = weighted ? t[3]->flat<T>().data() : nullptr;
+    out->denominator = divided ? t[4]->flat<T>().data() : nullptr;
+    return Status::Ok();
+  };
+}
+
+// rows_grad = the combine of `grad` over a plan's tensors.
+template <typename Device, typename T>
+absl::Status RunCombine(OpKernelContext* ctx, const Tensor& grad,
+                        const Tensor& offsets, const Tensor& segments,
+                        const Tensor& sorted_weights,
+                        const Tensor& denominator, const std::string& where,
+                        Tensor* rows_grad) {
+  const int64_t batch = grad.dim_size(0);
+  const int64_t dim = grad.dim_size(1);
+  const int64_t num_unique = offsets.NumElements() - 1;
+  const int64_t kept = segments.NumElements();
+  const T* w = sorted_weights.NumElements() == 0
+                   ? nullptr
+                   : sorted_weights.flat<T>().data();
+  const T* den = denominator.NumElements() == 0
+                     ? nullptr
+                     : denominator.flat<T>().data();
+  if constexpr (std::is_same<Device, CpuDevice>::value) {
+    lookup::PooledGradCombine<T>(
+        grad.flat<T>().data(), dim, batch, offsets.flat<int32_t>().data(),
+        num_unique, segments.flat<int64_t>().data(), kept, w, den,
+        CpuParallelFor(ctx), rows_grad->flat<T>().data());
+    return absl::OkStatus();
+  } else {
+#ifdef SOK_WITH_CUDA
+    GpuScratch scratch(ctx);
+    GpuDevice d = MakeGpuDevice(ctx, &scratch);
+    const Status s = lookup::gpu::PooledGradCombine<T>(
+        d, grad.flat<T>().data(), dim, batch, offsets.flat<int32_t>().data(),
+        num_unique, segments.flat<int64_t>().data(), kept, w, den,
+        rows_grad->flat<T>().data());
+    if (!s.ok()) return errors::Internal(where, s.message());
+    return absl::OkStatus();
+#else
+    return errors::Internal(where, "built without CUDA");
+#endif
+  }
+}
+
+template <typename Device, typename T, typename Tid>
+class SokPooledGradPlanOp : public PooledOpBase<Device> {
+ public:
+  explicit SokPooledGradPlanOp(OpKernelConstruction* ctx)
+      : PooledOpBase<Device>(ctx, /*ids_input=*/0) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const std::string where = this->Where();
+    Tensor splits;
+    OP_REQUIRES_OK(ctx, this->Bags(ctx, where, &splits));
+    const Tensor& ids = ctx->input(0);
+    const Tensor& weights = ctx->input(2);
+    auto make = [ctx](int i, const TensorShape& shape, Tensor** t) {
+      return ctx->allocate_output(i, shape, t);
+    };
+    lookup::PooledGradError error;
+    OP_REQUIRES_OK(
+        ctx, (RunPlan<Device, T, Tid>(
+                 ctx, ids, splits, weights, this->bag_width_, num_rows_,
+                 this->combiner_, where,
+                 PlanAllocator<T>(make, weights.NumElements() != 0,
+                                  this->combiner_ != lookup::Combiner::kSum,
+                                  splits.NumElements() - 1),
+                 &error)));
+    OP_REQUIRES_OK(ctx, this->InputError(where, error, ids.NumElements(),
+                                         num_rows_));
+  }
+
+ private:
+  int64_t num_rows_ = 0;
+};
+
+template <typename Device, typename T>
+class SokPooledGradCombineOp : public OpKernel {
+ public:
+  explicit SokPooledGradCombineOp(OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const std::string where = "sok_keras: table '" + table_name_ + "': ";
+    const Tensor& grad = ctx->input(0);
+    const Tensor& offsets = ctx->input(1);
+    const Tensor& segments = ctx->input(2);
+    const Tensor& weights = ctx->input(3);
+    const Tensor& denominator = ctx->input(4);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(grad.shape()),
+                errors::InvalidArgument(where, "the gradient must be a "
+                                        "matrix, got shape ",
+                                        grad.shape().DebugString(), "."));
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(offsets.shape()) &&
+                    offsets.NumElements() >= 1 &&
+                    TensorShapeUtils::IsVector(segments.shape()) &&
+                    TensorShapeUtils::IsVector(weights.shape()) &&
+                    (weights.NumElements() == 0 ||
+                     weights.NumElements() == segments.NumElements()) &&
+                    TensorShapeUtils::IsVector(denominator.shape()) &&
+                    (denominator.NumElements() == 0 ||
+                     denominator.NumElements() == grad.dim_size(0)),
+                errors::InvalidArgument(
+                    where, "offsets, segments, sorted_weights and "
+                    "denominator must be SokPooledGradPlan's outputs for "
+                    "this gradient's ", grad.dim_size(0), " bags; got "
+                    "shapes ", offsets.shape().DebugString(), ", ",
+                    segments.shape().DebugString(), ", ",
+                    weights.shape().DebugString(), ", ",
+                    denominator.shape().DebugString(), "."));
+    Tensor* rows_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0,
+                            TensorShape({offsets.NumElements() - 1,
+                                         grad.dim_size(1)}),
+                            &rows_grad));
+    OP_REQUIRES_OK(ctx, (RunCombine<Device, T>(ctx, grad, offsets, segments,
+                                               weights, denominator, where,
+                                               rows_grad)));
+  }
+
+ private:
+  std::string table_name_;
+};
 
 template <typename Device, typename T, typename Tid>
 class SokPooledLookupGradOp : public PooledOpBase<Device> {
  public:
   explicit SokPooledLookupGradOp(OpKernelConstruction* ctx)
-      : PooledOpBase<Device>(ctx) {
+      : PooledOpBase<Device>(ctx, /*ids_input=*/1) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_rows", &num_rows_));
   }
 
@@ -319,46 +585,36 @@ class SokPooledLookupGradOp : public PooledOpBase<Device> {
                     where, "row_splits must have one entry more than the "
                     "gradient has rows (", grad.dim_size(0) + 1, "), got "
                     "shape ", splits.shape().DebugString(), "."));
-    const int64_t nnz = ids.NumElements();
-    const int64_t batch = grad.dim_size(0);
-    const int64_t dim = grad.dim_size(1);
-    const T* w = weights.NumElements() == 0 ? nullptr
-                                            : weights.flat<T>().data();
-    lookup::PooledGradAllocate<T> allocate =
-        [ctx, dim](int64_t num_unique, T** rows_grad,
-                   int64_t** rows) -> Status {
-      Tensor* g = nullptr;
-      Tensor* r = nullptr;
-      absl::Status s =
-          ctx->allocate_output(0, TensorShape({num_unique, dim}), &g);
-      if (!s.ok()) return Status::Error(std::string(s.message()));
-      s = ctx->allocate_output(1, TensorShape({num_unique}), &r);
-      if (!s.ok()) return Status::Error(std::string(s.message()));
-      *rows_grad = g->flat<T>().data();
-      *rows = r->flat<int64_t>().data();
-      return Status::Ok();
+    // The plan in temps (its rows straight into output 1), then the sums.
+    Tensor plan[5];
+    auto make = [ctx, &plan](int i, const TensorShape& shape, Tensor** t) {
+      if (i == 0) return ctx->allocate_output(1, shape, t);
+      *t = &plan[i];
+      return ctx->allocate_temp(i == 1   ? ::tensorflow::DT_INT32
+                                : i == 2 ? ::tensorflow::DT_INT64
+                                         : ::tensorflow::DataTypeToEnum<T>::v(),
+                                shape, &plan[i]);
     };
     lookup::PooledGradError error;
-    Status status;
-    if constexpr (std::is_same<Device, CpuDevice>::value) {
-      status = lookup::PooledLookupGrad<T, Tid>(
-          grad.flat<T>().data(), dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, num_rows_,
-          this->combiner_, CpuParallelFor(ctx), allocate, &error);
-    } else {
-#ifdef SOK_WITH_CUDA
-      GpuScratch scratch(ctx);
-      GpuDevice d = MakeGpuDevice(ctx, &scratch);
-      status = lookup::gpu::PooledLookupGrad<T, Tid>(
-          d, grad.flat<T>().data(), dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, num_rows_,
-          this->combiner_, allocate, &error);
-#else
-      status = Status::Error("built without CUDA");
-#endif
-    }
-    OP_REQUIRES(ctx, status.ok(), errors::Internal(where, status.message()));
-    OP_REQUIRES_OK(ctx, this->InputError(where, error, nnz, num_rows_));
+    OP_REQUIRES_OK(
+        ctx, (RunPlan<Device, T, Tid>(
+                 ctx, ids, splits, weights, this->bag_width_, num_rows_,
+                 this->combiner_, where,
+                 PlanAllocator<T>(make, weights.NumElements() != 0,
+                                  this->combiner_ != lookup::Combiner::kSum,
+                                  grad.dim_size(0)),
+                 &error)));
+    OP_REQUIRES_OK(ctx, this->InputError(where, error, ids.NumElements(),
+                                         num_rows_));
+    Tensor* rows_grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0,
+                            TensorShape({plan[1].NumElements() - 1,
+                                         grad.dim_size(1)}),
+                            &rows_grad));
+    OP_REQUIRES_OK(ctx, (RunCombine<Device, T>(ctx, grad, plan[1], plan[2],
+                                               plan[3], plan[4], where,
+                                               rows_grad)));
   }
 
  private:
@@ -375,7 +631,12 @@ class SokPooledLookupGradOp : public PooledOpBase<Device> {
                               .Device(DEVICE_TYPE)                  \
                               .TypeConstraint<T>("T")               \
                               .TypeConstraint<Tid>("Tid"),          \
-                          SokPooledLookupGradOp<DEV, T, Tid>);
+                          SokPooledLookupGradOp<DEV, T, Tid>);      \
+  REGISTER_KERNEL_BUILDER(Name("SokPooledGradPlan")                 \
+                              .Device(DEVICE_TYPE)                  \
+                              .TypeConstraint<T>("T")               \
+                              .TypeConstraint<Tid>("Tid"),          \
+                          SokPooledGradPlanOp<DEV, T, Tid>);
 REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, float, int32_t)
 REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, float, int64_t)
 REGISTER_POOLED(::tensorflow::DEVICE_CPU, CpuDevice, double, int32_t)
@@ -387,6 +648,18 @@ REGISTER_POOLED(::tensorflow::DEVICE_GPU, GpuDevice, double, int32_t)
 REGISTER_POOLED(::tensorflow::DEVICE_GPU, GpuDevice, double, int64_t)
 #endif
 #undef REGISTER_POOLED
+
+#define REGISTER_COMBINE(DEVICE_TYPE, DEV, T)                                  \
+  REGISTER_KERNEL_BUILDER(                                                     \
+      Name("SokPooledGradCombine").Device(DEVICE_TYPE).TypeConstraint<T>("T"), \
+      SokPooledGradCombineOp<DEV, T>);
+REGISTER_COMBINE(::tensorflow::DEVICE_CPU, CpuDevice, float)
+REGISTER_COMBINE(::tensorflow::DEVICE_CPU, CpuDevice, double)
+#ifdef SOK_WITH_CUDA
+REGISTER_COMBINE(::tensorflow::DEVICE_GPU, GpuDevice, float)
+REGISTER_COMBINE(::tensorflow::DEVICE_GPU, GpuDevice, double)
+#endif
+#undef REGISTER_COMBINE
 
 }  // namespace
 }  // namespace sok

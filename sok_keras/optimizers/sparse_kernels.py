@@ -107,8 +107,9 @@ def indices_are_unique(indices, num_rows):
     """Whether `indices` are provably distinct rows in `[0, num_rows)`, from
     the op that made them (at trace time; never from a user's promise).
 
-    True for the `rows` output of `SokPooledLookupGrad` (the gradient of a
-    one-rank pooled or unpooled sok lookup) and the `local_rows` output of a
+    True for the `rows` output of `SokPooledGradPlan` or
+    `SokPooledLookupGrad` (the gradient of a one-rank pooled or unpooled sok
+    lookup) and the `local_rows` output of a
     `SokDedupBucketize` with one rank or one owner (local row = id), when
     that op validated its ids against at most `num_rows` rows. False for
     anything else: eager tensors, a concatenation of several lookups'
@@ -130,7 +131,8 @@ def indices_are_unique(indices, num_rows):
         op = indices.op
     except AttributeError:
         return False
-    if op.type == "SokPooledLookupGrad" and indices.value_index == 1:
+    if (op.type == "SokPooledGradPlan" and indices.value_index == 0) or (
+            op.type == "SokPooledLookupGrad" and indices.value_index == 1):
         bound = op.get_attr("num_rows")
     elif op.type == "SokDedupBucketize" and indices.value_index == 1 and (
             op.get_attr("num_ranks") == 1 or op.get_attr("owner") >= 0):
