@@ -654,6 +654,141 @@ def test_pooled_lookup_uniform_bags_on_gpu(width, dim):
             grad(bad)
 
 
+# ---------------------------------------------------------------------------
+# One-id bags (bag_width=1: the unpooled lookup) take the GPU's gather
+# kernel, which must give what the general kernel gives for a one-id bag,
+# bit for bit, the sign of zero included.
+
+def _assert_bitwise(want, *got):
+    """Bitwise equality of float arrays (-0.0 is not 0.0 here, unlike for
+    np.testing.assert_array_equal)."""
+    want = np.asarray(want)
+    view = np.dtype(f"u{want.dtype.itemsize}")
+    for g in got:
+        g = np.asarray(g)
+        assert g.dtype == want.dtype and g.shape == want.shape, (
+            f"{want.dtype}{want.shape} vs {g.dtype}{g.shape}")
+        diff = np.argwhere(want.view(view) != g.view(view))
+        if diff.size:
+            first = tuple(int(i) for i in diff[0])
+            raise AssertionError(
+                f"{len(diff)} of {want.size} elements differ bitwise; first "
+                f"at {first}: {want[first]!r} vs {g[first]!r}")
+
+
+def _one_id_bags(rng, batch, vocab, dim, dtype, id_dtype):
+    """A table with -0.0 entries (and a row of them, 3, that the ids hit),
+    ids with padding, weights with zeros, -0.0 and negatives."""
+    table = rng.standard_normal([vocab, dim]).astype(dtype)
+    table[rng.random(table.shape) < 0.1] = -0.0
+    table[3] = -0.0
+    ids = _ids(rng, batch, vocab, np.int64)
+    ids[rng.random(batch) < 0.2] = -1
+    ids[1::7] = 3
+    weights = rng.uniform(-2.0, 2.0, batch).astype(dtype)
+    weights[rng.random(batch) < 0.1] = 0.0
+    weights[rng.random(batch) < 0.1] = -0.0
+    return table, ids.astype(id_dtype), weights
+
+
+def _one_id_reference(table, ids, weights, combiner):
+    """What a one-id bag pools to, in numpy's correctly rounded float ops:
+    sums start from +0 (+0 + -0 is +0), padding gives a zero row."""
+    zero = table.dtype.type(0)
+    valid = ids != -1
+    rows = table[np.where(valid, ids, 0)]
+    if weights.size:
+        acc = zero + weights[:, None] * rows
+        weight_sum = zero + weights
+        square_sum = zero + weights * weights
+    else:
+        acc = zero + rows
+        weight_sum = square_sum = np.ones(ids.size, table.dtype)
+    if combiner != "sum":
+        den = (weight_sum if combiner == "mean" else np.sqrt(square_sum))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            acc = np.where(den[:, None] == 0, zero, acc / den[:, None])
+    return np.where(valid[:, None], acc, zero).astype(table.dtype)
+
+
+def _one_id_lookup(combiner, width=1):
+    def run(table, ids, weights, splits):
+        return ops().sok_pooled_lookup(
+            table=tf.identity(table), ids=tf.identity(ids),
+            row_splits=tf.identity(splits), weights=tf.identity(weights),
+            combiner=combiner, table_name="emb", bag_width=width)
+    return run
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dim", [1, 4, 13, 128, 200, 300])
+@pytest.mark.parametrize("batch", [1, 31, 1000])
+def test_pooled_lookup_one_id_bags_bitwise_equal_cpu(dtype, id_dtype,
+                                                     combiner, weighted,
+                                                     dim, batch):
+    """bag_width=1 on the GPU (the gather kernel; 300 columns take several
+    passes of 32 lanes; batches not a multiple of the lanes): bitwise the
+    CPU kernel's result, the general GPU kernel's on the same bags given as
+    row splits, and a one-id bag's closed form."""
+    rng = np.random.default_rng(
+        [dim, batch, int(weighted), ["sum", "mean", "sqrtn"].index(combiner)])
+    table, ids, weights = _one_id_bags(rng, batch, 500, dim, dtype, id_dtype)
+    w = tf.constant(weights if weighted else np.zeros([0], dtype))
+    table, ids = tf.constant(table), tf.constant(ids)
+    no_splits = tf.zeros([0], tf.int64)
+    cpu, gpu, gpu2 = _both(_one_id_lookup(combiner), table, ids, w, no_splits)
+    splits = tf.range(batch + 1, dtype=tf.int64)
+    general = _on(GPU, _one_id_lookup(combiner, width=-1), table, ids, w,
+                  splits)
+    want = _one_id_reference(table.numpy(), ids.numpy(), w.numpy(), combiner)
+    _assert_bitwise(want, cpu, gpu, gpu2, general)
+
+
+@pytest.mark.parametrize("unroll", ["1", "2", "4", "8"])
+@pytest.mark.parametrize("dim", [13, 128, 300])
+def test_pooled_lookup_one_id_bags_any_unroll_on_gpu(unroll, dim,
+                                                     monkeypatch):
+    """SOK_POOLED_LOOKUP_UNROLL (rows in flight) changes nothing, also
+    where the last chunk's bags are not a multiple of it."""
+    monkeypatch.setenv("SOK_POOLED_LOOKUP_UNROLL", unroll)
+    rng = np.random.default_rng(dim)
+    table, ids, weights = _one_id_bags(rng, 1003, 500, dim, np.float32,
+                                       np.int64)
+    args = (tf.constant(table), tf.constant(ids), tf.constant(weights),
+            tf.zeros([0], tf.int64))
+    cpu, gpu, gpu2 = _both(_one_id_lookup("sqrtn"), *args)
+    _assert_bitwise(cpu, gpu, gpu2)
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dim", [4, 13, 128])
+def test_pooled_lookup_one_id_bags_bad_id_on_gpu(id_dtype, dim):
+    """A bad id among one-id bags fails the op, naming the table, the value
+    and the first bad position (several bad ids, in one chunk of bags and
+    in others, -1 padding around them)."""
+    rng = np.random.default_rng(dim)
+    vocab = 50
+    table = tf.constant(rng.standard_normal([vocab, dim]).astype(np.float32))
+    run = _one_id_lookup("mean")
+    for bad, first in (({613: vocab + 7, 614: -5, 977: vocab}, 613),
+                       ({45: -3, 40: -1, 500: vocab + 1}, 45),
+                       ({999: vocab}, 999)):
+        ids = rng.integers(0, vocab, 1000)
+        ids[rng.random(ids.size) < 0.2] = -1
+        ids[first - 1] = -1
+        for position, value in bad.items():
+            ids[position] = value
+        message = rf"table 'emb'.*id {bad[first]} at position {first} "
+        with tf.device(GPU):
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=message):
+                run(table, tf.constant(ids.astype(id_dtype)),
+                    tf.zeros([0]), tf.zeros([0], tf.int64))
+
+
 @pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])

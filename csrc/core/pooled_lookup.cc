@@ -11,7 +11,9 @@ template <typename Device, typename T, typename Tid>
 Status PooledLookupFunctor<Device, T, Tid>::operator()(
     const Device& d, const T* table, int64_t vocab_size, int64_t dim,
     const Tid* ids, int64_t nnz, const int64_t* splits, int64_t batch,
-    const T* weights, Combiner combiner, T* out, PooledLookupError* error) {
+    int64_t bag_width, const T* weights, Combiner combiner, T* out,
+    PooledLookupError* error) {
+  (void)bag_width;  // the splits say the same; one loop serves every width
   *error = PooledLookupError();
   for (int64_t b = 0; b < batch; ++b) {  // cheap, and first-bad by order
     const int64_t begin = splits[b];

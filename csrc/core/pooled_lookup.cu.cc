@@ -3,7 +3,9 @@
 // loads for float tables whose width is a multiple of 4). Each lane sums its
 // bag's rows in position order with correctly rounded adds and multiplies
 // (no contraction into FMA), so the result is deterministic and matches the
-// CPU kernel bit for bit. One blocking copy to the host (the error
+// CPU kernel bit for bit. Bags of one id (bag_width == 1: the unpooled
+// lookup) take a gather kernel instead, which reads no row splits and keeps
+// several bags' rows in flight. One blocking copy to the host (the error
 // summary) per call.
 #include <cuda_runtime.h>
 
@@ -76,6 +78,30 @@ struct Store<float, 4> {
     __stcs(reinterpret_cast<float4*>(o), make_float4(x[0], x[1], x[2], x[3]));
   }
 };
+
+// The combiner applied to one bag's sums (as RowPooler::Finish): mean
+// divides by the weight sum, sqrtn by the square root of the square sum,
+// a zero denominator gives zeros. Shared by both kernels, so that a one-id
+// bag comes out the same from either.
+template <typename T, int VEC>
+__device__ __forceinline__ void Combine(int combiner, T weight_sum,
+                                        T square_sum, T* acc) {
+  T denominator = T(1);
+  bool divide = false;
+  if (combiner == static_cast<int>(Combiner::kMean)) {
+    denominator = weight_sum;
+    divide = true;
+  } else if (combiner == static_cast<int>(Combiner::kSqrtn)) {
+    denominator = sqrt(square_sum);
+    divide = true;
+  }
+  if (divide) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      acc[k] = denominator == T(0) ? T(0) : acc[k] / denominator;
+    }
+  }
+}
 
 template <typename T, typename Tid, int VEC, int UNROLL>
 __global__ void __launch_bounds__(256)
@@ -172,22 +198,106 @@ __global__ void __launch_bounds__(256)
       }
       if (!columns) continue;
       if (weights == nullptr) square_sum = weight_sum;
-      T denominator = T(1);
-      bool divide = false;
-      if (combiner == static_cast<int>(Combiner::kMean)) {
-        denominator = weight_sum;
-        divide = true;
-      } else if (combiner == static_cast<int>(Combiner::kSqrtn)) {
-        denominator = sqrt(square_sum);
-        divide = true;
+      Combine<T, VEC>(combiner, weight_sum, square_sum, acc);
+      Store<T, VEC>::Put(out + bag * dim + c0, acc, valid);
+    }
+  }
+}
+
+// Bags of one id (splits[b] == b): a gather. A group of `lanes` threads
+// (as above) takes `lanes` consecutive bags at a time: each lane loads and
+// checks the id of one of them (one coalesced load, no splits), then the
+// group walks the bags with warp shuffles, loading the rows of UNROLL bags
+// (UNROLL independent loads in flight per lane) before storing any of them.
+// Each bag's result is what PooledLookupKernel computes for a one-id bag:
+// the same adds from zero (+0 + -0 is +0) and the same combiner.
+template <typename T, typename Tid, int VEC, int UNROLL>
+__global__ void __launch_bounds__(256)
+    GatherLookupKernel(const T* __restrict__ table, int64_t vocab_size,
+                       int64_t dim, const Tid* __restrict__ ids, int64_t batch,
+                       const T* __restrict__ weights, int combiner,
+                       int lanes_log2, T* __restrict__ out,
+                       DeviceError* error) {
+  const int lanes = 1 << lanes_log2;
+  const int lane = threadIdx.x & (lanes - 1);
+  const unsigned group_mask =
+      lanes == 32 ? 0xffffffffu
+                  : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
+  const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
+  const int64_t groups = (int64_t{gridDim.x} * blockDim.x) >> lanes_log2;
+  const int64_t chunks = (batch + lanes - 1) >> lanes_log2;
+  for (int64_t chunk = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) >>
+                       lanes_log2;
+       chunk < chunks; chunk += groups) {
+    const int64_t first = chunk << lanes_log2;  // the chunk's first bag
+    const int n =
+        static_cast<int>(batch - first < lanes ? batch - first : lanes);
+    // This lane's bag of the chunk: its row, or -1 (padding, invalid, or
+    // past the last bag).
+    long long my_row = -1;
+    T my_weight = T(1);
+    if (lane < n) {
+      const int64_t i = first + lane;
+      const int64_t id = static_cast<int64_t>(__ldg(ids + i));
+      if (id >= 0 && id < vocab_size) {
+        my_row = id;
+      } else if (id != -1) {
+        atomicMin(&error->position, (unsigned long long)i);
       }
-      if (divide) {
+      if (weights != nullptr) my_weight = __ldg(weights + i);
+    }
+    for (int k0 = 0; k0 < n; k0 += UNROLL) {
+      long long row[UNROLL];
+      T w[UNROLL];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          acc[k] = denominator == T(0) ? T(0) : acc[k] / denominator;
+      for (int u = 0; u < UNROLL; ++u) {
+        // k0 + u < n is the same for the whole group.
+        row[u] = k0 + u < n ? __shfl_sync(group_mask, my_row, k0 + u, lanes)
+                            : -1LL;
+        w[u] = T(1);
+        if (weights != nullptr && k0 + u < n) {
+          w[u] = __shfl_sync(group_mask, my_weight, k0 + u, lanes);
         }
       }
-      Store<T, VEC>::Put(out + bag * dim + c0, acc, valid);
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t c0 = (pass * lanes + lane) * VEC;
+        const bool columns = c0 < dim;
+        const int64_t valid = dim - c0;
+        T v[UNROLL][VEC];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          if (row[u] >= 0 && columns) {
+            Loader<T, VEC>::Load(table + row[u] * dim + c0, valid, v[u]);
+          }
+        }
+        if (!columns) continue;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          if (k0 + u >= n) continue;
+          T acc[VEC];
+          T weight_sum = T(0);
+          T square_sum = T(0);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) acc[k] = T(0);
+          if (row[u] >= 0) {  // else a zero row (padding counts for nothing)
+            if (weights == nullptr) {
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) acc[k] = Add(T(0), v[u][k]);
+              weight_sum = Add(T(0), T(1));
+              square_sum = weight_sum;
+            } else {
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) {
+                acc[k] = Add(T(0), Mul(w[u], v[u][k]));
+              }
+              weight_sum = Add(T(0), w[u]);
+              square_sum = Add(T(0), Mul(w[u], w[u]));
+            }
+          }
+          Combine<T, VEC>(combiner, weight_sum, square_sum, acc);
+          Store<T, VEC>::Put(out + (first + k0 + u) * dim + c0, acc, valid);
+        }
+      }
     }
   }
 }
@@ -197,7 +307,8 @@ __global__ void __launch_bounds__(256)
 // 0.87, 2: 1.14 / 0.83, 4: 0.97 / 0.88, 8: 1.25 / 1.09 (more rows in flight
 // cost more registers than they gain; bench/results/gpu/run4/). 4 it is.
 // SOK_POOLED_LOOKUP_UNROLL=1|2|4|8 overrides it (for benchmarks); results
-// do not depend on it.
+// do not depend on it. GatherLookupKernel takes the same UNROLL (bags whose
+// rows are in flight at once; not measured separately yet).
 int UnrollFor() {
   const char* v = std::getenv("SOK_POOLED_LOOKUP_UNROLL");  // read per call
   const int forced = v == nullptr ? 0 : std::atoi(v);
@@ -205,49 +316,62 @@ int UnrollFor() {
   return 4;
 }
 
+// gather: GatherLookupKernel (one-id bags; splits and nnz unused), else
+// PooledLookupKernel.
 template <typename T, typename Tid, int VEC, int UNROLL>
-void LaunchKernel(int blocks, int threads, cudaStream_t stream,
+void LaunchKernel(bool gather, int blocks, int threads, cudaStream_t stream,
                   const T* table, int64_t vocab_size, int64_t dim,
                   const Tid* ids, int64_t nnz, const int64_t* splits,
                   int64_t batch, const T* weights, Combiner combiner,
                   int lanes_log2, T* out, DeviceError* error) {
-  PooledLookupKernel<T, Tid, VEC, UNROLL><<<blocks, threads, 0, stream>>>(
-      table, vocab_size, dim, ids, nnz, splits, batch, weights,
-      static_cast<int>(combiner), lanes_log2, out, error);
+  if (gather) {
+    GatherLookupKernel<T, Tid, VEC, UNROLL><<<blocks, threads, 0, stream>>>(
+        table, vocab_size, dim, ids, batch, weights,
+        static_cast<int>(combiner), lanes_log2, out, error);
+  } else {
+    PooledLookupKernel<T, Tid, VEC, UNROLL><<<blocks, threads, 0, stream>>>(
+        table, vocab_size, dim, ids, nnz, splits, batch, weights,
+        static_cast<int>(combiner), lanes_log2, out, error);
+  }
 }
 
 template <typename T, typename Tid, int VEC>
-Status Launch(const GpuDevice& d, const T* table, int64_t vocab_size,
-              int64_t dim, const Tid* ids, int64_t nnz, const int64_t* splits,
-              int64_t batch, const T* weights, Combiner combiner, T* out,
-              DeviceError* error) {
+Status Launch(const GpuDevice& d, bool gather, const T* table,
+              int64_t vocab_size, int64_t dim, const Tid* ids, int64_t nnz,
+              const int64_t* splits, int64_t batch, const T* weights,
+              Combiner combiner, T* out, DeviceError* error) {
   // Lanes per bag: enough for one pass over the row (<= 32, a power of 2).
   const int64_t chunks = (dim + VEC - 1) / VEC;
   int lanes_log2 = 0;
   while ((int64_t{1} << lanes_log2) < chunks && lanes_log2 < 5) ++lanes_log2;
   const int threads = 256;
-  const int blocks = ::sok::gpu::BlocksFor(batch << lanes_log2, threads);
+  // A group per bag, or (gather) per `lanes` bags: a thread per bag, the
+  // last chunk's rounded up.
+  const int64_t lanes = int64_t{1} << lanes_log2;
+  const int64_t work =
+      gather ? (batch + lanes - 1) / lanes * lanes : batch * lanes;
+  const int blocks = ::sok::gpu::BlocksFor(work, threads);
   const cudaStream_t stream = ::sok::gpu::StreamOf(d);
   switch (UnrollFor()) {
     case 1:
-      LaunchKernel<T, Tid, VEC, 1>(blocks, threads, stream, table, vocab_size,
-                                   dim, ids, nnz, splits, batch, weights,
-                                   combiner, lanes_log2, out, error);
+      LaunchKernel<T, Tid, VEC, 1>(gather, blocks, threads, stream, table,
+                                   vocab_size, dim, ids, nnz, splits, batch,
+                                   weights, combiner, lanes_log2, out, error);
       break;
     case 2:
-      LaunchKernel<T, Tid, VEC, 2>(blocks, threads, stream, table, vocab_size,
-                                   dim, ids, nnz, splits, batch, weights,
-                                   combiner, lanes_log2, out, error);
+      LaunchKernel<T, Tid, VEC, 2>(gather, blocks, threads, stream, table,
+                                   vocab_size, dim, ids, nnz, splits, batch,
+                                   weights, combiner, lanes_log2, out, error);
       break;
     case 8:
-      LaunchKernel<T, Tid, VEC, 8>(blocks, threads, stream, table, vocab_size,
-                                   dim, ids, nnz, splits, batch, weights,
-                                   combiner, lanes_log2, out, error);
+      LaunchKernel<T, Tid, VEC, 8>(gather, blocks, threads, stream, table,
+                                   vocab_size, dim, ids, nnz, splits, batch,
+                                   weights, combiner, lanes_log2, out, error);
       break;
     default:
-      LaunchKernel<T, Tid, VEC, 4>(blocks, threads, stream, table, vocab_size,
-                                   dim, ids, nnz, splits, batch, weights,
-                                   combiner, lanes_log2, out, error);
+      LaunchKernel<T, Tid, VEC, 4>(gather, blocks, threads, stream, table,
+                                   vocab_size, dim, ids, nnz, splits, batch,
+                                   weights, combiner, lanes_log2, out, error);
   }
   SOK_LAUNCH_RETURN_IF_ERROR("SokPooledLookup");
   return Status::Ok();
@@ -258,7 +382,8 @@ template <typename T, typename Tid>
 Status PooledLookupFunctor<GpuDevice, T, Tid>::operator()(
     const GpuDevice& d, const T* table, int64_t vocab_size, int64_t dim,
     const Tid* ids, int64_t nnz, const int64_t* splits, int64_t batch,
-    const T* weights, Combiner combiner, T* out, PooledLookupError* error) {
+    int64_t bag_width, const T* weights, Combiner combiner, T* out,
+    PooledLookupError* error) {
   *error = PooledLookupError();
   if (batch == 0) {
     if (nnz != 0) error->bad_bag = 0;
@@ -271,17 +396,22 @@ Status PooledLookupFunctor<GpuDevice, T, Tid>::operator()(
       cudaMemsetAsync(dev_error, 0xff, sizeof(DeviceError),
                       ::sok::gpu::StreamOf(d)),
       "SokPooledLookup init");
+  // One-id bags whose count agrees with the ids' (anything else goes to the
+  // general kernel, which checks the splits).
+  const bool gather = bag_width == 1 && nnz == batch;
   if (dim > 0) {
     const bool vec4 = sizeof(T) == 4 && dim % 4 == 0 &&
                       reinterpret_cast<uintptr_t>(table) % 16 == 0;
     if (vec4) {
-      SOK_RETURN_IF_ERROR((Launch<T, Tid, 4>(d, table, vocab_size, dim, ids,
-                                             nnz, splits, batch, weights,
-                                             combiner, out, dev_error)));
+      SOK_RETURN_IF_ERROR((Launch<T, Tid, 4>(d, gather, table, vocab_size,
+                                             dim, ids, nnz, splits, batch,
+                                             weights, combiner, out,
+                                             dev_error)));
     } else {
-      SOK_RETURN_IF_ERROR((Launch<T, Tid, 1>(d, table, vocab_size, dim, ids,
-                                             nnz, splits, batch, weights,
-                                             combiner, out, dev_error)));
+      SOK_RETURN_IF_ERROR((Launch<T, Tid, 1>(d, gather, table, vocab_size,
+                                             dim, ids, nnz, splits, batch,
+                                             weights, combiner, out,
+                                             dev_error)));
     }
   }
   DeviceError host;

@@ -26,23 +26,31 @@ using PooledLookupError = PooledGradError;
 // table: [vocab_size, dim]; ids: [nnz]; splits: [batch + 1]; weights: [nnz]
 // or nullptr (all ones); out: [batch, dim]. Combiners as SegmentCombine
 // (padding counts for nothing, a zero denominator gives zeros). Results
-// are deterministic and equal on both devices up to rounding (the GPU
-// computes the same sums in the same order). On invalid input `error` says
-// what, and `out` is unspecified.
+// are deterministic and equal on both devices bit for bit (the GPU
+// computes the same sums in the same order, with the same rounding). On
+// invalid input `error` says what, and `out` is unspecified.
+// bag_width: >= 1 when every bag has that many ids (splits[b] == b *
+// bag_width, nnz == batch * bag_width; `splits` must still be given, it is
+// what is checked), -1 when the bags are only known from `splits`. A hint:
+// the results do not depend on it. The GPU gathers one-id bags
+// (bag_width == 1, the unpooled lookup) with a kernel of its own that reads
+// no splits; the CPU ignores it.
 template <typename Device, typename T, typename Tid>
 struct PooledLookupFunctor {
   Status operator()(const Device& d, const T* table, int64_t vocab_size,
                     int64_t dim, const Tid* ids, int64_t nnz,
-                    const int64_t* splits, int64_t batch, const T* weights,
-                    Combiner combiner, T* out, PooledLookupError* error);
+                    const int64_t* splits, int64_t batch, int64_t bag_width,
+                    const T* weights, Combiner combiner, T* out,
+                    PooledLookupError* error);
 };
 
 template <typename T, typename Tid>
 struct PooledLookupFunctor<GpuDevice, T, Tid> {
   Status operator()(const GpuDevice& d, const T* table, int64_t vocab_size,
                     int64_t dim, const Tid* ids, int64_t nnz,
-                    const int64_t* splits, int64_t batch, const T* weights,
-                    Combiner combiner, T* out, PooledLookupError* error);
+                    const int64_t* splits, int64_t batch, int64_t bag_width,
+                    const T* weights, Combiner combiner, T* out,
+                    PooledLookupError* error);
 };
 
 // splits[b] = b * width for b in [0, batch]: the row splits of `batch` bags

@@ -233,16 +233,16 @@ class SokPooledLookupOp : public PooledOpBase<Device> {
       CpuDevice d{CpuParallelFor(ctx)};
       return lookup::PooledLookupFunctor<CpuDevice, T, Tid>()(
           d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, this->combiner_,
-          out->flat<T>().data(), error);
+          splits.flat<int64_t>().data(), batch, this->bag_width_, w,
+          this->combiner_, out->flat<T>().data(), error);
     } else {
 #ifdef SOK_WITH_CUDA
       GpuScratch scratch(ctx);
       GpuDevice d = MakeGpuDevice(ctx, &scratch);
       return lookup::PooledLookupFunctor<GpuDevice, T, Tid>()(
           d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, w, this->combiner_,
-          out->flat<T>().data(), error);
+          splits.flat<int64_t>().data(), batch, this->bag_width_, w,
+          this->combiner_, out->flat<T>().data(), error);
 #else
       return Status::Error("built without CUDA");
 #endif
