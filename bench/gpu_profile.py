@@ -77,6 +77,43 @@ def kernel_times(logdir):
     return totals, host_totals
 
 
+def timeline(logdir, window="one_step_on_data", min_us=8.0, limit=160):
+    """The last `window` host event of the trace and every host and GPU
+    stream event of at least `min_us` inside it, in start order, as
+    (start µs from the window's start, duration µs, "host"/"gpu", name):
+    where the host waits for the device and what the device does then."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    events = []
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
+                          recursive=True):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            host = plane.name.startswith("/host:CPU")
+            if not host and not plane.name.startswith("/device:GPU"):
+                continue
+            names = {k: v.name for k, v in plane.event_metadata.items()}
+            for line in plane.lines:
+                if not host and "stream" not in line.name.lower():
+                    continue
+                for ev in line.events:
+                    start = line.timestamp_ns * 1e3 + ev.offset_ps  # ps
+                    events.append((start, ev.duration_ps,
+                                   "host" if host else "gpu",
+                                   names.get(ev.metadata_id, "?")))
+    frames = [e for e in events if e[2] == "host" and e[3] == window]
+    if not frames:
+        return []
+    t0, dur = max(frames)[:2]
+    out = [((s - t0) / 1e6, d / 1e6, where, name)
+           for s, d, where, name in events
+           if t0 <= s <= t0 + dur and d / 1e6 >= min_us]
+    out.sort()
+    return out[:limit]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16384)
@@ -87,6 +124,9 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--out", default=None)
+    p.add_argument("--timeline", action="store_true",
+                   help="with --steps-too: print the last step's host and "
+                        "GPU events in time order")
     p.add_argument("--steps-too", action="store_true",
                    help="also profile bench/gpu_step.py's sok train steps")
     args = p.parse_args()
@@ -183,6 +223,12 @@ def main():
         print("  host:")
         for k, t in report[name]["host_top"].items():
             print(f"  {t:8.3f} ms  {k[:110]}")
+        if args.timeline and name.endswith("_step"):
+            line = timeline(logdir)
+            report[name]["timeline"] = line
+            print("  timeline (µs from the step's start, duration):")
+            for start, d, where, ev in line:
+                print(f"  {start:8.1f} {d:8.1f} {where:4s} {ev[:90]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
