@@ -964,14 +964,53 @@ def _pooled_whole_table(param, ids, weights, combiner, name):
     if values.dtype not in (tf.int32, tf.int64):
         values = tf.cast(values, tf.int64)
     w = tf.zeros([0], dtype) if w is None else tf.cast(w, dtype)
-    # The table goes in as the variable itself (read by the op's input), so
-    # the gradient registered for SokPooledLookup reaches it as the
-    # tf.IndexedSlices it returns, never densified.
-    out = ops().sok_pooled_lookup(
-        table=param.value, ids=values, row_splits=splits, weights=w,
-        combiner=combiner, table_name=name, bag_width=bag_width)
+    out = _whole_table_lookup(param, values, splits, w, combiner, name,
+                              bag_width)
     out.set_shape([None, param.global_shape[1]])
     return out
+
+
+def _tape_may_record():
+    """Whether a gradient tape is recording here (TensorFlow's own test,
+    `could_possibly_record`; False where that API is missing)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - TensorFlow moved it
+        return False
+    return bool(record.could_possibly_record())
+
+
+def _whole_table_lookup(param, values, splits, w, combiner, name, bag_width):
+    """`SokPooledLookup` over the whole table. The table goes in as the
+    variable itself (read by the op's input), so the gradient registered for
+    SokPooledLookup reaches it as the tf.IndexedSlices it returns, never
+    densified.
+
+    In a traced training step (a tape records, the table's rows are
+    static), the backward's `SokPooledGradPlan` is made here, before the
+    lookup, which takes it as a control input and skips its own id check:
+    the plan validates the same ids against the same rows (the same error,
+    naming the table, id and position) before the lookup or anything after
+    it runs, and the step keeps one blocking device-to-host copy instead of
+    two. The gradient reuses this plan (`_pooled_lookup_grad`)."""
+    rows = param.value.shape[0]
+    if (tf.executing_eagerly() or rows is None
+            or not getattr(param.value, "trainable", True)
+            or not _tape_may_record()):
+        return ops().sok_pooled_lookup(
+            table=param.value, ids=values, row_splits=splits, weights=w,
+            combiner=combiner, table_name=name, bag_width=bag_width)
+    plan = ops().sok_pooled_grad_plan(
+        ids=values, row_splits=splits, weights=w, combiner=combiner,
+        num_rows=rows, table_name=name, bag_width=bag_width)
+    # Read before the block: an input made inside it would carry the
+    # control input instead of the lookup (TensorFlow's pruning).
+    table = tf.convert_to_tensor(param.value)
+    with tf.control_dependencies([plan.offsets.op]):
+        return ops().sok_pooled_lookup(
+            table=table, ids=values, row_splits=splits, weights=w,
+            combiner=combiner, table_name=name, bag_width=bag_width,
+            check_ids=False)
 
 
 
@@ -1001,12 +1040,14 @@ def _unpooled_whole_table(param, ids, weights, name):
     w = (tf.zeros([0], dtype) if weights is None
          else tf.cast(tf.reshape(tf.convert_to_tensor(weights), [-1]), dtype))
     # One-id bags: the op makes their row splits on its device.
-    out = ops().sok_pooled_lookup(
-        table=param.value, ids=flat, row_splits=tf.zeros([0], tf.int64),
-        weights=w, combiner="sum", table_name=name, bag_width=1)
+    out = _whole_table_lookup(param, flat, tf.zeros([0], tf.int64), w, "sum",
+                              name, 1)
     dim = param.global_shape[1]
-    out = tf.reshape(out, tf.concat(
-        [tf.shape(ids, out_type=tf.int64), [dim]], 0))
+    if ids.shape[1:].is_fully_defined():  # one Reshape, no shape ops
+        out = tf.reshape(out, [-1] + ids.shape[1:].as_list() + [dim])
+    else:
+        out = tf.reshape(out, tf.concat(
+            [tf.shape(ids, out_type=tf.int64), [dim]], 0))
     out.set_shape(ids.shape.concatenate([dim]))
     return out
 
@@ -1022,11 +1063,13 @@ def _pooled_lookup_grad(op, dy):
     back and summed per row), bit-identical to boolean-masking the padding,
     `SokDedupBucketize` and `SokSegmentCombineGrad`.
 
-    The plan reads only the lookup's inputs, so in a step it is ready when
-    the forward is, and runs beside it: on the GPU its one host sync (the
-    row count that sizes the gradient) then waits for little more than the
-    forward's kernel, not for the dense layers' forward and backward, and
-    the backward has no host sync left. Its `rows` are distinct, which the
+    The plan reads only the lookup's inputs: a traced training step makes
+    it before the forward (`_whole_table_lookup`), which it validates, and
+    it is reused here; otherwise it is made here, and is still ready when
+    the forward is. On the GPU its one host sync (the row count that sizes
+    the gradient) thus waits for little more than the forward's kernel,
+    not for the dense layers' forward and backward, and the backward has no
+    host sync left. Its `rows` are distinct, which the
     sparse optimizers use to skip their own dedup
     (`sparse_kernels.indices_are_unique`)."""
     table, values, splits, weights = op.inputs
@@ -1045,15 +1088,47 @@ def _pooled_lookup_grad(op, dy):
     else:
         dense_shape = tf.shape(table, out_type=tf.int64)
         rows = _INT64_MAX
-    plan = ops().sok_pooled_grad_plan(
-        ids=values, row_splits=splits, weights=weights, combiner=combiner,
-        num_rows=rows, table_name=name, bag_width=op.get_attr("bag_width"))
+    plan = _forward_plan(op)
+    if plan is None:
+        plan = ops().sok_pooled_grad_plan(
+            ids=values, row_splits=splits, weights=weights,
+            combiner=combiner, num_rows=rows, table_name=name,
+            bag_width=op.get_attr("bag_width"))
     rows_grad = ops().sok_pooled_grad_combine(
         grad=dy, offsets=plan.offsets, segments=plan.segments,
         sorted_weights=plan.sorted_weights, denominator=plan.denominator,
         table_name=name)
     return [tf.IndexedSlices(rows_grad, plan.rows, dense_shape), None,
             None, None]
+
+
+def _forward_plan(op):
+    """The `SokPooledGradPlan` that `_whole_table_lookup` made for this
+    lookup `op` (its control input, over the same ids, splits and weights),
+    as the op's output list; None if there is none."""
+    # A tape's gradient gets a stand-in for the op (`_MockOp`, no control
+    # inputs); in a graph its output names the real op.
+    try:
+        control = op.outputs[0].op.control_inputs
+    except AttributeError:  # eager tensors have no op
+        return None
+    for c in control:
+        if (c.type == "SokPooledGradPlan"
+                and [t.name for t in c.inputs] ==
+                [t.name for t in op.inputs[1:]]):
+            return _PlanOutputs(*c.outputs)
+    return None
+
+
+class _PlanOutputs:
+    """`SokPooledGradPlan`'s outputs by name."""
+
+    def __init__(self, rows, offsets, segments, sorted_weights, denominator):
+        self.rows = rows
+        self.offsets = offsets
+        self.segments = segments
+        self.sorted_weights = sorted_weights
+        self.denominator = denominator
 
 
 def _ragged_weights(ids, weights, name):

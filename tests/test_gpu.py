@@ -873,6 +873,44 @@ def test_fit_pooled_adam_on_gpu_matches_cpu():
     np.testing.assert_allclose(tables[1], tables[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("combiner", ["sum", None])
+def test_layer_train_step_makes_one_host_sync_on_gpu(combiner):
+    """A traced training step of a one-rank DistributedEmbedding (pooled or
+    unpooled) with OptimizerWrapper(Adam) makes exactly 1 of the library's
+    blocking copies, SokPooledGradPlan's: the lookup, which takes the plan
+    as a control input, skips its own (docs/gpu.md); a bad id still fails
+    the step naming the table, before any update."""
+    import keras
+
+    import sok_keras as sok
+    from sok_keras._ops import build_info
+
+    with tf.device(GPU):
+        inp = keras.Input((3,), dtype="int64")
+        emb = sok.layers.DistributedEmbedding(100, 8, combiner=combiner,
+                                              name="emb")
+        h = emb(inp)
+        if combiner is None:
+            h = keras.layers.Flatten()(h)
+        model = keras.Model(inp, keras.layers.Dense(1)(h))
+        model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+            keras.optimizers.Adam(0.01)), loss="mse")
+        x = tf.constant(np.arange(24).reshape(8, 3) % 100, tf.int64)
+        y = tf.ones([8, 1])
+        model.train_on_batch(x, y)  # traced and warmed up
+        before = build_info()["gpu_host_syncs"]
+        model.train_on_batch(x, y)
+        assert build_info()["gpu_host_syncs"] - before == 1
+        table = keras.ops.convert_to_numpy(emb.embeddings.value)
+        bad = x.numpy().copy()
+        bad[2, 1] = 100
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"table 'emb'.*id 100 at position 7"):
+            model.train_on_batch(tf.constant(bad), y)
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(emb.embeddings.value), table)
+
+
 def test_one_rank_train_step_makes_two_host_syncs_on_gpu():
     """A one-rank pooled step (forward, the backward's plan and sums,
     Adam's update of the distinct rows) makes exactly 2 of the library's

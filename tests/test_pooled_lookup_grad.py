@@ -337,3 +337,73 @@ def test_uniform_bags_need_a_multiple_of_the_width():
                            match="table 'emb'.*3 ids do not make bags of 2"):
             fn()
 
+
+
+def _step_graph(fn):
+    """The ops of `fn` traced as a training step's function."""
+    return tf.function(fn).get_concrete_function().graph.get_operations()
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_training_step_plans_before_the_lookup(pooled):
+    """In a traced step whose tape records, the lookup (sok_keras.lookup
+    path) takes the backward's SokPooledGradPlan as a control input and
+    skips its own id check (one host sync on the GPU, docs/gpu.md); the
+    gradient reuses that plan (one plan in the graph), and results equal
+    the eager ones bit for bit. Without a tape the lookup checks its ids
+    and makes no plan."""
+    import keras
+
+    import sok_keras as sok
+
+    rng = np.random.default_rng(4)
+    layer = sok.layers.DistributedEmbedding(
+        50, 8, combiner="mean" if pooled else None, name="emb")
+    ids = tf.constant(rng.integers(-1, 50, (16, 3)), tf.int64)
+    layer.build(ids.shape)
+
+    def step():
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            loss = tf.reduce_sum(out * out)
+        return out, tape.gradient(loss, layer.trainable_variables)[0]
+
+    ops_ = _step_graph(step)
+    types = [op.type for op in ops_]
+    assert types.count("SokPooledGradPlan") == 1
+    (look,) = [op for op in ops_ if op.type == "SokPooledLookup"]
+    assert look.get_attr("check_ids") is False
+    assert [c.type for c in look.control_inputs] == ["SokPooledGradPlan"]
+    out_f, g_f = tf.function(step)()
+    out_e, g_e = step()
+    np.testing.assert_array_equal(out_f.numpy(), out_e.numpy())
+    np.testing.assert_array_equal(g_f.indices.numpy(), g_e.indices.numpy())
+    np.testing.assert_array_equal(g_f.values.numpy(), g_e.values.numpy())
+
+    infer = _step_graph(lambda: layer(ids))
+    assert "SokPooledGradPlan" not in [op.type for op in infer]
+    (look,) = [op for op in infer if op.type == "SokPooledLookup"]
+    assert look.get_attr("check_ids") is True
+    del keras
+
+
+def test_training_step_bad_id_fails_in_the_plan_naming_the_table():
+    """With the check moved into the plan, a bad id in a traced training
+    step still raises InvalidArgumentError naming the table, the id and its
+    position, before the lookup runs."""
+    import sok_keras as sok
+
+    layer = sok.layers.DistributedEmbedding(10, 4, combiner="sum",
+                                            name="emb")
+    layer.build((None, 2))
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids))
+        return tape.gradient(loss, layer.trainable_variables)[0].values
+
+    step(tf.constant([[1, 2]], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"table 'emb'.*id 12 at position 3"):
+        step(tf.constant([[1, 2], [-1, 12]], tf.int64))

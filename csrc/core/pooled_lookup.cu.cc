@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(256)
     int64_t end = splits[bag + 1];
     if (begin < 0 || end < begin || end > nnz || (bag == 0 && begin != 0) ||
         (bag == batch - 1 && end != nnz)) {
-      if (lane == 0) atomicMin(&error->bad_bag, (unsigned long long)bag);
+      if (lane == 0 && error != nullptr) {
+        atomicMin(&error->bad_bag, (unsigned long long)bag);
+      }
       begin = end = 0;  // read nothing out of range
     }
     for (int64_t pass = 0; pass < passes; ++pass) {
@@ -150,7 +152,9 @@ __global__ void __launch_bounds__(256)
           if (id >= 0 && id < vocab_size) {
             my_row = id;
           } else if (id != -1 && pass == 0) {
-            atomicMin(&error->position, (unsigned long long)i);
+            if (error != nullptr) {
+              atomicMin(&error->position, (unsigned long long)i);
+            }
           }
           if (weights != nullptr) my_weight = __ldg(weights + i);
         }
@@ -242,7 +246,9 @@ __global__ void __launch_bounds__(256)
       if (id >= 0 && id < vocab_size) {
         my_row = id;
       } else if (id != -1) {
-        atomicMin(&error->position, (unsigned long long)i);
+        if (error != nullptr) {
+              atomicMin(&error->position, (unsigned long long)i);
+            }
       }
       if (weights != nullptr) my_weight = __ldg(weights + i);
     }
@@ -384,18 +390,21 @@ Status PooledLookupFunctor<GpuDevice, T, Tid>::operator()(
     const Tid* ids, int64_t nnz, const int64_t* splits, int64_t batch,
     int64_t bag_width, const T* weights, Combiner combiner, T* out,
     PooledLookupError* error) {
-  *error = PooledLookupError();
+  if (error != nullptr) *error = PooledLookupError();
   if (batch == 0) {
-    if (nnz != 0) error->bad_bag = 0;
+    if (nnz != 0 && error != nullptr) error->bad_bag = 0;
     return Status::Ok();
   }
   DeviceError* dev_error = nullptr;
-  SOK_RETURN_IF_ERROR(::sok::gpu::Scratch(d, 1, &dev_error, "SokPooledLookup"));
-  // All ones: "none" for both fields (atomicMin lowers them).
-  SOK_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(dev_error, 0xff, sizeof(DeviceError),
-                      ::sok::gpu::StreamOf(d)),
-      "SokPooledLookup init");
+  if (error != nullptr) {
+    SOK_RETURN_IF_ERROR(
+        ::sok::gpu::Scratch(d, 1, &dev_error, "SokPooledLookup"));
+    // All ones: "none" for both fields (atomicMin lowers them).
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(dev_error, 0xff, sizeof(DeviceError),
+                        ::sok::gpu::StreamOf(d)),
+        "SokPooledLookup init");
+  }
   // One-id bags whose count agrees with the ids' (anything else goes to the
   // general kernel, which checks the splits).
   const bool gather = bag_width == 1 && nnz == batch;
@@ -414,6 +423,7 @@ Status PooledLookupFunctor<GpuDevice, T, Tid>::operator()(
                                              dev_error)));
     }
   }
+  if (error == nullptr) return Status::Ok();  // the ids were checked
   DeviceError host;
   SOK_RETURN_IF_ERROR(::sok::gpu::CopyToHostSync(d, &host, dev_error, sizeof(host),
                                           "SokPooledLookup error check"));

@@ -35,6 +35,9 @@ using PooledLookupError = PooledGradError;
 // the results do not depend on it. The GPU gathers one-id bags
 // (bag_width == 1, the unpooled lookup) with a kernel of its own that reads
 // no splits; the CPU ignores it.
+// error nullptr (GPU only): the caller has validated the ids and splits
+// (SokPooledGradPlan ran first), so none is reported and the GPU makes no
+// blocking copy.
 template <typename Device, typename T, typename Tid>
 struct PooledLookupFunctor {
   Status operator()(const Device& d, const T* table, int64_t vocab_size,

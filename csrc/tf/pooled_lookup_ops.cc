@@ -155,6 +155,7 @@ REGISTER_OP("SokPooledLookup")
     .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")
     .Attr("table_name: string = ''")
     .Attr("bag_width: int = -1")
+    .Attr("check_ids: bool = true")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle table, ids, splits, weights;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &table));
@@ -189,13 +190,19 @@ table_name: the table's name, for error messages.
 bag_width: >= 1: every bag has bag_width ids (dense ids; nnz must be a
   multiple of it) and row_splits is ignored (pass [0]); the splits are made
   on the op's device. -1: the bags are given by row_splits.
+check_ids: false only when a SokPooledGradPlan of the same ids, splits and
+  table rows runs first (a control input: a training step's plan validates
+  them): the GPU kernel then skips its error copy, the op's one host sync.
+  The CPU kernel checks either way (it costs no sync there).
 )doc");
 
 template <typename Device, typename T, typename Tid>
 class SokPooledLookupOp : public PooledOpBase<Device> {
  public:
   explicit SokPooledLookupOp(OpKernelConstruction* ctx)
-      : PooledOpBase<Device>(ctx, /*ids_input=*/1) {}
+      : PooledOpBase<Device>(ctx, /*ids_input=*/1) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("check_ids", &check_ids_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& table = ctx->input(0);
@@ -242,12 +249,15 @@ class SokPooledLookupOp : public PooledOpBase<Device> {
       return lookup::PooledLookupFunctor<GpuDevice, T, Tid>()(
           d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
           splits.flat<int64_t>().data(), batch, this->bag_width_, w,
-          this->combiner_, out->flat<T>().data(), error);
+          this->combiner_, out->flat<T>().data(),
+          check_ids_ ? error : nullptr);
 #else
       return Status::Error("built without CUDA");
 #endif
     }
   }
+
+  bool check_ids_ = true;
 };
 
 REGISTER_OP("SokPooledGradPlan")

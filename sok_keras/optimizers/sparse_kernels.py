@@ -74,7 +74,11 @@ def _scalar(x, dtype, what):
     if isinstance(x, (tf.Tensor, tf.Variable)) or tf.is_tensor(x):
         x = tf.cast(x, dtype)
     else:
-        x = tf.convert_to_tensor(x, dtype=dtype)
+        # A constant: made on the host, where the update ops read their
+        # hyperparameters (HostMemory on the GPU), so that no device-to-host
+        # copy of it runs in each step.
+        with tf.device("/device:CPU:0"):
+            x = tf.convert_to_tensor(x, dtype=dtype)
     if x.shape.rank is not None and x.shape.rank != 0:
         raise ValueError(f"`{what}` must be a scalar, got shape {x.shape}.")
     return x
