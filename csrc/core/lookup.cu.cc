@@ -565,13 +565,93 @@ struct GradLoader<float, 4> {
   }
 };
 
+// The group of `lanes` threads (a power of 2, <= 32) that thread x is in,
+// as a shuffle mask within its warp.
+__device__ __forceinline__ unsigned GroupMask(int lanes) {
+  return lanes == 32
+             ? 0xffffffffu
+             : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
+}
+
+constexpr int kTermsInFlight = 4;
+
+// Adds to acc, in A = AccOf<T> and in term order, the terms k in
+// [begin, end) of a row for this lane's VEC columns at c0 (`columns`: c0 <
+// dim): term k is grad[segment_ids[i]] (i = order[k], or k without an
+// order), divided by denominator[that segment] where given (0 for a zero
+// denominator), times weights[i] where given. Every lane of the group calls
+// it with the same begin and end. The group loads the terms' indices
+// `lanes` at a time, one per lane in one coalesced load, hands them round
+// with warp shuffles and has kTermsInFlight rows' loads in flight before
+// adding any of them; the adds still run one term after the other, so the
+// sum is exactly the sequential one.
+template <typename T, typename Tseg, int VEC>
+__device__ __forceinline__ void SumTerms(
+    const T* __restrict__ grad, int64_t dim,
+    const Tseg* __restrict__ segment_ids, const T* __restrict__ weights,
+    const AccOf<T>* __restrict__ denominator,
+    const int32_t* __restrict__ order, int64_t begin, int64_t end,
+    int64_t c0, bool columns, int lane, int lanes, unsigned group_mask,
+    AccOf<T>* acc) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  constexpr int U = kTermsInFlight;
+  const int64_t valid = dim - c0;
+  for (int64_t base = begin; base < end; base += lanes) {
+    const int n = static_cast<int>(end - base < lanes ? end - base : lanes);
+    long long my_seg = 0;
+    A my_w = A(1);
+    A my_den = A(1);
+    if (lane < n) {
+      const int64_t k = base + lane;
+      const int64_t i = order == nullptr ? k : order[k];
+      my_seg = static_cast<long long>(segment_ids[i]);
+      if (weights != nullptr) my_w = S::Load(weights[i]);
+      if (denominator != nullptr) my_den = denominator[my_seg];
+    }
+    for (int k0 = 0; k0 < n; k0 += U) {
+      long long sg[U];
+      A w[U];
+      A den[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int src = k0 + u < n ? k0 + u : 0;  // the same for the group
+        sg[u] = __shfl_sync(group_mask, my_seg, src, lanes);
+        w[u] = __shfl_sync(group_mask, my_w, src, lanes);
+        den[u] = __shfl_sync(group_mask, my_den, src, lanes);
+      }
+      A x[U][VEC];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (k0 + u < n && columns) {
+          GradLoader<T, VEC>::Load(grad + sg[u] * dim + c0, valid, x[u]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) x[u][v] = A(0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (k0 + u >= n) break;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          A term = x[u][v];
+          if (denominator != nullptr) {
+            term = den[u] == A(0) ? A(0) : Div(term, den[u]);
+          }
+          if (weights != nullptr) term = Mul(term, w[u]);
+          acc[v] = Add(acc[v], term);
+        }
+      }
+    }
+  }
+}
+
 // The rows of at most kChunk terms (most rows): `lanes` threads per row,
 // indexed by row (no slot lookup), each owning VEC columns; the terms are
-// summed left to right in A = AccOf<T> and stored, rounded once, into
-// `out` (zeros for an empty row): exactly the first level's sum of a
-// one-chunk row. Longer rows are left to the chunk kernels. The term loop
-// is unrolled so that several terms' index and gradient loads are in
-// flight at once (the sums still run in order).
+// summed left to right in A = AccOf<T> (SumTerms) and stored, rounded once,
+// into `out` (zeros for an empty row): exactly the first level's sum of a
+// one-chunk row. Longer rows are left to the chunk kernels.
 template <typename T, typename Tseg, int VEC>
 __global__ void SegmentCombineGradSingleKernel(
     const T* __restrict__ grad, int64_t dim,
@@ -581,40 +661,28 @@ __global__ void SegmentCombineGradSingleKernel(
     int64_t num_rows, int lanes_log2, T* __restrict__ out) {
   using A = AccOf<T>;
   using S = Storage<T>;
-  const int64_t lanes = int64_t{1} << lanes_log2;
+  const int lanes = 1 << lanes_log2;
+  const int lane = threadIdx.x & (lanes - 1);
+  const unsigned group_mask = GroupMask(lanes);
+  const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
+  // A group's threads share u and leave the loop together.
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        t < (num_rows << lanes_log2); t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t u = t >> lanes_log2;
-    const int64_t lane = t & (lanes - 1);
     const int64_t begin = offsets[u];
     const int64_t end = offsets[u + 1];
     if (end - begin > kChunk) continue;  // the chunk kernels' row
-    for (int64_t c0 = lane * VEC; c0 < dim; c0 += lanes * VEC) {
-      const int64_t valid = dim - c0;
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t c0 = (pass * lanes + lane) * VEC;
+      const bool columns = c0 < dim;
       A acc[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[v] = A(0);
-#pragma unroll 4
-      for (int64_t k = begin; k < end; ++k) {
-        const int64_t i = order == nullptr ? k : order[k];
-        const int64_t sg = static_cast<int64_t>(segment_ids[i]);
-        A x[VEC];
-        GradLoader<T, VEC>::Load(grad + sg * dim + c0, valid, x);
-        if (denominator != nullptr) {
-          const A den = denominator[sg];
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) {
-            x[v] = den == A(0) ? A(0) : Div(x[v], den);
-          }
-        }
-        if (weights != nullptr) {
-          const A w = S::Load(weights[i]);
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) x[v] = Mul(x[v], w);
-        }
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] = Add(acc[v], x[v]);
-      }
+      SumTerms<T, Tseg, VEC>(grad, dim, segment_ids, weights, denominator,
+                             order, begin, end, c0, columns, lane, lanes,
+                             group_mask, acc);
+      if (!columns) continue;
+      const int64_t valid = dim - c0;
       T* o = out + u * dim + c0;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
@@ -625,9 +693,9 @@ __global__ void SegmentCombineGradSingleKernel(
 }
 
 // First level: `lanes` threads per chunk, each owning VEC columns; the
-// chunk's terms (<= kChunk) are summed left to right in A = AccOf<T>. A
-// row of one chunk is stored (rounded once) into `out`; otherwise the sum
-// is a partial, kept in A.
+// chunk's terms (<= kChunk) are summed left to right in A = AccOf<T>
+// (SumTerms). A row of one chunk is stored (rounded once) into `out`;
+// otherwise the sum is a partial, kept in A.
 template <typename T, typename Tseg, int VEC>
 __global__ void SegmentCombineGradChunkKernel(
     const T* __restrict__ grad, int64_t dim,
@@ -641,43 +709,31 @@ __global__ void SegmentCombineGradChunkKernel(
   using A = AccOf<T>;
   using S = Storage<T>;
   const int64_t total = chunk_base[num_rows];
-  const int64_t lanes = int64_t{1} << lanes_log2;
+  const int lanes = 1 << lanes_log2;
+  const int lane = threadIdx.x & (lanes - 1);
+  const unsigned group_mask = GroupMask(lanes);
+  const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        t < slots * lanes; t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t c = t >> lanes_log2;
-    if (c >= total) break;  // later t only have larger c
-    const int64_t lane = t & (lanes - 1);
+    if (c >= total) break;  // later t only have larger c (a whole group)
     const int64_t u = slot_row[c];
     const int64_t j = c - chunk_base[u];
     const bool single = chunk_base[u + 1] - chunk_base[u] == 1;
     const int64_t begin = offsets[u] + j * kChunk;
     const int64_t end =
         min(begin + kChunk, static_cast<int64_t>(offsets[u + 1]));
-    for (int64_t c0 = lane * VEC; c0 < dim; c0 += lanes * VEC) {
-      const int64_t valid = dim - c0;
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      const int64_t c0 = (pass * lanes + lane) * VEC;
+      const bool columns = c0 < dim;
       A acc[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[v] = A(0);
-      for (int64_t k = begin; k < end; ++k) {
-        const int64_t i = order == nullptr ? k : order[k];
-        const int64_t sg = static_cast<int64_t>(segment_ids[i]);
-        A x[VEC];
-        GradLoader<T, VEC>::Load(grad + sg * dim + c0, valid, x);
-        if (denominator != nullptr) {
-          const A den = denominator[sg];
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) {
-            x[v] = den == A(0) ? A(0) : Div(x[v], den);
-          }
-        }
-        if (weights != nullptr) {
-          const A w = S::Load(weights[i]);
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) x[v] = Mul(x[v], w);
-        }
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] = Add(acc[v], x[v]);
-      }
+      SumTerms<T, Tseg, VEC>(grad, dim, segment_ids, weights, denominator,
+                             order, begin, end, c0, columns, lane, lanes,
+                             group_mask, acc);
+      if (!columns) continue;
+      const int64_t valid = dim - c0;
       if (single) {
         T* o = out + u * dim + c0;
 #pragma unroll
@@ -1226,14 +1282,10 @@ Status PooledGradPlanSorted(const GpuDevice& d, const Tid* ids, int64_t nnz,
   SOK_RETURN_IF_ERROR(
       Scratch(d, nnz, &positions, "pooled grad sorted positions"));
   SOK_RETURN_IF_ERROR(Scratch(d, nnz, &rank, "pooled grad unique ranks"));
+  // All ones: "none" for the two errors (atomicMin lowers them); the
+  // summary kernel writes the other fields.
   SOK_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(info, 0, kPgSize * sizeof(ull), stream),
-      "pooled grad summary init");
-  SOK_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(info + kPgBadPos, 0xFF, sizeof(ull), stream),
-      "pooled grad summary init");
-  SOK_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(info + kPgBadBag, 0xFF, sizeof(ull), stream),
+      cudaMemsetAsync(info, 0xFF, kPgSize * sizeof(ull), stream),
       "pooled grad summary init");
   if (bag_width < 1) {  // uniform splits are made right
     PooledGradSplitsKernel<<<BlocksFor(batch + 1, kThreads), kThreads, 0,
