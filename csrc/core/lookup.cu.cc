@@ -649,9 +649,11 @@ __device__ __forceinline__ void SumTerms(
 
 // The rows of at most kChunk terms (most rows): `lanes` threads per row,
 // indexed by row (no slot lookup), each owning VEC columns; the terms are
-// summed left to right in A = AccOf<T> (SumTerms) and stored, rounded once,
-// into `out` (zeros for an empty row): exactly the first level's sum of a
-// one-chunk row. Longer rows are left to the chunk kernels.
+// summed left to right in A = AccOf<T> and stored, rounded once, into
+// `out` (zeros for an empty row): exactly the first level's sum of a
+// one-chunk row. Longer rows are left to the chunk kernels. The term loop
+// is unrolled so that several terms' index and gradient loads are in
+// flight at once (the sums still run in order).
 template <typename T, typename Tseg, int VEC>
 __global__ void SegmentCombineGradSingleKernel(
     const T* __restrict__ grad, int64_t dim,
@@ -661,28 +663,40 @@ __global__ void SegmentCombineGradSingleKernel(
     int64_t num_rows, int lanes_log2, T* __restrict__ out) {
   using A = AccOf<T>;
   using S = Storage<T>;
-  const int lanes = 1 << lanes_log2;
-  const int lane = threadIdx.x & (lanes - 1);
-  const unsigned group_mask = GroupMask(lanes);
-  const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
-  // A group's threads share u and leave the loop together.
+  const int64_t lanes = int64_t{1} << lanes_log2;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        t < (num_rows << lanes_log2); t += int64_t{gridDim.x} * blockDim.x) {
     const int64_t u = t >> lanes_log2;
+    const int64_t lane = t & (lanes - 1);
     const int64_t begin = offsets[u];
     const int64_t end = offsets[u + 1];
     if (end - begin > kChunk) continue;  // the chunk kernels' row
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const int64_t c0 = (pass * lanes + lane) * VEC;
-      const bool columns = c0 < dim;
+    for (int64_t c0 = lane * VEC; c0 < dim; c0 += lanes * VEC) {
+      const int64_t valid = dim - c0;
       A acc[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) acc[v] = A(0);
-      SumTerms<T, Tseg, VEC>(grad, dim, segment_ids, weights, denominator,
-                             order, begin, end, c0, columns, lane, lanes,
-                             group_mask, acc);
-      if (!columns) continue;
-      const int64_t valid = dim - c0;
+#pragma unroll 4
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t i = order == nullptr ? k : order[k];
+        const int64_t sg = static_cast<int64_t>(segment_ids[i]);
+        A x[VEC];
+        GradLoader<T, VEC>::Load(grad + sg * dim + c0, valid, x);
+        if (denominator != nullptr) {
+          const A den = denominator[sg];
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            x[v] = den == A(0) ? A(0) : Div(x[v], den);
+          }
+        }
+        if (weights != nullptr) {
+          const A w = S::Load(weights[i]);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) x[v] = Mul(x[v], w);
+        }
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] = Add(acc[v], x[v]);
+      }
       T* o = out + u * dim + c0;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
