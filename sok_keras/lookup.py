@@ -981,10 +981,9 @@ def _tape_may_record():
 
 
 def _whole_table_lookup(param, values, splits, w, combiner, name, bag_width):
-    """`SokPooledLookup` over the whole table. The table goes in as the
-    variable itself (read by the op's input), so the gradient registered for
-    SokPooledLookup reaches it as the tf.IndexedSlices it returns, never
-    densified.
+    """`SokPooledLookup` over the whole table. The table goes in as a read
+    of the variable itself, so the gradient registered for SokPooledLookup
+    reaches it as the tf.IndexedSlices it returns, never densified.
 
     In a traced training step (a tape records, the table's rows are
     static), the backward's `SokPooledGradPlan` is made here, before the
@@ -1069,9 +1068,8 @@ def _pooled_lookup_grad(op, dy):
     the forward is. On the GPU its one host sync (the row count that sizes
     the gradient) thus waits for little more than the forward's kernel,
     not for the dense layers' forward and backward, and the backward has no
-    host sync left. Its `rows` are distinct, which the
-    sparse optimizers use to skip their own dedup
-    (`sparse_kernels.indices_are_unique`)."""
+    host sync left. Its `rows` are distinct, which the sparse optimizers
+    use to skip their own dedup (`sparse_kernels.indices_are_unique`)."""
     table, values, splits, weights = op.inputs
     combiner = op.get_attr("combiner")
     if isinstance(combiner, bytes):
