@@ -24,54 +24,59 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_step  # noqa: E402  (zipf_ids)
 
 
-def kernel_times(logdir):
-    """({event name: total device ms} over the GPU planes of the trace,
-    {event name: total ms} over the host plane: TF ops and runtime events,
-    nested events counted in each)."""
+def _planes(logdir):
+    """Every plane of the profiler's XPlane files under `logdir`."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    totals = collections.Counter()
-    host_totals = collections.Counter()
-    seen = []
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
                           recursive=True):
         space = xplane_pb2.XSpace()
         with open(path, "rb") as f:
             space.ParseFromString(f.read())
-        for plane in space.planes:
-            seen.append((plane.name, [ln.name for ln in plane.lines][:8]))
-            if plane.name.startswith("/host:CPU"):
-                names = {k: v.name for k, v in plane.event_metadata.items()}
-                for line in plane.lines:
-                    for ev in line.events:
-                        host_totals[names.get(ev.metadata_id, "?")] += (
-                            ev.duration_ps / 1e9)
-                continue
-            if not plane.name.startswith("/device:GPU"):
-                continue
+        yield from space.planes
+
+
+def kernel_times(logdir):
+    """({event name: total device ms} over the GPU planes of the trace,
+    {event name: total ms} over the host plane: TF ops and runtime events,
+    nested events counted in each)."""
+    totals = collections.Counter()
+    host_totals = collections.Counter()
+    seen = []
+    for plane in _planes(logdir):
+        seen.append((plane.name, [ln.name for ln in plane.lines][:8]))
+        if plane.name.startswith("/host:CPU"):
             names = {k: v.name for k, v in plane.event_metadata.items()}
-            stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
             for line in plane.lines:
-                # Kernel and memcpy lines carry the stream's events; skip the
-                # derived lines (TF op / step summaries) that repeat them.
-                if "stream" not in line.name.lower():
-                    continue
                 for ev in line.events:
-                    name = names.get(ev.metadata_id, "?")
-                    if name.startswith("Memcpy"):
-                        # Which TF op the copy belongs to, and its size.
-                        stats = {}
-                        for st in ev.stats:
-                            key = stat_names.get(st.metadata_id, "")
-                            val = (st.str_value or st.int64_value
-                                   or st.uint64_value
-                                   or (stat_names.get(st.ref_value)
-                                       if st.ref_value else ""))
-                            stats[key] = val
-                        op = stats.get("tf_op") or stats.get("hlo_op") or ""
-                        size = stats.get("memcpy_details", "")
-                        name = f"{name} [{op}] {size}"[:160]
-                    totals[name] += ev.duration_ps / 1e9
+                    host_totals[names.get(ev.metadata_id, "?")] += (
+                        ev.duration_ps / 1e9)
+            continue
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            # Kernel and memcpy lines carry the stream's events; skip the
+            # derived lines (TF op / step summaries) that repeat them.
+            if "stream" not in line.name.lower():
+                continue
+            for ev in line.events:
+                name = names.get(ev.metadata_id, "?")
+                if name.startswith("Memcpy"):
+                    # Which TF op the copy belongs to, and its size.
+                    stats = {}
+                    for st in ev.stats:
+                        key = stat_names.get(st.metadata_id, "")
+                        val = (st.str_value or st.int64_value
+                               or st.uint64_value
+                               or (stat_names.get(st.ref_value)
+                                   if st.ref_value else ""))
+                        stats[key] = val
+                    op = stats.get("tf_op") or stats.get("hlo_op") or ""
+                    size = stats.get("memcpy_details", "")
+                    name = f"{name} [{op}] {size}"[:160]
+                totals[name] += ev.duration_ps / 1e9
     if not totals:
         print("no GPU stream events; planes and lines:", seen)
     return totals, host_totals
@@ -82,27 +87,20 @@ def timeline(logdir, window="one_step_on_data", min_us=8.0, limit=160):
     stream event of at least `min_us` inside it, in start order, as
     (start µs from the window's start, duration µs, "host"/"gpu", name):
     where the host waits for the device and what the device does then."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
     events = []
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
-                          recursive=True):
-        space = xplane_pb2.XSpace()
-        with open(path, "rb") as f:
-            space.ParseFromString(f.read())
-        for plane in space.planes:
-            host = plane.name.startswith("/host:CPU")
-            if not host and not plane.name.startswith("/device:GPU"):
+    for plane in _planes(logdir):
+        host = plane.name.startswith("/host:CPU")
+        if not host and not plane.name.startswith("/device:GPU"):
+            continue
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not host and "stream" not in line.name.lower():
                 continue
-            names = {k: v.name for k, v in plane.event_metadata.items()}
-            for line in plane.lines:
-                if not host and "stream" not in line.name.lower():
-                    continue
-                for ev in line.events:
-                    start = line.timestamp_ns * 1e3 + ev.offset_ps  # ps
-                    events.append((start, ev.duration_ps,
-                                   "host" if host else "gpu",
-                                   names.get(ev.metadata_id, "?")))
+            for ev in line.events:
+                start = line.timestamp_ns * 1e3 + ev.offset_ps  # ps
+                events.append((start, ev.duration_ps,
+                               "host" if host else "gpu",
+                               names.get(ev.metadata_id, "?")))
     frames = [e for e in events if e[2] == "host" and e[3] == window]
     if not frames:
         return []

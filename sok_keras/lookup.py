@@ -23,6 +23,7 @@ reverse all-to-all, and the owner's `tf.gather` turns it into a
 With one rank there is no exchange at all.
 """
 
+import collections
 import threading
 import weakref
 
@@ -1118,15 +1119,9 @@ def _forward_plan(op):
     return None
 
 
-class _PlanOutputs:
-    """`SokPooledGradPlan`'s outputs by name."""
-
-    def __init__(self, rows, offsets, segments, sorted_weights, denominator):
-        self.rows = rows
-        self.offsets = offsets
-        self.segments = segments
-        self.sorted_weights = sorted_weights
-        self.denominator = denominator
+# `SokPooledGradPlan`'s outputs by name.
+_PlanOutputs = collections.namedtuple(
+    "_PlanOutputs", "rows offsets segments sorted_weights denominator")
 
 
 def _ragged_weights(ids, weights, name):
