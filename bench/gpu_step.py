@@ -140,8 +140,10 @@ def _time(fn, sync, steps, rounds=3):
 def build_step_model(kind, pooled, vocab, dim, features, hotness):
     """The benchmark's model, compiled with Adam(1e-3) and MSE.
 
-    kind: "keras" (`keras.layers.Embedding` + Keras Adam) or "sok"
-    (`DistributedEmbedding` + `OptimizerWrapper(Adam)`). pooled: inputs
+    kind: "keras" (`keras.layers.Embedding` + Keras Adam), "sok"
+    (`DistributedEmbedding` + `OptimizerWrapper(Adam)`, its defaults) or
+    "sok_opbyop" (the same with `jit_compile=False`: the dense weights'
+    update op by op, as Keras runs it once XLA is off). pooled: inputs
     (batch, features, hotness), each bag summed, then Dense(1); else inputs
     (batch, features) of one id each, Flatten, Dense(256, relu), Dense(1).
     """
@@ -178,7 +180,9 @@ def build_step_model(kind, pooled, vocab, dim, features, hotness):
         emb = sok.layers.DistributedEmbedding(
             vocab, D, combiner="sum" if pooled else None,
             embeddings_initializer=init)
-        opt = sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(1e-3))
+        opt = sok.optimizers.OptimizerWrapper(
+            keras.optimizers.Adam(1e-3),
+            jit_compile="auto" if kind == "sok" else False)
     if pooled:
         inp = keras.Input((F, H), dtype="int64")
         h = PooledFeatures(emb)(inp)
@@ -343,15 +347,19 @@ def main():
                             ("unpooled", False, x3[:, :, 0])):
         xt = tf.constant(x)
         yt = tf.constant(y)
-        for kind in ("keras", "sok"):
+        for kind in ("keras", "sok", "sok_opbyop"):
             model = step_model(kind, pooled)
+            # Keras' "auto": XLA for the Keras model on a GPU; off for the
+            # sok ones (the op library has no XLA kernels).
+            result[f"{name}_{kind}_model_jit_compile"] = bool(
+                model.jit_compile)
             first = time.perf_counter()
             model.train_on_batch(xt, yt)
             first = time.perf_counter() - first
             copies0 = _ops.build_info()["variable_copy_bytes"]
             ms, rounds = _time(lambda: model.train_on_batch(xt, yt),
                                lambda r: float(r), args.steps)
-            if kind == "sok":  # copy-on-write of a table: should be 0
+            if kind != "keras":  # copy-on-write of a table: should be 0
                 result[f"{name}_sok_variable_copy_bytes"] = (
                     _ops.build_info()["variable_copy_bytes"] - copies0)
             result[f"{name}_{kind}_step_ms"] = ms
@@ -381,6 +389,9 @@ def main():
     for name in ("pooled", "unpooled"):
         result[f"{name}_speedup_vs_keras"] = round(
             result[f"{name}_keras_step_ms"] / result[f"{name}_sok_step_ms"], 2)
+        result[f"{name}_opbyop_speedup_vs_keras"] = round(
+            result[f"{name}_keras_step_ms"]
+            / result[f"{name}_sok_opbyop_step_ms"], 2)
     _common.finish(args.out, result, t0)
     keys = ["copy_GBps", "torch_embedding_bag_ms",
             "torch_embedding_bag_wall_ms", "sok_forward_ms",
@@ -394,8 +405,12 @@ def main():
             "unpooled_sok_variable_copy_bytes",
             "pooled_keras_step_ms",
             "pooled_sok_step_ms", "pooled_speedup_vs_keras",
+            "pooled_sok_opbyop_step_ms", "pooled_opbyop_speedup_vs_keras",
             "unpooled_keras_step_ms", "unpooled_sok_step_ms",
-            "unpooled_speedup_vs_keras"]
+            "unpooled_speedup_vs_keras", "unpooled_sok_opbyop_step_ms",
+            "unpooled_opbyop_speedup_vs_keras",
+            "unpooled_keras_model_jit_compile",
+            "unpooled_sok_model_jit_compile"]
     for k in keys:
         print(f"{k:32s} {result.get(k)}")
 

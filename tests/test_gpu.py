@@ -902,6 +902,7 @@ def test_layer_train_step_makes_one_host_sync_on_gpu(combiner):
         model.train_on_batch(x, y)
         assert build_info()["gpu_host_syncs"] - before == 1
         table = keras.ops.convert_to_numpy(emb.embeddings.value)
+        dense = keras.ops.convert_to_numpy(model.layers[-1].kernel)
         bad = x.numpy().copy()
         bad[2, 1] = 100
         with pytest.raises(tf.errors.InvalidArgumentError,
@@ -909,6 +910,45 @@ def test_layer_train_step_makes_one_host_sync_on_gpu(combiner):
             model.train_on_batch(tf.constant(bad), y)
         np.testing.assert_array_equal(
             keras.ops.convert_to_numpy(emb.embeddings.value), table)
+        # (nor the dense weights, whose update is XLA-compiled here)
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(model.layers[-1].kernel), dense)
+
+
+def test_dense_update_is_xla_compiled_on_gpu_and_trains_alike():
+    """OptimizerWrapper(Adam)'s jit_compile="auto" on the GPU: the traced
+    step holds one XLA-compiled call (the dense weights' update), and
+    model.fit trains as with jit_compile=False (op by op)."""
+    from tests.optimizers.test_wrapper import _xla_calls
+
+    rng = np.random.default_rng(11)
+    vocab = 2000
+    x = _ids(rng, 256 * 3, vocab, np.int64).reshape(-1, 3)
+    y = rng.normal(size=(x.shape[0], 1)).astype(np.float32)
+    weights = {}
+    for jit in ("auto", False):
+        keras.utils.clear_session()
+        keras.utils.set_random_seed(2)
+        emb = sok.layers.DistributedEmbedding(vocab, 8, combiner=None)
+        model = _fit_model(emb, (3,))
+        opt = sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(0.01),
+                                              jit_compile=jit)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+        weights[jit] = [keras.ops.convert_to_numpy(w) for w in model.weights]
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+
+        graph = step.get_concrete_function(
+            tf.constant(x[:64]), tf.constant(y[:64])).graph
+        assert len(_xla_calls(graph)) == (1 if jit == "auto" else 0), jit
+    for a, b in zip(weights["auto"], weights[False]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_one_rank_train_step_makes_two_host_syncs_on_gpu():

@@ -42,6 +42,15 @@ inline Status LaunchStatus(const char* what) {
     if (!_sok_cuda.ok()) return _sok_cuda;                         \
   } while (0)
 
+// The shuffle mask of the group of `lanes` threads (a power of 2, <= 32)
+// that this thread is in, within its warp: kernels where a group of lanes
+// shares one bag or row.
+__device__ __forceinline__ unsigned GroupMask(int lanes) {
+  return lanes == 32
+             ? 0xffffffffu
+             : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
+}
+
 // Blocks 1-D work of n items: a grid-stride launch shape.
 inline int BlocksFor(int64_t n, int threads = 256) {
   int64_t blocks = (n + threads - 1) / threads;

@@ -565,14 +565,6 @@ struct GradLoader<float, 4> {
   }
 };
 
-// The group of `lanes` threads (a power of 2, <= 32) that thread x is in,
-// as a shuffle mask within its warp.
-__device__ __forceinline__ unsigned GroupMask(int lanes) {
-  return lanes == 32
-             ? 0xffffffffu
-             : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
-}
-
 constexpr int kTermsInFlight = 4;
 
 // Adds to acc, in A = AccOf<T> and in term order, the terms k in
@@ -725,7 +717,7 @@ __global__ void SegmentCombineGradChunkKernel(
   const int64_t total = chunk_base[num_rows];
   const int lanes = 1 << lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
-  const unsigned group_mask = GroupMask(lanes);
+  const unsigned group_mask = ::sok::gpu::GroupMask(lanes);
   const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
   for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        t < slots * lanes; t += int64_t{gridDim.x} * blockDim.x) {

@@ -103,6 +103,21 @@ __device__ __forceinline__ void Combine(int combiner, T weight_sum,
   }
 }
 
+// The row of ids[i]: the id, or -1 for the padding -1 and for an id
+// outside [0, vocab_size), which also lowers error->position to i (when
+// `error` is given: the caller reports once per id).
+template <typename Tid>
+__device__ __forceinline__ long long CheckedRow(const Tid* __restrict__ ids,
+                                                int64_t i, int64_t vocab_size,
+                                                DeviceError* error) {
+  const int64_t id = static_cast<int64_t>(__ldg(ids + i));
+  if (id >= 0 && id < vocab_size) return id;
+  if (id != -1 && error != nullptr) {
+    atomicMin(&error->position, (unsigned long long)i);
+  }
+  return -1;
+}
+
 template <typename T, typename Tid, int VEC, int UNROLL>
 __global__ void __launch_bounds__(256)
     PooledLookupKernel(const T* __restrict__ table, int64_t vocab_size,
@@ -113,10 +128,7 @@ __global__ void __launch_bounds__(256)
                        DeviceError* error) {
   const int lanes = 1 << lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
-  // The lanes of this thread's group within its warp.
-  const unsigned group_mask =
-      lanes == 32 ? 0xffffffffu
-                  : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
+  const unsigned group_mask = ::sok::gpu::GroupMask(lanes);
   const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
   const int64_t groups = (int64_t{gridDim.x} * blockDim.x) >> lanes_log2;
   for (int64_t bag = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) >>
@@ -148,14 +160,7 @@ __global__ void __launch_bounds__(256)
         T my_weight = T(1);
         if (lane < n) {
           const int64_t i = base + lane;
-          const int64_t id = static_cast<int64_t>(__ldg(ids + i));
-          if (id >= 0 && id < vocab_size) {
-            my_row = id;
-          } else if (id != -1 && pass == 0) {
-            if (error != nullptr) {
-              atomicMin(&error->position, (unsigned long long)i);
-            }
-          }
+          my_row = CheckedRow(ids, i, vocab_size, pass == 0 ? error : nullptr);
           if (weights != nullptr) my_weight = __ldg(weights + i);
         }
         for (int k0 = 0; k0 < n; k0 += UNROLL) {
@@ -224,9 +229,7 @@ __global__ void __launch_bounds__(256)
                        DeviceError* error) {
   const int lanes = 1 << lanes_log2;
   const int lane = threadIdx.x & (lanes - 1);
-  const unsigned group_mask =
-      lanes == 32 ? 0xffffffffu
-                  : (((1u << lanes) - 1u) << (threadIdx.x & 31 & ~(lanes - 1)));
+  const unsigned group_mask = ::sok::gpu::GroupMask(lanes);
   const int64_t passes = ((dim + VEC - 1) / VEC + lanes - 1) / lanes;
   const int64_t groups = (int64_t{gridDim.x} * blockDim.x) >> lanes_log2;
   const int64_t chunks = (batch + lanes - 1) >> lanes_log2;
@@ -242,14 +245,7 @@ __global__ void __launch_bounds__(256)
     T my_weight = T(1);
     if (lane < n) {
       const int64_t i = first + lane;
-      const int64_t id = static_cast<int64_t>(__ldg(ids + i));
-      if (id >= 0 && id < vocab_size) {
-        my_row = id;
-      } else if (id != -1) {
-        if (error != nullptr) {
-              atomicMin(&error->position, (unsigned long long)i);
-            }
-      }
+      my_row = CheckedRow(ids, i, vocab_size, error);
       if (weights != nullptr) my_weight = __ldg(weights + i);
     }
     for (int k0 = 0; k0 < n; k0 += UNROLL) {

@@ -32,6 +32,23 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 namespace errors = ::tensorflow::errors;
 
+// fn(device) on the op's device: a CpuDevice over the op's thread pool, or
+// a GpuDevice over its stream with scratch from TensorFlow's allocator
+// (alive until fn returns).
+template <typename Device, typename Fn>
+Status OnOpDevice(OpKernelContext* ctx, Fn&& fn) {
+  if constexpr (std::is_same<Device, CpuDevice>::value) {
+    return fn(CpuDevice{CpuParallelFor(ctx)});
+  } else {
+#ifdef SOK_WITH_CUDA
+    GpuScratch scratch(ctx);
+    return fn(MakeGpuDevice(ctx, &scratch));
+#else
+    return Status::Error("built without CUDA");
+#endif
+  }
+}
+
 // The row splits of a lookup: input `input` (row_splits) as given, or, for
 // bag_width >= 1, `nnz / bag_width + 1` uniform splits made on the op's
 // device (no shape goes through the host).
@@ -57,21 +74,10 @@ absl::Status RowSplits(OpKernelContext* ctx, int input, int64_t bag_width,
   const int64_t batch = nnz / bag_width;
   TF_RETURN_IF_ERROR(ctx->allocate_temp(::tensorflow::DT_INT64,
                                         TensorShape({batch + 1}), splits));
-  Status s;
-  if constexpr (std::is_same<Device, CpuDevice>::value) {
-    CpuDevice d{CpuParallelFor(ctx)};
-    s = lookup::UniformSplitsFunctor<CpuDevice>()(
-        d, bag_width, batch, splits->flat<int64_t>().data());
-  } else {
-#ifdef SOK_WITH_CUDA
-    GpuScratch scratch(ctx);
-    GpuDevice d = MakeGpuDevice(ctx, &scratch);
-    s = lookup::UniformSplitsFunctor<GpuDevice>()(
-        d, bag_width, batch, splits->flat<int64_t>().data());
-#else
-    s = Status::Error("built without CUDA");
-#endif
-  }
+  int64_t* out = splits->flat<int64_t>().data();
+  const Status s = OnOpDevice<Device>(ctx, [&](const Device& d) {
+    return lookup::UniformSplitsFunctor<Device>()(d, bag_width, batch, out);
+  });
   if (!s.ok()) return errors::Internal(where, s.message());
   return absl::OkStatus();
 }
@@ -236,25 +242,16 @@ class SokPooledLookupOp : public PooledOpBase<Device> {
              Tensor* out, lookup::PooledLookupError* error) {
     const T* w = weights.NumElements() == 0 ? nullptr
                                             : weights.flat<T>().data();
-    if constexpr (std::is_same<Device, CpuDevice>::value) {
-      CpuDevice d{CpuParallelFor(ctx)};
-      return lookup::PooledLookupFunctor<CpuDevice, T, Tid>()(
+    // The CPU checks the ids either way (it costs no sync there).
+    constexpr bool kCpu = std::is_same<Device, CpuDevice>::value;
+    lookup::PooledLookupError* report =
+        kCpu || check_ids_ ? error : nullptr;
+    return OnOpDevice<Device>(ctx, [&](const Device& d) {
+      return lookup::PooledLookupFunctor<Device, T, Tid>()(
           d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
           splits.flat<int64_t>().data(), batch, this->bag_width_, w,
-          this->combiner_, out->flat<T>().data(), error);
-    } else {
-#ifdef SOK_WITH_CUDA
-      GpuScratch scratch(ctx);
-      GpuDevice d = MakeGpuDevice(ctx, &scratch);
-      return lookup::PooledLookupFunctor<GpuDevice, T, Tid>()(
-          d, table.flat<T>().data(), vocab, dim, ids.flat<Tid>().data(), nnz,
-          splits.flat<int64_t>().data(), batch, this->bag_width_, w,
-          this->combiner_, out->flat<T>().data(),
-          check_ids_ ? error : nullptr);
-#else
-      return Status::Error("built without CUDA");
-#endif
-    }
+          this->combiner_, out->flat<T>().data(), report);
+    });
   }
 
   bool check_ids_ = true;
@@ -396,23 +393,21 @@ absl::Status RunPlan(OpKernelContext* ctx, const Tensor& ids,
   const int64_t batch = splits.NumElements() - 1;
   const T* w = weights.NumElements() == 0 ? nullptr
                                           : weights.flat<T>().data();
-  Status status;
-  if constexpr (std::is_same<Device, CpuDevice>::value) {
-    status = lookup::PooledGradPlan<T, Tid>(
-        ids.flat<Tid>().data(), nnz, splits.flat<int64_t>().data(), batch,
-        bag_width, w, num_rows, combiner, CpuParallelFor(ctx), allocate,
-        error);
-  } else {
+  const Tid* id = ids.flat<Tid>().data();
+  const int64_t* split = splits.flat<int64_t>().data();
+  const Status status = OnOpDevice<Device>(ctx, [&](const Device& d) {
+    if constexpr (std::is_same<Device, CpuDevice>::value) {
+      return lookup::PooledGradPlan<T, Tid>(id, nnz, split, batch, bag_width,
+                                            w, num_rows, combiner,
+                                            d.parallel_for, allocate, error);
+    } else {
 #ifdef SOK_WITH_CUDA
-    GpuScratch scratch(ctx);
-    GpuDevice d = MakeGpuDevice(ctx, &scratch);
-    status = lookup::gpu::PooledGradPlan<T, Tid>(
-        d, ids.flat<Tid>().data(), nnz, splits.flat<int64_t>().data(), batch,
-        bag_width, w, num_rows, combiner, allocate, error);
-#else
-    status = Status::Error("built without CUDA");
+      return lookup::gpu::PooledGradPlan<T, Tid>(d, id, nnz, split, batch,
+                                                 bag_width, w, num_rows,
+                                                 combiner, allocate, error);
 #endif
-  }
+    }
+  });
   if (!status.ok()) return errors::Internal(where, status.message());
   return absl::OkStatus();
 }
@@ -461,26 +456,25 @@ absl::Status RunCombine(OpKernelContext* ctx, const Tensor& grad,
   const T* den = denominator.NumElements() == 0
                      ? nullptr
                      : denominator.flat<T>().data();
-  if constexpr (std::is_same<Device, CpuDevice>::value) {
-    lookup::PooledGradCombine<T>(
-        grad.flat<T>().data(), dim, batch, offsets.flat<int32_t>().data(),
-        num_unique, segments.flat<int64_t>().data(), kept, w, den,
-        CpuParallelFor(ctx), rows_grad->flat<T>().data());
-    return absl::OkStatus();
-  } else {
+  const T* g = grad.flat<T>().data();
+  const int32_t* offset = offsets.flat<int32_t>().data();
+  const int64_t* segment = segments.flat<int64_t>().data();
+  T* result = rows_grad->flat<T>().data();
+  const Status s = OnOpDevice<Device>(ctx, [&](const Device& d) {
+    if constexpr (std::is_same<Device, CpuDevice>::value) {
+      lookup::PooledGradCombine<T>(g, dim, batch, offset, num_unique, segment,
+                                   kept, w, den, d.parallel_for, result);
+      return Status::Ok();
+    } else {
 #ifdef SOK_WITH_CUDA
-    GpuScratch scratch(ctx);
-    GpuDevice d = MakeGpuDevice(ctx, &scratch);
-    const Status s = lookup::gpu::PooledGradCombine<T>(
-        d, grad.flat<T>().data(), dim, batch, offsets.flat<int32_t>().data(),
-        num_unique, segments.flat<int64_t>().data(), kept, w, den,
-        rows_grad->flat<T>().data());
-    if (!s.ok()) return errors::Internal(where, s.message());
-    return absl::OkStatus();
-#else
-    return errors::Internal(where, "built without CUDA");
+      return lookup::gpu::PooledGradCombine<T>(d, g, dim, batch, offset,
+                                               num_unique, segment, kept, w,
+                                               den, result);
 #endif
-  }
+    }
+  });
+  if (!s.ok()) return errors::Internal(where, s.message());
+  return absl::OkStatus();
 }
 
 template <typename Device, typename T, typename Tid>

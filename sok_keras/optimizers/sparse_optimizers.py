@@ -14,6 +14,7 @@ from sok_keras.optimizers.wrapper import _check_supported
 from sok_keras.optimizers.wrapper import apply_with_tables
 from sok_keras.optimizers.wrapper import broadcast_variables
 from sok_keras.optimizers.wrapper import build_once
+from sok_keras.optimizers.wrapper import check_jit_compile
 from sok_keras.optimizers.wrapper import create_table_slots
 from sok_keras.variable import is_sok_variable
 from sok_keras._ops import not_converted as _not_converted
@@ -22,8 +23,11 @@ from sok_keras._ops import not_converted as _not_converted
 class _TablesMixin:
     """Routes `sok_keras.Variable`s to the sparse rule of the Keras base."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, jit_compile="auto", **kwargs):
         super().__init__(*args, **kwargs)
+        # As OptimizerWrapper's: whether the dense weights' update runs as
+        # one XLA computation (see wrapper.compiles_dense_update).
+        self.jit_compile = check_jit_compile(type(self).__name__, jit_compile)
         # Fail early, as OptimizerWrapper does: EMA, gradient accumulation
         # and loss scaling would apply to the dense weights only, and
         # weight decay has a sparse rule for Adam / AdamW only.
@@ -40,7 +44,11 @@ class _TablesMixin:
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables
-        apply_with_tables(self, grads, variables, super().apply)
+        apply_with_tables(self, grads, variables, super().apply,
+                          jit_compile=self.jit_compile)
+
+    def get_config(self):
+        return {**super().get_config(), "jit_compile": self.jit_compile}
 
 
 def _make(keras_class):
@@ -54,7 +62,8 @@ def _make(keras_class):
                 f"`keras.optimizers.{keras_class.__name__}` with a lazy "
                 "sparse update for `sok_keras.Variable` tables.\n\n"
                 f"Takes the arguments of `keras.optimizers."
-                f"{keras_class.__name__}`.\n"
+                f"{keras_class.__name__}`, and `jit_compile` (\"auto\", "
+                "True or False) as `OptimizerWrapper`'s.\n"
             ),
         },
     )

@@ -289,7 +289,73 @@ def build_once(optimizer, variables):
         optimizer.built = True
 
 
-def apply_with_tables(opt, grads, variables, apply_dense):
+JIT_COMPILE_CHOICES = ("auto", True, False)
+
+
+def check_jit_compile(owner, jit_compile):
+    """`jit_compile` as given to an optimizer, or a clear error."""
+    if not any(jit_compile is c if isinstance(c, bool) else jit_compile == c
+               for c in JIT_COMPILE_CHOICES):
+        raise ValueError(
+            f"{owner}: `jit_compile` must be 'auto', True or False. "
+            f"Received: jit_compile={jit_compile!r}.")
+    return jit_compile
+
+
+def _device_of(v):
+    handle = getattr(v, "handle", None)
+    return getattr(handle if handle is not None else v, "device", "") or ""
+
+
+def compiles_dense_update(jit_compile, opt, dense_variables):
+    """Whether the dense weights' update runs as one XLA computation.
+
+    On a GPU, Keras compiles a whole training step with XLA by default
+    (`model.compile(jit_compile="auto")`). A model with sok layers cannot
+    be compiled whole (the op library has no XLA kernels), so Keras turns
+    XLA off, and the optimizer's update of the dense weights then runs op
+    by op: for Adam, some 25 small ops per weight, each its own kernel
+    launch and host dispatch. `jit_compile="auto"` gives that update, and
+    only it, back the compilation Keras' "auto" would have chosen: in a
+    traced step (not eagerly), with no `tf.distribute` strategy in charge
+    and op determinism off (where Keras' "auto" turns XLA off too), when
+    every variable it touches (the weights and the optimizer's own) is on
+    a GPU. `True` compiles it wherever it runs; `False` never.
+    """
+    if jit_compile is False or not dense_variables:
+        return False
+    if jit_compile is True:
+        return True
+    if tf.executing_eagerly() or tf.distribute.has_strategy():
+        return False
+    from tensorflow.python.framework import config as tf_config
+
+    if tf_config.is_op_determinism_enabled():
+        return False
+    return all("GPU" in _device_of(v).upper()
+               for v in list(dense_variables) + list(opt.variables))
+
+
+def _apply_dense_compiled(opt, apply_dense, grads, variables):
+    """`apply_dense(grads, variables)`, traced into one tf.function with
+    `jit_compile=True` (one per optimizer and list of variables, kept on
+    the optimizer past TensorFlow's attribute tracking, so that saving
+    does not see it)."""
+    fns = opt.__dict__.get("_sok_compiled_dense")
+    if fns is None:
+        fns = {}
+        object.__setattr__(opt, "_sok_compiled_dense", fns)
+    key = tuple(id(v) for v in variables)
+    if key not in fns:
+        def update(*g):
+            apply_dense(list(g), variables)
+
+        fns[key] = tf.function(update, jit_compile=True, autograph=False)
+    fns[key](*grads)
+
+
+def apply_with_tables(opt, grads, variables, apply_dense,
+                      jit_compile=False):
     """One training step for a mix of dense weights and sharded tables.
 
     Args:
@@ -300,6 +366,8 @@ def apply_with_tables(opt, grads, variables, apply_dense):
             the dense variables, called with clipping already done. When
             there are none, `opt.iterations` is incremented instead, so the
             step is counted either way.
+        jit_compile: "auto", True or False: whether `apply_dense` runs as
+            one XLA computation (see `compiles_dense_update`).
     """
     grads = reduce_across_ranks(list(grads), variables)
     dense_g, dense_v, slices, tables = [], [], [], []
@@ -315,6 +383,7 @@ def apply_with_tables(opt, grads, variables, apply_dense):
     dense_g, slices = clip_gradients(
         opt, [tf.convert_to_tensor(g) for g in dense_g], slices)
     own_steps = []  # tables' own optimizers: each counts its steps
+    table_updates = []  # their ops, in a traced step
     for s, table in zip(slices, tables):
         topt = table_optimizer(opt, table)
         rule = sparse_rules.rule_for(topt)
@@ -322,8 +391,10 @@ def apply_with_tables(opt, grads, variables, apply_dense):
         step = tf.cast(topt.iterations + 1,
                        sparse_kernels.slot_dtype(table.dtype))
         slots = sparse_rules.ensure_slots(rule, topt, table)
-        rule.apply(topt, table, slots, s.indices, s.values,
-                   topt.learning_rate, step)
+        update = rule.apply(topt, table, slots, s.indices, s.values,
+                            topt.learning_rate, step)
+        if update is not None:
+            table_updates.append(update)
         if topt is not opt and all(topt is not o for o in own_steps):
             own_steps.append(topt)
     for topt in own_steps:
@@ -332,7 +403,16 @@ def apply_with_tables(opt, grads, variables, apply_dense):
         opt.iterations.assign_add(1)
         return
     with _clipping_off(opt):
-        apply_dense(dense_g, dense_v)
+        if compiles_dense_update(jit_compile, opt, dense_v):
+            # Issued after the tables' updates: on a GPU, whose stream runs
+            # kernels in the order they are issued, the tables' gradient
+            # sums and updates are the step's longest GPU work, and they
+            # then run while the host launches the compiled update (a few
+            # fused kernels) instead of after it.
+            with tf.control_dependencies(table_updates):
+                _apply_dense_compiled(opt, apply_dense, dense_g, dense_v)
+        else:
+            apply_dense(dense_g, dense_v)
 
 
 @keras.saving.register_keras_serializable(package="sok_keras")
@@ -369,6 +449,14 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             infinite is skipped on every rank: tables, slots and dense
             weights stay as they were, and `skipped_steps` counts it (as
             `LossScaleOptimizer` skips overflowing steps).
+        jit_compile: "auto" (default), True or False. Whether the update of
+            the dense weights (the inner optimizer's own) runs as one XLA
+            computation. "auto" compiles it where Keras'
+            `model.compile(jit_compile="auto")` would have compiled the
+            whole step had the model no sok layers: in a traced step on a
+            GPU, without a `tf.distribute` strategy or op determinism (see
+            `compiles_dense_update`). The tables' updates are sok's own ops
+            either way.
 
     Example:
 
@@ -379,7 +467,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     """
 
     def __init__(self, inner_optimizer, name=None, skip_nonfinite=False,
-                 **kwargs):
+                 jit_compile="auto", **kwargs):
         for arg, default in _UNSUPPORTED_BASE_ARGS.items():
             if arg in kwargs:
                 value = kwargs.pop(arg)
@@ -407,9 +495,11 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             raise TypeError(
                 "`skip_nonfinite` must be a bool. Received: "
                 f"skip_nonfinite={skip_nonfinite!r}.")
+        check_jit_compile("OptimizerWrapper", jit_compile)
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner_optimizer
         self.skip_nonfinite = skip_nonfinite
+        self.jit_compile = jit_compile
 
     def build(self, var_list):
         dense = [v for v in var_list if not is_sok_variable(v)]
@@ -445,7 +535,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
 
         def update():
             apply_with_tables(self.inner_optimizer, grads, variables,
-                              self.inner_optimizer.apply)
+                              self.inner_optimizer.apply,
+                              jit_compile=self.jit_compile)
 
         if not self.skip_nonfinite:
             update()
@@ -486,6 +577,7 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(
                 self.inner_optimizer),
             "skip_nonfinite": self.skip_nonfinite,
+            "jit_compile": self.jit_compile,
         }
 
     @classmethod

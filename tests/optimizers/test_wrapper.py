@@ -473,3 +473,129 @@ def test_skip_nonfinite_on_two_ranks_skips_everywhere():
 
     for r in run_workers(worker_path("skip_nonfinite"), 2, timeout=120):
         assert r == {**r, "unchanged": True, "skipped": 1, "moved": True}
+
+
+# ---------------------------------------------------------------------------
+# jit_compile: the dense weights' update as one XLA computation.
+
+
+def _xla_calls(graph):
+    """The function calls in `graph` that TensorFlow must compile with
+    XLA."""
+    found = []
+    for op in graph.get_operations():
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+            try:
+                if op.get_attr("_XlaMustCompile"):
+                    found.append(op)
+            except ValueError:  # no such attribute: not compiled
+                pass
+    return found
+
+
+def _jit_step_run(make_opt, steps=4):
+    """Traced steps of a table and two dense weights with `make_opt()`;
+    returns the final values and the step's graph."""
+    w0, _ = initial_values(3)
+    rng = np.random.default_rng(5)
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(3)
+    layer.build((None, 4))
+    table = sok.Variable(w0, name="table")
+    opt = make_opt()
+
+    @tf.function
+    def step(idx, gt, gk, gb):
+        opt.apply_gradients([(slices(idx, gt), table), (gk, layer.kernel),
+                             (gb, layer.bias)])
+
+    graph = None
+    for _ in range(steps):
+        args = (tf.constant(rng.permutation(10)[:4].astype(np.int64)),
+                tf.constant(rng.standard_normal((4, 4)).astype(np.float32)),
+                tf.constant(rng.standard_normal((4, 3)).astype(np.float32)),
+                tf.constant(rng.standard_normal((3,)).astype(np.float32)))
+        step(*args)
+        graph = graph or step.get_concrete_function(*args).graph
+    assert int(opt.iterations) == steps
+    return [_np(table), _np(layer.kernel), _np(layer.bias)], graph
+
+
+@pytest.mark.parametrize("make", [
+    lambda jit: Wrapper(keras.optimizers.Adam(0.05), jit_compile=jit),
+    lambda jit: Wrapper(keras.optimizers.RMSprop(0.05, momentum=0.5,
+                                                 clipnorm=0.5),
+                        jit_compile=jit),
+    lambda jit: sok.optimizers.Adam(0.05, jit_compile=jit),
+], ids=["wrapper_adam", "wrapper_rmsprop_clipnorm", "sok_adam"])
+def test_jit_compile_true_compiles_the_dense_update_to_the_same_values(make):
+    """jit_compile=True: the traced step holds one XLA-compiled call (the
+    dense update), and gives the op-by-op step's values (the table's are
+    sok's own ops either way, so bit for bit)."""
+    ours, graph = _jit_step_run(lambda: make(True))
+    ref, ref_graph = _jit_step_run(lambda: make(False))
+    assert len(_xla_calls(graph)) == 1
+    assert _xla_calls(ref_graph) == []
+    np.testing.assert_array_equal(ours[0], ref[0])
+    for a, b in zip(ours[1:], ref[1:]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert not np.array_equal(a, _np(keras.ops.zeros_like(a)))
+
+
+def test_jit_compile_auto_compiles_where_keras_auto_would():
+    """"auto" compiles only a traced update whose variables are all on a
+    GPU, with no tf.distribute strategy; eagerly, on the CPU or under a
+    strategy it runs op by op, as Keras' own "auto" would."""
+    from sok_keras.optimizers.wrapper import compiles_dense_update
+
+    inner = keras.optimizers.Adam()
+    kernel = keras.Variable(np.zeros((2, 2), np.float32))
+    inner.build([kernel])
+    assert not compiles_dense_update("auto", inner, [kernel])  # eagerly
+    assert compiles_dense_update(True, inner, [kernel])
+    assert not compiles_dense_update(False, inner, [kernel])
+    assert not compiles_dense_update(True, inner, [])  # nothing to update
+    decided = []
+
+    @tf.function
+    def traced():
+        decided.append(compiles_dense_update("auto", inner, [kernel]))
+        with tf.distribute.OneDeviceStrategy("/CPU:0").scope():
+            decided.append(compiles_dense_update("auto", inner, [kernel]))
+        return tf.constant(0)
+
+    traced()
+    on_gpu = "GPU" in kernel.value.device and all(
+        "GPU" in v.value.device for v in inner.variables)
+    assert decided == [on_gpu, False]
+    # CPU variables, even with a GPU visible: op by op.
+    with tf.device("/CPU:0"):
+        cpu_kernel = keras.Variable(np.zeros((2, 2), np.float32))
+        cpu_inner = keras.optimizers.Adam()
+        cpu_inner.build([cpu_kernel])
+    assert not tf.function(lambda: tf.constant(compiles_dense_update(
+        "auto", cpu_inner, [cpu_kernel])))().numpy()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, "Auto"])
+def test_jit_compile_must_be_auto_true_or_false(bad):
+    with pytest.raises(ValueError, match=r"OptimizerWrapper: `jit_compile` "
+                       r"must be 'auto', True or False\. Received: "
+                       rf"jit_compile={bad!r}"):
+        Wrapper(keras.optimizers.SGD(), jit_compile=bad)
+    with pytest.raises(ValueError, match=r"Adam: `jit_compile`"):
+        sok.optimizers.Adam(jit_compile=bad)
+
+
+@pytest.mark.parametrize("jit", ["auto", True, False])
+def test_jit_compile_survives_get_config(jit):
+    opt = Wrapper(keras.optimizers.Adam(0.1), jit_compile=jit)
+    clone = Wrapper.from_config(opt.get_config())
+    assert clone.jit_compile == jit and type(clone.jit_compile) is type(jit)
+    sok_opt = sok.optimizers.Adam(0.1, jit_compile=jit)
+    clone = sok.optimizers.Adam.from_config(sok_opt.get_config())
+    assert clone.jit_compile == jit and type(clone.jit_compile) is type(jit)
+    # A file written before the argument existed loads with the default.
+    config = opt.get_config()
+    del config["jit_compile"]
+    assert Wrapper.from_config(config).jit_compile == "auto"
