@@ -21,6 +21,11 @@ N = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 KIND = sys.argv[2] if len(sys.argv) > 2 else "CPU"
 if KIND == "GPU":  # (TF32 matmuls would round the two runs apart)
     tf.config.experimental.enable_tensor_float_32_execution(False)
+else:
+    # Logical CPUs, and the reference on the CPU too: in a GPU TensorFlow
+    # it would otherwise run on the GPU (TF32 matmuls, XLA-compiled dense
+    # updates) and round apart from the replicas.
+    tf.config.set_visible_devices([], "GPU")
 if N > 1 and KIND == "GPU":
     gpu = tf.config.list_physical_devices("GPU")[0]
     tf.config.set_logical_device_configuration(
