@@ -289,13 +289,10 @@ def build_once(optimizer, variables):
         optimizer.built = True
 
 
-JIT_COMPILE_CHOICES = ("auto", True, False)
-
-
 def check_jit_compile(owner, jit_compile):
     """`jit_compile` as given to an optimizer, or a clear error."""
-    if not any(jit_compile is c if isinstance(c, bool) else jit_compile == c
-               for c in JIT_COMPILE_CHOICES):
+    if not (jit_compile is True or jit_compile is False
+            or (isinstance(jit_compile, str) and jit_compile == "auto")):
         raise ValueError(
             f"{owner}: `jit_compile` must be 'auto', True or False. "
             f"Received: jit_compile={jit_compile!r}.")
