@@ -495,13 +495,14 @@ __device__ __forceinline__ int64_t ChunksOf(int64_t n) {
   return (n + kChunk - 1) / kChunk;
 }
 
-// chunks[u] = partials[u]: the row's first-level chunks when it has
-// several, else 0 (a row of at most kChunk terms, empty ones included, is
-// summed by SegmentCombineGradSingleKernel). Entry num_rows is 0, so that
-// exclusive scans end with the totals.
+// chunks[u]: the row's first-level chunks when it has several, else 0 (a
+// row of at most kChunk terms, empty ones included, is summed by
+// SegmentCombineGradSingleKernel). Its exclusive scan is the base of each
+// row's chunk slots and, as a row has one first-level partial per chunk,
+// of its partials too. Entry num_rows is 0, so that the scan ends with
+// the total.
 __global__ void GradChunkCountsKernel(const int32_t* offsets,
-                                      int64_t num_rows, int64_t* chunks,
-                                      int64_t* partials) {
+                                      int64_t num_rows, int64_t* chunks) {
   for (int64_t u = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        u <= num_rows; u += int64_t{gridDim.x} * blockDim.x) {
     int64_t c = 0;
@@ -509,26 +510,33 @@ __global__ void GradChunkCountsKernel(const int32_t* offsets,
       c = ChunksOf(static_cast<int64_t>(offsets[u + 1]) - offsets[u]);
     }
     chunks[u] = c > 1 ? c : 0;
-    partials[u] = c > 1 ? c : 0;
   }
 }
 
-// slot_row[c] = u for each of row u's first-level chunks c.
-__global__ void GradChunkRowsKernel(const int64_t* chunk_base,
-                                    int64_t num_rows, int64_t* slot_row) {
+// heads[base[u]] = u for each row u with chunk slots (at its first slot);
+// the other entries are 0. As rows' slot ranges increase with u, an
+// inclusive max-scan of heads then gives every slot its row, in a few
+// parallel passes however hot the hottest row is.
+__global__ void GradChunkHeadsKernel(const int64_t* base, int64_t num_rows,
+                                     int64_t slots, int64_t* heads) {
   for (int64_t u = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
        u < num_rows; u += int64_t{gridDim.x} * blockDim.x) {
-    for (int64_t c = chunk_base[u]; c < chunk_base[u + 1]; ++c) {
-      slot_row[c] = u;
-    }
+    if (base[u + 1] > base[u] && base[u] < slots) heads[base[u]] = u;
   }
 }
 
-// The row whose slots [base[u], base[u + 1]) hold slot s.
-__device__ __forceinline__ int64_t RowOfSlot(const int64_t* base,
-                                             int64_t num_rows, int64_t s) {
-  return LowerBound(base, num_rows + 1, s + 1) - 1;
-}
+struct MaxOf {
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const {
+    return a > b ? a : b;
+  }
+};
+
+// Grid cap of the chunk and reduce kernels. They are launched before the
+// number of slots is known on the host (a bound from nnz, some 100 times
+// the actual count on Zipf ids) and stride over the slots, so a capped
+// grid does the same work without scheduling tens of thousands of blocks
+// that only find themselves past the end.
+constexpr int kMaxSlotBlocks = 4096;
 
 // Lanes per chunk: enough for one pass over a row of `dim` in VEC-wide
 // pieces (a power of 2, at most a warp).
@@ -709,7 +717,6 @@ __global__ void SegmentCombineGradChunkKernel(
     const AccOf<T>* __restrict__ denominator,
     const int32_t* __restrict__ offsets, const int32_t* __restrict__ order,
     int64_t num_rows, const int64_t* __restrict__ chunk_base,
-    const int64_t* __restrict__ partial_base,
     const int64_t* __restrict__ slot_row, int64_t slots, int lanes_log2,
     AccOf<T>* __restrict__ partial, T* __restrict__ out) {
   using A = AccOf<T>;
@@ -747,7 +754,7 @@ __global__ void SegmentCombineGradChunkKernel(
           if (v < valid) o[v] = S::Store(acc[v]);
         }
       } else {
-        A* o = partial + (partial_base[u] + j) * dim + c0;
+        A* o = partial + c * dim + c0;  // the partial of chunk c
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           if (v < valid) o[v] = acc[v];
@@ -763,14 +770,15 @@ __global__ void SegmentCombineGradChunkKernel(
 template <typename T>
 __global__ void SegmentCombineGradReduceKernel(
     int64_t dim, const int32_t* __restrict__ offsets, int64_t num_rows,
-    const int64_t* __restrict__ partial_base, int64_t slots, int level,
+    const int64_t* __restrict__ partial_base,
+    const int64_t* __restrict__ slot_row, int64_t slots, int level,
     const AccOf<T>* __restrict__ in, AccOf<T>* __restrict__ next,
     T* __restrict__ out) {
   using A = AccOf<T>;
   const int64_t total = partial_base[num_rows];
   for (int64_t s = blockIdx.x * int64_t{blockDim.y} + threadIdx.y;
        s < slots && s < total; s += int64_t{gridDim.x} * blockDim.y) {
-    const int64_t u = RowOfSlot(partial_base, num_rows, s);
+    const int64_t u = slot_row[s];
     const int64_t j = s - partial_base[u];
     int64_t n = static_cast<int64_t>(offsets[u + 1]) - offsets[u];
     for (int l = 0; l < level; ++l) n = ChunksOf(n);
@@ -819,6 +827,23 @@ Status ExclusiveSum(const GpuDevice& d, const int64_t* in, int64_t* out,
   return Status::Ok();
 }
 
+// Inclusive max-scan of in[0, n) into out[0, n) (int64).
+Status InclusiveMax(const GpuDevice& d, const int64_t* in, int64_t* out,
+                    int64_t n) {
+  size_t temp_bytes = 0;
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveScan(nullptr, temp_bytes, in, out, MaxOf(),
+                                     static_cast<int>(n), StreamOf(d)),
+      "cub::DeviceScan::InclusiveScan (size query)");
+  void* temp = nullptr;
+  SOK_RETURN_IF_ERROR(CubTemp(d, temp_bytes, &temp));
+  SOK_CUDA_RETURN_IF_ERROR(
+      cub::DeviceScan::InclusiveScan(temp, temp_bytes, in, out, MaxOf(),
+                                     static_cast<int>(n), StreamOf(d)),
+      "cub::DeviceScan::InclusiveScan");
+  return Status::Ok();
+}
+
 // The per-row sums of the gradient once its positions are grouped by row
 // (positions order[offsets[u] .. offsets[u + 1]) of row u, ascending;
 // order null: the identity): the kGradChunk tree of core/lookup.h, over
@@ -832,37 +857,6 @@ Status CombineGradGrouped(const GpuDevice& d, const T* grad, int64_t dim,
                           const int32_t* order, int64_t nnz, int64_t num_rows,
                           T* out) {
   const cudaStream_t stream = StreamOf(d);
-  // Chunk and partial slots per row (see kChunk), and their bases.
-  int64_t* counts = nullptr;
-  int64_t* chunk_base = nullptr;
-  int64_t* partial_base = nullptr;
-  SOK_RETURN_IF_ERROR(Scratch(d, 2 * (num_rows + 1), &counts, "grad chunks"));
-  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &chunk_base, "grad chunks"));
-  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &partial_base, "grad chunks"));
-  GradChunkCountsKernel<<<BlocksFor(num_rows + 1, kThreads), kThreads, 0,
-                          stream>>>(offsets, num_rows, counts,
-                                    counts + num_rows + 1);
-  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkCountsKernel");
-  SOK_RETURN_IF_ERROR(ExclusiveSum(d, counts, chunk_base, num_rows + 1));
-  SOK_RETURN_IF_ERROR(
-      ExclusiveSum(d, counts + num_rows + 1, partial_base, num_rows + 1));
-  // Bounds on the slot counts (known on the device only): only rows of
-  // more than kChunk terms (at most nnz / kChunk of them) have chunk slots
-  // and partials, each at most 1 + n / kChunk.
-  const int64_t partial_slots = 2 * (nnz / kChunk + 1);
-  const int64_t chunk_slots = partial_slots;
-  using A = AccOf<T>;
-  A* partial[2] = {nullptr, nullptr};
-  if (nnz > kChunk) {
-    SOK_RETURN_IF_ERROR(
-        Scratch(d, 2 * partial_slots * dim, &partial[0], "grad partials"));
-    partial[1] = partial[0] + partial_slots * dim;
-  }
-  int64_t* slot_row = nullptr;
-  SOK_RETURN_IF_ERROR(Scratch(d, chunk_slots, &slot_row, "grad chunk rows"));
-  GradChunkRowsKernel<<<BlocksFor(num_rows, kThreads), kThreads, 0, stream>>>(
-      chunk_base, num_rows, slot_row);
-  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkRowsKernel");
   const bool vec4 = std::is_same<T, float>::value && dim % 4 == 0 &&
                     reinterpret_cast<uintptr_t>(grad) % 16 == 0;
   const int vec = vec4 ? 4 : 1;
@@ -881,29 +875,60 @@ Status CombineGradGrouped(const GpuDevice& d, const T* grad, int64_t dim,
   }
   SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradSingleKernel");
   if (nnz <= kChunk) return Status::Ok();  // no row has several chunks
+  // Chunk slots per row (see kChunk), and their bases: row u's first-level
+  // chunks, and their partials, are slots [base[u], base[u + 1]).
+  int64_t* counts = nullptr;
+  int64_t* base = nullptr;
+  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &counts, "grad chunks"));
+  SOK_RETURN_IF_ERROR(Scratch(d, num_rows + 1, &base, "grad chunks"));
+  GradChunkCountsKernel<<<BlocksFor(num_rows + 1, kThreads), kThreads, 0,
+                          stream>>>(offsets, num_rows, counts);
+  SOK_LAUNCH_RETURN_IF_ERROR("GradChunkCountsKernel");
+  SOK_RETURN_IF_ERROR(ExclusiveSum(d, counts, base, num_rows + 1));
+  // A bound on the slot count (known on the device only): only rows of
+  // more than kChunk terms (at most nnz / kChunk of them) have slots, each
+  // at most 1 + n / kChunk.
+  const int64_t slots = 2 * (nnz / kChunk + 1);
+  using A = AccOf<T>;
+  A* partial[2] = {nullptr, nullptr};
+  SOK_RETURN_IF_ERROR(
+      Scratch(d, 2 * slots * dim, &partial[0], "grad partials"));
+  partial[1] = partial[0] + slots * dim;
+  int64_t* slot_row = nullptr;
+  {
+    int64_t* heads = nullptr;
+    SOK_RETURN_IF_ERROR(Scratch(d, slots, &heads, "grad chunk rows"));
+    SOK_RETURN_IF_ERROR(Scratch(d, slots, &slot_row, "grad chunk rows"));
+    SOK_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(heads, 0, slots * sizeof(int64_t), stream),
+        "grad chunk heads");
+    GradChunkHeadsKernel<<<BlocksFor(num_rows, kThreads), kThreads, 0,
+                           stream>>>(base, num_rows, slots, heads);
+    SOK_LAUNCH_RETURN_IF_ERROR("GradChunkHeadsKernel");
+    SOK_RETURN_IF_ERROR(InclusiveMax(d, heads, slot_row, slots));
+  }
   const int chunk_blocks =
-      BlocksFor(chunk_slots << lanes_log2, kThreads);
+      std::min(BlocksFor(slots << lanes_log2, kThreads), kMaxSlotBlocks);
   if (vec4) {
     SegmentCombineGradChunkKernel<T, Tseg, 4>
         <<<chunk_blocks, kThreads, 0, stream>>>(
             grad, dim, segment_ids, weights, denominator, offsets, order,
-            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
-            lanes_log2, partial[0], out);
+            num_rows, base, slot_row, slots, lanes_log2, partial[0], out);
   } else {
     SegmentCombineGradChunkKernel<T, Tseg, 1>
         <<<chunk_blocks, kThreads, 0, stream>>>(
             grad, dim, segment_ids, weights, denominator, offsets, order,
-            num_rows, chunk_base, partial_base, slot_row, chunk_slots,
-            lanes_log2, partial[0], out);
+            num_rows, base, slot_row, slots, lanes_log2, partial[0], out);
   }
   SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradChunkKernel");
   // Level l reduces rows of more than kChunk^l terms; nnz bounds a row.
-  const GroupShape reduce_shape = ShapeFor(partial_slots, dim);
+  GroupShape reduce_shape = ShapeFor(slots, dim);
+  reduce_shape.blocks = std::min(reduce_shape.blocks, kMaxSlotBlocks);
   int64_t reach = kChunk;
   for (int level = 1; reach < nnz; ++level, reach *= kChunk) {
     SegmentCombineGradReduceKernel<T>
         <<<reduce_shape.blocks, reduce_shape.block, 0, stream>>>(
-            dim, offsets, num_rows, partial_base, partial_slots, level,
+            dim, offsets, num_rows, base, slot_row, slots, level,
             partial[(level - 1) % 2], partial[level % 2], out);
     SOK_LAUNCH_RETURN_IF_ERROR("SegmentCombineGradReduceKernel");
   }
