@@ -10,6 +10,9 @@ NP ?= 2
 # pytest-xdist workers: the multi-rank jobs wait on each other's startup
 # and on deadlines, so with three of them two cores stay busy.
 TEST_WORKERS ?= 3
+# Ranks of the multi-process tests are forked from a server that has
+# TensorFlow imported (tests/forkserver.py); 0 starts each one cold.
+SOK_TEST_FORKSERVER ?= 1
 
 .PHONY: demo test bench build clean
 
@@ -30,7 +33,8 @@ demo: $(BUILT)
 
 test: $(BUILT)
 	$(VENV)/bin/ruff check --select F sok_keras tests bench setup.py sokrun.py
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 tests
+	SOK_TEST_FORKSERVER=$(SOK_TEST_FORKSERVER) $(PY) -m pytest -q \
+		-n $(TEST_WORKERS) --durations=15 tests
 
 bench: $(BUILT)
 	$(PY) bench/run_all.py

@@ -188,7 +188,8 @@ def pytest_collection_modifyitems(config, items):
 # -- opt-in CPU report (`SOK_TEST_CPU_REPORT=path`) --
 #
 # Per test: CPU seconds of the pytest process itself plus those of its
-# reaped children (sokrun jobs, their ranks, other Python subprocesses),
+# reaped children (sokrun jobs and their ranks, forked ones too; other
+# Python subprocesses),
 # around its setup + call + teardown (a module fixture is charged to the
 # test that sets it up or tears it down), its wall time, and the Python /
 # sokrun processes it started (`launches`; `ranks` counts sokrun's ranks as
@@ -237,10 +238,16 @@ if _CPU_REPORT:
 
 def _cpu_seconds():
     import resource
+    import sys
 
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime)
+    forked = 0.0  # ranks forked by the fork server (tests/forkserver.py)
+    for name in ("multiprocess", "tests.multiprocess"):
+        if name in sys.modules:
+            forked += sys.modules[name].forked_cpu_seconds()
+    return (own.ru_utime + own.ru_stime,
+            kids.ru_utime + kids.ru_stime + forked)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -18,10 +18,18 @@ start per rank for several scenarios. Failure messages include the whole output 
 happens, nothing started by the run is left running: every process of the
 job carries a unique marker in its environment, and `/proc` is scanned for
 it afterwards (leftovers are killed and reported).
+
+With `SOK_TEST_FORKSERVER=1` (set by `make test`), a Python rank is forked
+from a server that has TensorFlow, Keras and sok_keras imported already
+(`tests/forkserver.py`, one per pytest process): sokrun, its environment,
+signals and exit codes are as before, without each rank's ~5 CPU-s of
+imports. `launch(..., forkserver=False)` starts a job's ranks cold.
 """
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +37,101 @@ import tempfile
 import time
 import uuid
 
+try:  # imported as tests.multiprocess, or with tests/ on sys.path
+    from . import forkserver as _fs
+except ImportError:
+    import forkserver as _fs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
-MARKER_VAR = "SOK_TEST_MARKER"
+MARKER_VAR = _fs.MARKER_VAR
+FORKSERVER = os.path.join(REPO, "tests", "forkserver.py")
+_server = {}  # this process' fork server: "proc", "socket", "dir"
+
+
+def _repo_env():
+    env = dict(os.environ)
+    env.pop("SOK_RANK", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    )
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def _stop_forkserver():
+    proc = _server.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if _server.get("dir"):
+        shutil.rmtree(_server["dir"], ignore_errors=True)
+
+
+def forkserver_socket(force=False):
+    """The socket of this process' fork server (started on first use), or
+    None when `SOK_TEST_FORKSERVER` is not "1" (unless `force`)."""
+    if not force and os.environ.get("SOK_TEST_FORKSERVER", "0") != "1":
+        return None
+    proc = _server.get("proc")
+    if proc is not None and proc.poll() is None:
+        return _server["socket"]
+    _stop_forkserver()
+    folder = tempfile.mkdtemp(prefix="sok_fs_")
+    path = os.path.join(folder, "socket")
+    env = _repo_env()
+    for var in ("SOK_NUM_RANKS", "SOK_WORKER_ADDRS", "SOK_BIND_HOST",
+                MARKER_VAR):
+        env.pop(var, None)
+    try:  # ranks bind as sokrun's would: the guard is preloaded here
+        import sokrun
+
+        guard = sokrun.bind_guard_library()
+    except ImportError:
+        guard = None
+    if guard:
+        env["LD_PRELOAD"] = ":".join(
+            [guard] + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    log = open(os.path.join(folder, "server.log"), "wb")
+    proc = subprocess.Popen(
+        [sys.executable, FORKSERVER, "--serve", path], env=env, cwd=REPO,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+    )
+    log.close()
+    _server.update(proc=proc, socket=path, dir=folder)
+    line = proc.stdout.readline()  # "ready" once TensorFlow is imported
+    if line.strip() != b"ready":
+        proc.kill()
+        proc.wait()
+        with open(os.path.join(folder, "server.log"), "rb") as f:
+            detail = f.read().decode("utf-8", "replace")[-4000:]
+        _stop_forkserver()
+        raise RuntimeError(f"the fork server did not start:\n{detail}")
+    if not _server.get("atexit"):
+        atexit.register(_stop_forkserver)
+        _server["atexit"] = True
+    return path
+
+
+def forked_cpu_seconds():
+    """CPU seconds of the ranks this process' fork server has forked and
+    reaped (they are its children, not ours: `RUSAGE_CHILDREN` misses
+    them); 0 without a server."""
+    proc = _server.get("proc")
+    if proc is None or proc.poll() is not None:
+        return 0.0
+    return _fs.ranks_cpu_seconds(_server["socket"])
+
+
+def _forked_leftovers(path, marker, wait=3.0):
+    """The fork server's ranks of job `marker` still running `wait` s after
+    the job (their client is gone, so they are killing themselves)."""
+    deadline = time.monotonic() + wait
+    while True:
+        pids = _fs.live_ranks(path, marker)
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
 
 
 class JobResult:
@@ -79,7 +179,7 @@ def worker_path(name):
 
 def launch(
     program, num_ranks, args=(), timeout=120, grace=5.0, env=None,
-    python=True,
+    python=True, forkserver=True,
 ):
     """Runs `program` on `num_ranks` ranks through sokrun; never raises on
     a failed job.
@@ -93,6 +193,9 @@ def launch(
         grace: sokrun's `--grace`.
         env: extra environment variables.
         python: whether `program` is a Python script.
+        forkserver: whether a Python script's ranks may be forked from the
+            fork server (when `SOK_TEST_FORKSERVER=1`); False starts each
+            as `python program`.
 
     Returns:
         A `JobResult`. `leftovers` lists marked processes that were still
@@ -100,20 +203,20 @@ def launch(
     """
     marker = uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="sok_mp_") as out:
-        full_env = dict(os.environ)
-        full_env.pop("SOK_RANK", None)
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-        )
+        full_env = _repo_env()
         full_env["SOK_TEST_OUT"] = out
         full_env[MARKER_VAR] = marker
-        full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         full_env.update(env or {})
         cmd = [
             sys.executable, "-m", "sokrun", "-np", str(num_ranks),
             "--timeout", str(timeout), "--grace", str(grace),
         ]
-        cmd += [sys.executable, program] if python else [program]
+        server = forkserver_socket() if python and forkserver else None
+        if server:
+            full_env[_fs.SOCKET_VAR] = server
+            cmd += [sys.executable, FORKSERVER, program]
+        else:
+            cmd += [sys.executable, program] if python else [program]
         cmd += [str(a) for a in args]
         start = time.monotonic()
         proc = subprocess.Popen(
@@ -134,6 +237,8 @@ def launch(
                 proc.wait()
         elapsed = time.monotonic() - start
         leftovers = _marked_pids(marker)
+        if server:
+            leftovers += _forked_leftovers(server, marker)
         for pid in leftovers:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -23,7 +23,7 @@ def _details(job):
 
 
 def test_prefixes_lines_and_exits_zero():
-    job = launch(SCRIPT, 3, args=["echo"], timeout=30)
+    job = launch(SCRIPT, 3, args=["echo"], timeout=30, forkserver=False)
     assert job.returncode == 0, _details(job)
     lines = job.output.splitlines()
     for r in range(3):
@@ -34,14 +34,14 @@ def test_prefixes_lines_and_exits_zero():
 
 
 def test_propagates_exit_code():
-    job = launch(SCRIPT, 2, args=["codes"], timeout=30)
+    job = launch(SCRIPT, 2, args=["codes"], timeout=30, forkserver=False)
     assert job.returncode == 7, _details(job)
     assert "rank 1 failed: it exited with code 7" in job.output, _details(job)
     assert not job.leftovers
 
 
 def test_failing_rank_stops_the_others():
-    job = launch(SCRIPT, 3, args=["fail"], timeout=60, grace=2)
+    job = launch(SCRIPT, 3, args=["fail"], timeout=60, grace=2, forkserver=False)
     assert job.returncode == 3, _details(job)
     # The others sleep 60 s: they must have been stopped long before (the
     # margin is for a loaded CI machine; it takes ~1 s when idle).
@@ -68,7 +68,7 @@ def _is_zombie(pid):
 
 def test_timeout_kills_hanging_job():
     # Rank 0 ignores SIGTERM: it must get SIGKILL after the grace period.
-    job = launch(SCRIPT, 2, args=["hang"], timeout=2, grace=1)
+    job = launch(SCRIPT, 2, args=["hang"], timeout=2, grace=1, forkserver=False)
     assert job.returncode == 124, _details(job)
     assert "timeout" in job.output, _details(job)
     assert job.elapsed < 30, _details(job)  # ranks sleep 60 s
