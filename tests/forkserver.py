@@ -55,21 +55,28 @@ def _send(sock, obj, fds=()):
 
 
 def _recv(sock, maxfds=0):
-    """One message (and the fds sent with its first bytes); None at EOF."""
+    """One message (and the fds sent with its first bytes); None at EOF.
+    Reads no byte past the message: the next one stays in the socket."""
     fds = []
-    if maxfds:
-        buf, fds, _, _ = socket.recv_fds(sock, 65536, maxfds)
-    else:
-        buf = sock.recv(65536)
-    while len(buf) < 4 or len(buf) < 4 + struct.unpack("!I", buf[:4])[0]:
-        more = sock.recv(65536)
-        if not more:
-            for fd in fds:
-                os.close(fd)
-            return None, []
-        buf += more
-    size = struct.unpack("!I", buf[:4])[0]
-    return json.loads(buf[4:4 + size]), fds
+    buf = b""
+
+    def fill(n):  # until len(buf) == n
+        nonlocal buf, fds
+        while len(buf) < n:
+            if maxfds and not buf:
+                more, fds, _, _ = socket.recv_fds(sock, n, maxfds)
+            else:
+                more = sock.recv(n - len(buf))
+            if not more:
+                return False
+            buf += more
+        return True
+
+    if not fill(4) or not fill(4 + struct.unpack("!I", buf[:4])[0]):
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(buf[4:]), fds
 
 
 # -- client: the process sokrun starts for a rank ----------------------------

@@ -42,6 +42,11 @@ try:  # imported as tests.multiprocess, or with tests/ on sys.path
 except ImportError:
     import forkserver as _fs
 
+# Tests import this module as `multiprocess` and as `tests.multiprocess`:
+# one module under both names, so that a process has one fork server.
+for _name in ("multiprocess", "tests.multiprocess"):
+    sys.modules.setdefault(_name, sys.modules[__name__])
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 MARKER_VAR = _fs.MARKER_VAR

@@ -101,3 +101,23 @@ def test_a_killed_client_takes_the_rank_and_its_group_along(tmp_path):
     while not (_gone(r["pid"]) and _gone(r["child"])):
         assert time.monotonic() < deadline, "rank or its child outlived it"
         time.sleep(0.05)
+
+
+def test_messages_sent_back_to_back_are_read_one_at_a_time():
+    # The server's "pid" and "status" replies can both be waiting when a
+    # rank ends at once: reading the first must leave the second.
+    import socket
+
+    a, b = socket.socketpair()
+    with a, b:
+        r, w = os.pipe()
+        forkserver._send(a, {"pid": 1}, fds=[r])
+        forkserver._send(a, {"status": 0})
+        os.close(r)
+        first, fds = forkserver._recv(b, maxfds=1)
+        assert first == {"pid": 1} and len(fds) == 1
+        os.close(fds[0])
+        os.close(w)
+        assert forkserver._recv(b) == ({"status": 0}, [])
+        a.close()
+        assert forkserver._recv(b) == (None, [])
