@@ -175,6 +175,15 @@ def _marked_pids(marker):
     return found
 
 
+def process_gone(pid):
+    """Whether process `pid` has ended (it is gone, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
 def worker_path(name):
     """Returns the path of `tests/workers/<name>` (`.py` optional)."""
     if not name.endswith(".py"):

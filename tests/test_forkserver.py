@@ -15,6 +15,7 @@ import forkserver  # noqa: E402
 import multiprocess  # noqa: E402
 
 PROBE = multiprocess.worker_path("forkserver_probe")
+_gone = multiprocess.process_gone
 
 
 def _client(tmp_path, *args, env=None, **kwargs):
@@ -31,14 +32,6 @@ def _client(tmp_path, *args, env=None, **kwargs):
 def _result(tmp_path):
     with open(tmp_path / "rank0.json") as f:
         return json.load(f)
-
-
-def _gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except OSError:
-        return True
 
 
 def test_rank_sees_a_fresh_interpreter(tmp_path):

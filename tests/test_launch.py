@@ -13,6 +13,7 @@ from multiprocess import REPO  # noqa: E402
 from multiprocess import MARKER_VAR  # noqa: E402
 from multiprocess import _marked_pids  # noqa: E402
 from multiprocess import launch  # noqa: E402
+from multiprocess import process_gone  # noqa: E402
 from multiprocess import worker_path  # noqa: E402
 
 SCRIPT = worker_path("launch_behaviour")
@@ -53,17 +54,7 @@ def test_failing_rank_stops_the_others():
     # Grandchildren (same process group) are gone too.
     assert not job.leftovers, _details(job)
     for res in job.results.values():
-        assert not os.path.exists(f"/proc/{res['child']}") or _is_zombie(
-            res["child"]
-        )
-
-
-def _is_zombie(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except OSError:
-        return True
+        assert process_gone(res["child"])
 
 
 def test_timeout_kills_hanging_job():
