@@ -40,7 +40,7 @@ import struct
 import sys
 
 SOCKET_VAR = "SOK_TEST_FORKSERVER_SOCKET"
-MARKER_VAR = "SOK_TEST_MARKER"  # as in tests/multiprocess.py
+MARKER_VAR = "SOK_TEST_MARKER"  # the harness' job marker (multiprocess.py)
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
               signal.SIGUSR1, signal.SIGUSR2)
 
@@ -77,6 +77,17 @@ def _recv(sock, maxfds=0):
             os.close(fd)
         return None, []
     return json.loads(buf[4:]), fds
+
+
+def _die_like(code):
+    """Ends this process with exit code `code`; a negative one is death by
+    signal -code, as `os.waitstatus_to_exitcode` reports it."""
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+        code = 128 - code  # only if the signal did not end us
+    os._exit(code)
 
 
 # -- client: the process sokrun starts for a rank ----------------------------
@@ -116,24 +127,13 @@ def client(script_argv):
     state["pid"] = reply["pid"]
     for signum in state["pending"]:
         forward(signum, None)
-    while True:
-        try:
-            reply, _ = _recv(sock)
-            break
-        except InterruptedError:
-            continue
+    reply, _ = _recv(sock)  # signals in between: forwarded, recv resumed
     if reply is None or "status" not in reply:
         sys.stderr.write("forkserver: the server went away before the rank "
                          "ended\n")
         os._exit(1)
-    code = os.waitstatus_to_exitcode(reply["status"])
     os.close(death_w)
-    if code < 0:  # die of the same signal, as the rank did
-        signal.signal(-code, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
-        os.kill(os.getpid(), -code)
-        os._exit(128 - code)
-    os._exit(code)
+    _die_like(os.waitstatus_to_exitcode(reply["status"]))
 
 
 # -- the forked rank ---------------------------------------------------------
@@ -221,23 +221,15 @@ def _rank(request, fds, base_path, base_pythonpath):
                 stream.flush()
             except Exception:
                 pass
-        if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
-            os.kill(os.getpid(), -code)
-        os._exit(code)
+        _die_like(code)
 
 
 # -- server -------------------------------------------------------------------
 
 def serve(path):
     """Imports TensorFlow, Keras and sok_keras, then forks a rank for each
-    client; serves until its parent (the pytest process) exits."""
-    import ctypes
-
-    try:  # die with the pytest process that started us
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    client; serves until its parent (the pytest process) exits (the
+    harness also starts it with sokrun's parent-death signal)."""
     parent = os.getppid()
     import numpy  # noqa: F401
     import tensorflow  # noqa: F401

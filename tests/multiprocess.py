@@ -90,10 +90,9 @@ def forkserver_socket(force=False):
         env.pop(var, None)
     try:  # ranks bind as sokrun's would: the guard is preloaded here
         import sokrun
-
-        guard = sokrun.bind_guard_library()
     except ImportError:
-        guard = None
+        sokrun = None
+    guard = sokrun.bind_guard_library() if sokrun else None
     if guard:
         env["LD_PRELOAD"] = ":".join(
             [guard] + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
@@ -101,6 +100,8 @@ def forkserver_socket(force=False):
     proc = subprocess.Popen(
         [sys.executable, FORKSERVER, "--serve", path], env=env, cwd=REPO,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+        # its own group, SIGKILL when we die: as sokrun starts a rank
+        preexec_fn=sokrun._child_setup(os.getpid()) if sokrun else None,
     )
     log.close()
     _server.update(proc=proc, socket=path, dir=folder)
