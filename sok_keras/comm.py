@@ -108,6 +108,8 @@ def _to_wire(x, what, op="sum"):
     )
 
 
+
+
 class Communicator:
     """Base class: collectives between the `num_ranks` ranks of the job.
 
@@ -223,6 +225,12 @@ class Communicator:
         ct = tf.transpose(c) if transpose else c
         if not (x.dtype.is_floating or x.dtype.is_complex):
             return self._exchange(x, ct, site)
+        if not tf.executing_eagerly():
+            # The gradient uses `c`: made here, it is of this graph (a
+            # tf.cond branch's gradient may only use that branch's tensors;
+            # a matrix from outside the branch would be the outer graph's).
+            c = tf.identity(c)
+            ct = tf.transpose(c) if transpose else c
 
         @tf.custom_gradient
         def _fn(x):

@@ -1097,8 +1097,31 @@ def _pooled_lookup_grad(op, dy):
         grad=dy, offsets=plan.offsets, segments=plan.segments,
         sorted_weights=plan.sorted_weights, denominator=plan.denominator,
         table_name=name)
+    weights_grad = None
+    if lookup_ops.needs_input_gradient(op, 3, weights):
+        weights_grad = _pooled_lookup_weights_grad(op, dy, combiner)
     return [tf.IndexedSlices(rows_grad, plan.rows, dense_shape), None,
-            None, None]
+            None, weights_grad]
+
+
+def _pooled_lookup_weights_grad(op, dy, combiner):
+    """`SokPooledLookup`'s gradient with respect to its weights (padding
+    ids, -1, get zero), as `lookup_ops.weights_gradient`."""
+    table, values, splits, weights = op.inputs
+    valid = tf.not_equal(values, -1)
+    rows = tf.gather(table, tf.where(valid, values, tf.zeros_like(values)))
+    rows = rows * tf.cast(valid, rows.dtype)[:, None]
+    out = op.outputs[0]
+    num_bags = tf.shape(out, out_type=tf.int64)[0]
+    bag_width = op.get_attr("bag_width")
+    if bag_width > 0:
+        segments = tf.range(tf.size(values, out_type=tf.int64)) // bag_width
+    else:
+        segments = tf.ragged.row_splits_to_segment_ids(splits,
+                                                       out_type=tf.int64)
+    w = weights * tf.cast(valid, weights.dtype)
+    return lookup_ops.weights_gradient(rows, dy, out, segments, w, num_bags,
+                                       combiner) * tf.cast(valid, w.dtype)
 
 
 def _forward_plan(op):

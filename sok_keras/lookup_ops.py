@@ -105,9 +105,10 @@ def segment_combine(
     `tf.nn.embedding_lookup_sparse`.
 
     The gradient with respect to `rows` is computed by
-    `SokSegmentCombineGrad` and reduced per unique row. There is no gradient
-    with respect to `weights` (it is None), nor with respect to the integer
-    inputs.
+    `SokSegmentCombineGrad` and reduced per unique row; the gradient with
+    respect to `weights` is `tf.nn.embedding_lookup_sparse`'s (through the
+    numerator and, for `mean` and `sqrtn`, the denominator;
+    `weights_gradient`). The integer inputs have none.
 
     Args:
         rows: float16, bfloat16, float32 or float64 tensor `[U, D]`, the
@@ -151,10 +152,66 @@ def segment_combine(
     )
 
 
+def weights_gradient(rows_per_id, dy, out, segment_ids, weights,
+                     num_segments, combiner):
+    """The gradient of a weighted pooling with respect to its weights.
+
+    With `r_i` the row of position `i`, `b = segment_ids[i]`, `g = dy[b]`
+    and `y = out[b]`: `sum` gives `<r_i, g>`; `mean` (`y = sum w r / S`,
+    `S = sum w`) gives `<r_i - y, g> / S`; `sqrtn` (`y = sum w r / sqrt(Q)`,
+    `Q = sum w**2`) gives `<r_i, g> / sqrt(Q) - w_i <y, g> / Q`. A zero
+    denominator (whose output is zeros) gives zeros. Computed in float32
+    (float64 for float64 rows), returned in the weights' dtype.
+
+    Args:
+        rows_per_id: `[nnz, D]`, the row of every position (zeros where a
+            position does not count, e.g. padding).
+        dy: `[B, D]`, the gradient of the pooled output.
+        out: `[B, D]`, the pooled output.
+        segment_ids: `[nnz]`, each position's output row.
+        weights: `[nnz]`, the weights (zero where a position does not
+            count).
+        num_segments: `B`.
+        combiner: `"sum"`, `"mean"` or `"sqrtn"`.
+
+    Returns:
+        `[nnz]` in the dtype of `weights`.
+    """
+    compute = tf.float64 if rows_per_id.dtype == tf.float64 else tf.float32
+    g = tf.cast(dy, compute)
+    dot = tf.reduce_sum(tf.cast(rows_per_id, compute) *
+                        tf.gather(g, segment_ids), 1)
+    if combiner == "sum":
+        return tf.cast(dot, weights.dtype)
+    w = tf.cast(weights, compute)
+    y_dot_g = tf.gather(tf.reduce_sum(tf.cast(out, compute) * g, 1),
+                        segment_ids)
+    if combiner == "mean":
+        s = tf.gather(tf.math.unsorted_segment_sum(w, segment_ids,
+                                                   num_segments), segment_ids)
+        dw = tf.math.divide_no_nan(dot - y_dot_g, s)
+    else:
+        q = tf.gather(tf.math.unsorted_segment_sum(w * w, segment_ids,
+                                                   num_segments), segment_ids)
+        dw = (tf.math.divide_no_nan(dot, tf.sqrt(q))
+              - tf.math.divide_no_nan(w * y_dot_g, q))
+    return tf.cast(dw, weights.dtype)
+
+
+def needs_input_gradient(op, index, tensor):
+    """Whether a gradient function must compute input `index` (`tensor`):
+    not for an empty weights vector (unweighted), nor where the tape says
+    the input needs none (`skip_input_indices`, eagerly)."""
+    if index in (getattr(op, "skip_input_indices", None) or ()):
+        return False
+    return not (tensor.shape.rank == 1 and tensor.shape[0] == 0)
+
+
 @register_gradient_once("SokSegmentCombine")
 def _segment_combine_grad(op, grad):
-    """Gradient of SokSegmentCombine: rows only (weights get None)."""
-    rows, inverse, segment_ids, weights, _ = op.inputs
+    """Gradient of SokSegmentCombine with respect to `rows` (reduced per
+    unique row, `SokSegmentCombineGrad`) and `weights`."""
+    rows, inverse, segment_ids, weights, num_segments = op.inputs
     num_unique = tf.shape(rows, out_type=tf.int64)[0]
     combiner = op.get_attr("combiner")
     if isinstance(combiner, bytes):
@@ -167,7 +224,12 @@ def _segment_combine_grad(op, grad):
         num_unique=num_unique,
         combiner=combiner,
     )
-    return [rows_grad, None, None, None, None]
+    weights_grad = None
+    if needs_input_gradient(op, 3, weights):
+        weights_grad = weights_gradient(
+            tf.gather(rows, inverse), grad, op.outputs[0], segment_ids,
+            weights, num_segments, combiner)
+    return [rows_grad, None, None, weights_grad, None]
 
 
 def gather_blocks(values, starts, lengths, site=""):

@@ -241,3 +241,102 @@ def test_one_rank_unpooled_dense_ids(weighted):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="one entry per id"):
         sok.lookup.lookup_one(v, ids, tf.ones([3, 3]), combiner=None)
+
+
+def _weights_grads(lookup, ref_lookup, wv, upstream):
+    """d(sum(lookup(w) * upstream))/dw and the same for `ref_lookup`."""
+    grads = []
+    for fn in (lookup, ref_lookup):
+        with tf.GradientTape() as tape:
+            tape.watch(wv)
+            loss = tf.reduce_sum(fn(wv) * upstream)
+        grads.append(tf.convert_to_tensor(tape.gradient(loss, wv)))
+    return grads
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("layout", ["dense", "ragged", "sparse"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_get_embedding_lookup_sparses_gradient(combiner, layout,
+                                                       dtype):
+    """Per-id weights are differentiable (a weight model trains), with
+    tf.nn.embedding_lookup_sparse's gradient: through the numerator and the
+    mean/sqrtn denominators; padding and an empty sample get none. Dense and
+    ragged ids take SokPooledLookup on one rank, sparse ids and 16-bit
+    tables SokSegmentCombine."""
+    rng = np.random.default_rng(7)
+    table = rng.normal(size=(20, 4)).astype(np.float32)
+    v = sok.Variable(table, name="wgrad_t", dtype=dtype)
+    ref = tf.Variable(tf.cast(tf.cast(table, dtype), tf.float32))
+    rows = [[1, 2, 2], [], [5], [7, 3, 1, 19], [4, 4]]
+    ids_r = tf.ragged.constant(rows, tf.int64)
+    wv = tf.constant(rng.uniform(0.2, 2.0, size=10).astype(np.float32))
+    upstream = tf.constant(rng.normal(size=(5, 4)).astype(np.float32))
+
+    def as_layout(w_r):
+        if layout == "ragged":
+            return ids_r, w_r
+        if layout == "sparse":
+            return ids_r.to_sparse(), w_r.to_sparse()
+        return ids_r.to_tensor(-1), w_r.to_tensor(0.0)
+
+    def sok_lookup(w):
+        ids, weights = as_layout(
+            tf.RaggedTensor.from_row_splits(w, ids_r.row_splits))
+        return tf.cast(sok.lookup_sparse(v, ids, weights, combiner),
+                       tf.float32)
+
+    def ref_lookup(w):
+        weights = tf.RaggedTensor.from_row_splits(w, ids_r.row_splits)
+        return tf.nn.embedding_lookup_sparse(
+            ref, ids_r.to_sparse(), weights.to_sparse(), combiner=combiner)
+
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for fn in (lambda w: _weights_grads(sok_lookup, ref_lookup, w, upstream),
+               tf.function(lambda w: _weights_grads(sok_lookup, ref_lookup,
+                                                    w, upstream))):
+        g, g_ref = fn(wv)
+        assert g is not None
+        np.testing.assert_allclose(g.numpy(), g_ref.numpy(), rtol=tol,
+                                   atol=tol)
+
+
+def test_unpooled_weights_and_a_weight_model_train():
+    """combiner=None: each position's row times its weight; the weight's
+    gradient is <row, upstream> (zero at padding). In model.fit a Dense
+    that makes the weights is trained (it was not: the lookup's gradient
+    for the weights was None)."""
+    rng = np.random.default_rng(8)
+    table = rng.normal(size=(30, 3)).astype(np.float32)
+    v, ref = sok.Variable(table, name="unpooled_w"), tf.Variable(table)
+    ids = tf.constant([[4, 4, -1], [0, 29, 4]], tf.int64)
+    wv = tf.constant(rng.uniform(0.5, 2.0, (2, 3)).astype(np.float32))
+    up = tf.constant(rng.normal(size=(2, 3, 3)).astype(np.float32))
+    keep = tf.cast(ids >= 0, tf.float32)[..., None]
+    g, g_ref = _weights_grads(
+        lambda w: sok.lookup.lookup_one(v, ids, w, combiner=None),
+        lambda w: tf.gather(ref, tf.maximum(ids, 0)) * w[..., None] * keep,
+        wv, up)
+    np.testing.assert_allclose(g.numpy(), g_ref.numpy(), rtol=1e-5,
+                               atol=1e-6)
+    assert g.numpy()[0, 2] == 0.0
+
+    import keras
+
+    for combiner in ("sum", None):
+        keras.utils.set_random_seed(3)
+        ids_in = keras.Input((3,), dtype="int64")
+        feats = keras.Input((3,))
+        w = keras.layers.Dense(3, activation="sigmoid", name="weight_net")(
+            feats)
+        emb = sok.layers.DistributedEmbedding(30, 4, combiner=combiner)(
+            ids_in, w)
+        out = keras.layers.Dense(1)(keras.layers.Flatten()(emb))
+        model = keras.Model([ids_in, feats], out)
+        model.compile(optimizer=sok.OptimizerWrapper(
+            keras.optimizers.SGD(0.5)), loss="mse")
+        net = model.get_layer("weight_net")
+        before = net.kernel.numpy().copy()
+        x = [rng.integers(0, 30, (16, 3)), rng.normal(size=(16, 3))]
+        model.fit(x, rng.normal(size=(16, 1)), epochs=2, verbose=0)
+        assert np.abs(net.kernel.numpy() - before).max() > 1e-4, combiner

@@ -48,6 +48,9 @@ def test_pooling_on_the_owner_equals_pooling_at_home(two_ranks):
             assert r["cases"] == 36, (n, r)
             assert r["max_err"] < 1e-4, (n, r)
             assert r["max_grad_diff"] < 1e-4, (n, r)
+            # The weights' gradient, home and on the owner, against
+            # tf.nn.embedding_lookup_sparse's.
+            assert r["max_wgrad_err"] < 1e-4, (n, r)
 
 
 def test_invalid_id_on_one_rank_raises_on_every_rank(two_ranks):

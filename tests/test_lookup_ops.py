@@ -522,17 +522,33 @@ def test_gradient_matches_embedding_lookup_sparse(combiner, weighted, dtype):
     np.testing.assert_allclose(fn_grad, tf_grad, **tol)
 
 
-def test_gradient_is_none_for_weights():
-    rows = tf.ones([2, 3])
-    weights = tf.constant([1.0, 2.0])
-    with tf.GradientTape() as tape:
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_gradient_for_weights(combiner):
+    """d out / d w_i through the numerator and the mean/sqrtn denominator,
+    as tf.nn.embedding_lookup_sparse's (rows and weights made by hand)."""
+    rows = tf.constant([[1.0, 2.0, 0.5], [-1.0, 0.0, 3.0]])
+    weights = tf.constant([1.0, 2.0, 0.5])
+    inverse = tf.constant([0, 1, 1], tf.int32)
+    segments = tf.constant([0, 0, 1])
+    with tf.GradientTape(persistent=True) as tape:
         tape.watch([rows, weights])
-        out = lookup_ops.segment_combine(
-            rows, tf.constant([0, 1], tf.int32), tf.constant([0, 0]), weights, 1, "sum"
-        )
-    rows_grad, weights_grad = tape.gradient(out, [rows, weights])
-    np.testing.assert_array_equal(rows_grad, [[1.0] * 3, [2.0] * 3])
-    assert weights_grad is None
+        out = lookup_ops.segment_combine(rows, inverse, segments, weights, 2,
+                                         combiner)
+        per_id = tf.gather(rows, inverse) * weights[:, None]
+        num = tf.math.unsorted_segment_sum(per_id, segments, 2)
+        den = {"sum": tf.ones([2]),
+               "mean": tf.math.unsorted_segment_sum(weights, segments, 2),
+               "sqrtn": tf.sqrt(tf.math.unsorted_segment_sum(
+                   weights * weights, segments, 2))}[combiner]
+        want = num / den[:, None]
+        up = tf.constant([[0.3, -1.0, 2.0], [1.5, 0.5, -0.25]])
+        loss, loss_want = tf.reduce_sum(out * up), tf.reduce_sum(want * up)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    rows_grad, weights_grad = tape.gradient(loss, [rows, weights])
+    rows_want, weights_want = tape.gradient(loss_want, [rows, weights])
+    np.testing.assert_allclose(rows_grad, tf.convert_to_tensor(rows_want),
+                               rtol=1e-6)
+    np.testing.assert_allclose(weights_grad, weights_want, rtol=1e-6)
 
 
 def test_reimport_does_not_reregister():

@@ -53,12 +53,34 @@ def make_run(var):
     # once per rank. The product code has no tensor-dependent Python control
     # flow (that would fail to trace here), so the graph is the same; the
     # AutoGraph path is traced by every multi-rank Keras fit test.
+    # With weights (`wv`, the flat values of ragged weights), also the
+    # gradient with respect to them, and tf.nn.embedding_lookup_sparse's on
+    # the whole table for the same loss (this rank's batch).
+    whole = tf.constant(full[var.name])
+
     @tf.function(autograph=False)
-    def run(ids, w, combiner, pooling):
-        with tf.GradientTape() as tape:
+    def run(ids, wv, combiner, pooling):
+        with tf.GradientTape(persistent=True) as tape:
+            w = None
+            if wv is not None:
+                tape.watch(wv)
+                w = tf.RaggedTensor.from_row_splits(wv, ids.row_splits)
             out = lookup_one(var, ids, w, combiner, pooling=pooling)
             loss = tf.reduce_sum(out * out)
-        return out, tf.convert_to_tensor(tape.gradient(loss, var))
+            if wv is not None:
+                ref = tf.nn.embedding_lookup_sparse(
+                    whole, ids.to_sparse(), w.to_sparse(), combiner=combiner)
+                ref = tf.pad(ref, [[0, ids.nrows(out_type=tf.int32) - tf.shape(ref)[0]],
+                                   [0, 0]])
+                ref_loss = tf.reduce_sum(ref * ref)
+        if wv is None:
+            g = tape.gradient(loss, var)
+            return out, tf.convert_to_tensor(g), None, None
+        # One backward of the lookup (its collectives' keys are per call
+        # site; a second `gradient` call would run them twice in a step).
+        g, wg = tape.gradient(loss, [var, wv])
+        return (out, tf.convert_to_tensor(g), tf.convert_to_tensor(wg),
+                tf.convert_to_tensor(tape.gradient(ref_loss, wv)))
 
     return run
 
@@ -73,18 +95,22 @@ import sys  # noqa: E402
 
 SETS = {"few": ((1, True),), "many": ((2, False),)}.get(
     sys.argv[1] if len(sys.argv) > 1 else "", ((1, True), (2, False)))
-max_err, max_grad_diff, cases = 0.0, 0.0, 0
+max_err, max_grad_diff, max_wgrad_err, cases = 0.0, 0.0, 0.0, 0
 for seed, many in SETS:
     for name, var in tables.items():
         rows, ids, w = batch(seed, var.global_shape[0], many)
         for weighted in (False, True):
             for combiner in ("sum", "mean", "sqrtn"):
-                wt = w if weighted else None
+                wt = w.flat_values if weighted else None
                 ref = reference(rows, w.to_list() if weighted else
                                 [None] * len(rows), full[name], combiner)
                 grads = []
                 for pooling in ("home", "owner", "auto"):
-                    out, g = runs[name](ids, wt, combiner, pooling)
+                    out, g, wg, wg_ref = runs[name](ids, wt, combiner,
+                                                    pooling)
+                    if weighted:
+                        max_wgrad_err = max(max_wgrad_err, float(np.abs(
+                            wg.numpy() - wg_ref.numpy()).max(initial=0.0)))
                     max_err = max(max_err,
                                   float(np.abs(out.numpy() - ref).max()))
                     grads.append(g.numpy())
@@ -93,4 +119,4 @@ for seed, many in SETS:
                     max_grad_diff = max(
                         max_grad_diff, float(np.abs(g - grads[0]).max(initial=0.0)))
 write_result({"max_err": max_err, "max_grad_diff": max_grad_diff,
-              "cases": cases})
+              "max_wgrad_err": max_wgrad_err, "cases": cases})
