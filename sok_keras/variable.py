@@ -46,6 +46,17 @@ def parse_mode(mode, num_ranks, name=None):
     )
 
 
+def mode_for_world(mode, num_ranks):
+    """`mode` in a job of `num_ranks` ranks, for a table rebuilt from a
+    saved config: `"localized:<r>"` with `r >= num_ranks` (a file from a
+    job of more ranks) becomes `"localized:<r % num_ranks>"`; any other
+    mode is returned unchanged (and checked later, by `parse_mode`)."""
+    m = _LOCALIZED_RE.match(mode) if isinstance(mode, str) else None
+    if m and int(m.group(1)) >= num_ranks:
+        return f"{LOCALIZED}:{int(m.group(1)) % num_ranks}"
+    return mode
+
+
 def shard_rows(global_rows, kind, target_rank, rank, num_ranks):
     """Returns the number of rows the given rank holds."""
     if kind == DISTRIBUTED:

@@ -23,14 +23,17 @@ def jobs(tmp_path_factory):
     sok_keras' chunk size and h5 access for its own checks)."""
     base = tmp_path_factory.mktemp("save_load")
     path, folder = str(base / "model.keras"), str(base / "streaming")
+    placed = str(base / "placed.keras")
     os.makedirs(folder)
     two = run_sequence(
         [("save_load", ["save", path]), ("multi_table", ["same"]),
+         ("placement_save", [placed]),
          ("save_streaming", ["save", folder])], 2, timeout=420)
     three = run_sequence(
         [("save_load", ["load", path]), ("multi_table", ["same"]),
          ("save_streaming", ["load", folder])], 3, timeout=420)
-    return {"path": path, "folder": folder, "two": two, "three": three}
+    return {"path": path, "folder": folder, "placed": placed, "two": two,
+            "three": three}
 
 
 def test_save_on_two_ranks_load_on_one_and_three(jobs):
@@ -109,7 +112,7 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     from tests.test_export import serve_without_sok
 
     folder = jobs["folder"]
-    r0, r1 = jobs["two"][2]
+    r0, r1 = jobs["two"][3]
     assert r0["in_file"] and all(r0["in_file"].values()), r0["in_file"]
     assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
     assert 0 < r0["max_received"] <= r0["chunk_bytes"]
@@ -137,3 +140,33 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
                                    rtol=1e-5, atol=1e-6)
     assert loaded[1]["local_rows"]["loc"] == 97
     assert loaded[0]["local_rows"]["loc"] == 0
+
+
+def test_tables_placed_on_a_rank_load_on_fewer_ranks_and_clone(jobs):
+    """A file of 2 ranks with tables on rank 1 (an explicit rank, the
+    round-robin's second, an EmbeddingCollection's "localized:1") loads at
+    1 rank, every table on rank 0, with the same predictions; at 2 ranks a
+    `clone_model` puts the tables where the original's are, so
+    `set_weights(model.get_weights())` gives the same model."""
+    import sok_keras as sok
+
+    results = jobs["two"][2]
+    for r in results:
+        assert r["placed"]["pinned"] == 1
+        assert {r["placed"]["auto1"], r["placed"]["auto2"]} == {0, 1}
+        assert r["clone_placed"] == r["placed"]
+        np.testing.assert_allclose(r["clone_predictions"], r["predictions"],
+                                   rtol=1e-6)
+    model = keras.models.load_model(jobs["placed"])
+    assert sok.num_ranks() == 1
+    for name in ("pinned", "auto1", "auto2"):
+        assert model.get_layer(name)._placed_rank == 0
+        np.testing.assert_array_equal(
+            model.get_layer(name).embeddings.numpy(),
+            np.asarray(results[0]["tables"][name], np.float32))
+    assert model.get_layer("coll").embeddings["t"].mode == "localized:0"
+    rng = np.random.default_rng(0)
+    data = {k: rng.integers(0, 25, (16, 2)) for k in ("a", "b", "c", "d")}
+    np.testing.assert_allclose(model.predict(data, verbose=0).ravel(),
+                               results[0]["predictions"], rtol=1e-5,
+                               atol=1e-6)

@@ -1,5 +1,7 @@
 """`EmbeddingCollection`: several tables, one exchange per direction."""
 
+import logging
+
 import keras
 import tensorflow as tf
 
@@ -11,8 +13,11 @@ from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.variable import Variable
+from sok_keras.variable import mode_for_world
 from sok_keras.variable import parse_mode
 from sok_keras._ops import not_converted as _not_converted
+
+_LOG = logging.getLogger("sok_keras")
 
 _TABLE_KEYS = ("vocabulary_size", "embedding_dim", "mode", "initializer",
                "optimizer")
@@ -252,8 +257,17 @@ class EmbeddingCollection(keras.layers.Layer):
         from sok_keras import replicas
 
         self.embeddings = {}
+        n = replicas.table_ranks()
         for t, spec in self.tables.items():
-            parse_mode(spec["mode"], replicas.table_ranks(), t)
+            if getattr(self, "_from_saved_config", False):
+                mode = mode_for_world(spec["mode"], n)
+                if mode != spec["mode"]:
+                    _LOG.warning(
+                        "sok_keras: EmbeddingCollection '%s', table '%s' "
+                        "was placed %r; this job has %d rank(s): %r.",
+                        self.name, t, spec["mode"], n, mode)
+                    spec["mode"] = mode
+            parse_mode(spec["mode"], n, t)
             var = Variable(
                 keras.initializers.deserialize(spec["initializer"]),
                 shape=(spec["vocabulary_size"], spec["embedding_dim"]),
@@ -266,11 +280,26 @@ class EmbeddingCollection(keras.layers.Layer):
     def call(self, inputs, weights=None, training=None):
         del training
         if self._keras_rs is None:
+            where = f"EmbeddingCollection '{self.name}'"
+            for what, value in (("inputs", inputs), ("weights", weights)):
+                if value is not None and not isinstance(value, dict):
+                    raise TypeError(
+                        f"{where}: `{what}` must be a dict "
+                        f"{{feature name: tensor}} over the features "
+                        f"{sorted(self.features)}. Received: "
+                        f"{type(value).__name__}.")
             missing = sorted(set(self.features) - set(inputs))
             if missing:
                 raise ValueError(
-                    f"EmbeddingCollection '{self.name}': no ids for features "
-                    f"{missing}. Received: {sorted(inputs)}.")
+                    f"{where}: no ids for features {missing}. Received: "
+                    f"{sorted(inputs)}.")
+            for what, value in (("inputs", inputs), ("weights", weights)):
+                unknown = sorted(set(value or {}) - set(self.features))
+                if unknown:
+                    raise ValueError(
+                        f"{where}: `{what}` has keys {unknown}, which are "
+                        f"not features of the layer ({sorted(self.features)}"
+                        ").")
             return self._lookup(inputs, weights or {})
         flat_ids, flat_weights = self._flat_keras_rs_inputs(inputs, weights)
         out = self._lookup(flat_ids, flat_weights)
@@ -470,6 +499,16 @@ class EmbeddingCollection(keras.layers.Layer):
             load_table(store, f"table.{t}", f"table.{t}.slot.",
                        self.embeddings[t],
                        f"EmbeddingCollection '{self.name}', table '{t}'")
+
+    @classmethod
+    def from_config(cls, config):
+        """Rebuilds the layer (`load_model`, `clone_model`); a table placed
+        on a rank this job does not have (a file from a job of more ranks)
+        goes to `rank % num_ranks`, with a log line, so that the file loads
+        at any number of ranks."""
+        layer = super().from_config(config)
+        layer._from_saved_config = True
+        return layer
 
     def get_config(self):
         if self._keras_rs is not None:

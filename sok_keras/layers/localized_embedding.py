@@ -1,6 +1,7 @@
 """`LocalizedEmbedding`: a whole table placed on one rank."""
 
 import itertools
+import logging
 import threading
 
 import keras
@@ -10,6 +11,7 @@ from sok_keras.layers.base_embedding import BaseEmbedding
 
 _ROUND_ROBIN = itertools.count()
 _ROUND_ROBIN_LOCK = threading.Lock()
+_LOG = logging.getLogger("sok_keras")
 
 
 def _next_rank():
@@ -91,4 +93,31 @@ class LocalizedEmbedding(BaseEmbedding):
     def get_config(self):
         config = super().get_config()
         config["rank"] = self.rank
+        if self.rank is None and self._placed_rank is not None:
+            # Where the round-robin put it: a clone (`clone_model`) or a
+            # loaded model places the table where it was.
+            config["placed_rank"] = self._placed_rank
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        """Rebuilds the layer (`load_model`, `clone_model`) on the rank it
+        was placed on; a file from a job of more ranks, whose rank does not
+        exist here, places the table on `rank % num_ranks` (with a log
+        line), so that it loads at any number of ranks."""
+        config = dict(config)
+        placed = config.pop("placed_rank", None)
+        n = replicas.table_ranks()
+        rank = config.get("rank")
+        was = rank if rank is not None else placed
+        if was is not None and was >= n:
+            _LOG.warning(
+                "sok_keras: LocalizedEmbedding '%s' was on rank %d; this job "
+                "has %d rank(s): placing it on rank %d.",
+                config.get("name"), was, n, was % n)
+        if rank is not None:
+            config["rank"] = rank % n
+        layer = super().from_config(config)
+        if rank is None and placed is not None:
+            layer._placed_rank = placed % n
+        return layer

@@ -116,6 +116,18 @@ def test_config_round_trip_and_errors():
     with pytest.raises(ValueError, match=r"no ids for features \['history'"):
         sok.layers.EmbeddingCollection(TABLES, FEATURES)(
             {"user_id": np.array([1]), "clicked": np.array([[1]])})
+    # A misspelt feature in the weights (or the inputs) is an error, not an
+    # unweighted lookup; inputs that are not a dict are named as such.
+    ids = {"user_id": np.array([1]), "clicked": np.array([[1]]),
+           "history": np.array([[2, -1, 3]])}
+    coll = sok.layers.EmbeddingCollection(TABLES, FEATURES, name="typo")
+    with pytest.raises(ValueError,
+                       match=r"'typo'.*`weights` has keys \['click'\]"):
+        coll(ids, {"click": np.array([[2.0]], np.float32)})
+    with pytest.raises(ValueError, match=r"`inputs` has keys \['views'\]"):
+        coll({**ids, "views": np.array([[1]])})
+    with pytest.raises(TypeError, match="`inputs` must be a dict"):
+        coll([ids["user_id"]])
 
 
 def test_functional_model_fit_and_save(tmp_path):
