@@ -42,6 +42,43 @@ SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 
 _CALL_COUNTERS = weakref.WeakKeyDictionary()
 _COUNTER_LOCK = threading.Lock()
+# Per graph, the outputs of the lookups traced into it (`_mark_lookup`).
+_GRAPH_LOOKUPS = weakref.WeakKeyDictionary()
+
+
+def _mark_lookup(out):
+    """Records, in a graph, the output of a lookup (a tensor, a composite
+    or a list of them); returns `out`. See `lookups_before_update`."""
+    if not tf.executing_eagerly():
+        flat = [t for t in tf.nest.flatten(out, expand_composites=True)
+                if isinstance(t, tf.Tensor)]
+        graph = tf.compat.v1.get_default_graph()
+        with _COUNTER_LOCK:
+            _GRAPH_LOOKUPS.setdefault(graph, []).extend(flat)
+    return out
+
+
+def lookups_before_update():
+    """The outputs of every lookup traced so far into the current graph and
+    the graphs around it (a `tf.cond` branch's), for an optimizer's update
+    to wait for.
+
+    A lookup validates its ids before its output exists, and a bad id must
+    stop the whole step: an update that waits for every lookup's output
+    runs only when every table's ids were valid. Without it, a table whose
+    gradient does not depend on a failing lookup (two tables whose results
+    are added, as in a wide model) would still be updated. Empty eagerly,
+    where a failing lookup raises before the update is reached.
+    """
+    if tf.executing_eagerly():
+        return []
+    out = []
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        with _COUNTER_LOCK:
+            out.extend(_GRAPH_LOOKUPS.get(graph, ()))
+        graph = getattr(graph, "outer_graph", None)
+    return out
 
 
 def _call_site_key(table_key):
@@ -229,6 +266,11 @@ def _normalize_ids(ids, weights, name):
             if isinstance(weights, tf.SparseTensor):
                 ok = _same(weights.indices, ids.indices)
                 w = weights.values
+            elif isinstance(weights, tf.RaggedTensor):
+                raise TypeError(
+                    f"{name}: the weights of SparseTensor ids must be a "
+                    "SparseTensor with the ids' indices (or a dense vector "
+                    "of one weight per id). Received: RaggedTensor weights.")
             else:
                 w = tf.convert_to_tensor(weights)
                 ok = tf.equal(tf.size(w, out_type=tf.int64), nnz)
@@ -684,11 +726,12 @@ def gather_rows_fused(params, ids_list, names, problems=None):
              for p, name in zip(params, names)]
     if len(params) == 1 or comms[0] is None or any(
             c is not comms[0] for c in comms):
-        return [gather_rows(p, ids, table_name=name, problem=pr)
-                for p, ids, name, pr in zip(params, ids_list, names,
-                                            problems)]
-    return _exchange_rows(comms[0], list(params), list(ids_list),
-                          list(names), problems)
+        return _mark_lookup([
+            gather_rows(p, ids, table_name=name, problem=pr)
+            for p, ids, name, pr in zip(params, ids_list, names, problems)])
+    return _mark_lookup(_exchange_rows(comms[0], list(params),
+                                       list(ids_list), list(names),
+                                       problems))
 
 
 def pool(rows, inverse, feat, combiner):
@@ -1168,7 +1211,13 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
     `pooling` (`"auto"`, `"home"` or `"owner"`) chooses, with several ranks,
     where pooled rows are summed: see `_pooled_exchange`.
     """
+    _check_table(param)
     consistency.record_lookup(param, f"lookup_one[{combiner},{pooling}]")
+    return _mark_lookup(_lookup_one(param, ids, weights, combiner, name,
+                                    pooling))
+
+
+def _lookup_one(param, ids, weights, combiner, name, pooling):
     name = name or _table_key(param)
     _check_combiner(combiner, name)
     if pooling not in POOLING_MODES:
@@ -1238,6 +1287,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     >>> sok.lookup_sparse([v1], [ids], combiners=["sum"])[0]
     [[6., 8., 10.]]
     """
+    for p in _to_list(params):
+        _check_table(p)
     consistency.record_lookup(params, "lookup_sparse")
     is_list = isinstance(sp_ids, (list, tuple))
     params, sp_ids = _to_list(params), _to_list(sp_ids)
@@ -1308,6 +1359,7 @@ def all2all_dense_embedding(param, indices):
     >>> sok.all2all_dense_embedding(v, [[1, 2]]).shape
     TensorShape([1, 2, 5])
     """
+    _check_table(param)
     consistency.record_lookup(param, "all2all_dense_embedding")
     indices = tf.convert_to_tensor(indices)
     name = _table_key(param)
@@ -1321,4 +1373,4 @@ def all2all_dense_embedding(param, indices):
     out = tf.reshape(out, shape)
     if indices.shape.rank is not None and param.global_shape[1] is not None:
         out.set_shape(indices.shape.concatenate([param.global_shape[1]]))
-    return out
+    return _mark_lookup(out)

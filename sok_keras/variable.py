@@ -13,6 +13,10 @@ LOCALIZED = "localized"
 _LOCALIZED_RE = re.compile(r"^localized:(\d+)$")
 
 
+# The dtypes a table can have (float32 arithmetic for the 16-bit ones).
+TABLE_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
 def parse_mode(mode, num_ranks, name=None):
     """Parses a sharding mode string.
 
@@ -142,6 +146,15 @@ class Variable(keras.Variable):
             num_ranks, rank = world.num_ranks(), world.rank()
             owners = (rank,)
         kind, target = parse_mode(mode, num_ranks, name)
+        if dtype is not None:
+            try:
+                dtype_name = keras.backend.standardize_dtype(dtype)
+            except (ValueError, TypeError, AttributeError):
+                dtype_name = None
+            if dtype_name not in TABLE_DTYPES:
+                raise ValueError(
+                    f"sok_keras.Variable '{name}': the table's dtype must be "
+                    f"one of {list(TABLE_DTYPES)}. Received: dtype={dtype!r}.")
         if initial_value is None:
             raise ValueError(
                 f"sok_keras.Variable '{name}' needs an `initial_value` "

@@ -115,6 +115,28 @@ def test_fit_bad_id_raises_and_changes_nothing(value):
     assert not _unchanged(model, state)
 
 
+def test_fit_bad_id_in_one_of_two_added_tables_changes_nothing():
+    """Two tables whose results are added (a wide model): a bad id in the
+    second stops the step before any update, also of the first table,
+    whose gradient does not depend on the failing lookup, and of the
+    step counter; then both train."""
+    ids = keras.Input((2,), dtype="int64")
+    wide = sok.layers.LocalizedEmbedding(cases.V, 1, name="wide")
+    deep = sok.layers.DistributedEmbedding(cases.V, 1, name="deep")
+    model = keras.Model(ids, keras.layers.Add()([wide(ids), deep(ids + 1)]))
+    opt = sok.OptimizerWrapper(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=opt, loss="mse")
+    _fit(model, _good_ids(4), Y[:4] + 1)
+    state, steps = _state(model), int(opt.iterations)
+    x = _good_ids()
+    x[5, 1] = cases.V - 1  # valid for "wide", out of range for "deep"
+    with pytest.raises(tf.errors.InvalidArgumentError, match="deep"):
+        _fit(model, x[4:], Y[4:] + 1)
+    assert _unchanged(model, state) and int(opt.iterations) == steps
+    _fit(model, _good_ids(4), Y[:4] + 1)
+    assert not _unchanged(model, state)
+
+
 def test_fit_int32_ids_near_the_limit():
     model, _, _ = _model(ids_dtype="int32")
     state = _state(model)
@@ -214,6 +236,10 @@ def test_fit_nan_weights_without_the_option_reach_the_table():
      ["'t'", "'rows'"]),
     (dict(initial_value=np.zeros((4, 2)), nonsense=1), TypeError,
      ["nonsense"]),
+    (dict(initial_value=np.zeros((4, 2)), dtype="int32"), ValueError,
+     ["'t'", "'int32'", "float32"]),
+    (dict(initial_value="uniform", shape=(4, 2), dtype="string"),
+     ValueError, ["'t'", "'string'"]),
 ])
 def test_variable_arguments(kwargs, error, words):
     with pytest.raises(error) as e:

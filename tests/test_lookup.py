@@ -127,6 +127,10 @@ def test_argument_errors():
         sok.lookup_sparse([v, v], [tf.constant([[1]])])
     with pytest.raises(TypeError, match="sok_keras.Variable"):
         sok.lookup_sparse(tf.Variable(np.zeros((5, 2))), tf.constant([[1]]))
+    sp = tf.SparseTensor([[0, 0], [0, 1]], tf.constant([1, 2], tf.int64),
+                         [1, 2])
+    with pytest.raises(TypeError, match="SparseTensor ids.*RaggedTensor"):
+        sok.lookup_sparse(v, sp, tf.ragged.constant([[1.0, 2.0]]))
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])

@@ -35,6 +35,9 @@ def test_padding_only_rank_empty_batch_and_mixed_precision(two_ranks):
     for r in (r0, r1):
         assert r["empty_shape"] == [0, 2]
         assert r["mixed"] == ["float16", "float32"]
+        for what, error in r["plain_variable"].items():
+            assert error.startswith("TypeError: sok_keras lookups need a "
+                                    "sok_keras.Variable"), (what, error)
 
 
 def test_pooling_on_the_owner_equals_pooling_at_home(two_ranks):

@@ -6,6 +6,7 @@ import copy
 import keras
 import tensorflow as tf
 
+from sok_keras import lookup
 from sok_keras import world
 from sok_keras.optimizers import sparse_kernels, sparse_rules
 from sok_keras.variable import is_sok_variable
@@ -367,6 +368,15 @@ def apply_with_tables(opt, grads, variables, apply_dense,
             one XLA computation (see `compiles_dense_update`).
     """
     grads = reduce_across_ranks(list(grads), variables)
+    # Nothing is updated (tables, dense weights, step counters) before
+    # every lookup of the step has checked its ids: a bad id in one table
+    # leaves every variable as it was (`lookup.lookups_before_update`).
+    with tf.control_dependencies(lookup.lookups_before_update()):
+        _apply_reduced(opt, grads, variables, apply_dense, jit_compile)
+
+
+def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
+    """`apply_with_tables` after the all-reduce of the dense gradients."""
     dense_g, dense_v, slices, tables = [], [], [], []
     for g, v in zip(grads, variables):
         if g is None:
