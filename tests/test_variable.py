@@ -75,6 +75,10 @@ def test_tables_written_in_place_are_read_without_copies(tmp_path):
     copy the whole table first (10x slower on the CPU, 4x on the H200)."""
     made = sok.Variable(keras.initializers.RandomUniform(seed=1),
                         shape=(5000, 8), name="blocks")
+    if "GPU" in made.value.device.upper():
+        # Host arrays of device reads are copies whatever the mode; the
+        # GPU's copy-on-read is measured by bench/copy_on_read.py.
+        pytest.skip("compares host buffers: tables on the CPU only")
     assert _reads_alias_the_table(made)
     table = sok.Variable(np.zeros((300, 4), "float32"), name="assigned")
     table.assign_global(np.arange(1200, dtype="float32").reshape(300, 4))
