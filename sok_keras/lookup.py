@@ -1271,8 +1271,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
             (a list with `None` entries is allowed).
         combiners: `"sum"`, `"mean"` or `"sqrtn"` (one string for all
             tables, or one per table). Defaults to `"sum"`.
-        hotness: optional maximum number of ids per sample for each table.
-            Only checked for consistency; the lookup does not need it.
+        hotness: optional maximum number of ids per sample for each table
+            (SOK's argument). Only its length is checked (one entry per
+            table); the ids are not checked against it, and the lookup does
+            not need it.
         pooling: with one table and several ranks, where rows are pooled
             (`"auto"`, `"home"` or `"owner"`; see `DistributedEmbedding`).
             Several tables are fused into one exchange and pooled at home.

@@ -66,6 +66,12 @@ class All2AllDenseEmbedding(BaseEmbedding):
                         "supported; ids index the table directly."
                     )
         cls = "All2AllDenseEmbedding"
+        if kwargs.get("combiner") is not None:
+            raise ValueError(
+                f"{cls}: every id gets its own row (no pooling), so there "
+                "is no `combiner`; pool with DistributedEmbedding("
+                f"combiner=...). Received: combiner={kwargs['combiner']!r}.")
+        kwargs.pop("combiner", None)
         self.max_vocabulary_size_per_gpu = check_positive_int(
             max_vocabulary_size_per_gpu, "max_vocabulary_size_per_gpu", cls)
         self.slot_num = check_positive_int(slot_num, "slot_num", cls)

@@ -27,6 +27,8 @@ def test_shape_errors_and_hashtable():
         layer(np.zeros((2, 3, 5), np.int64))
     with pytest.raises(ValueError, match="use_hashtable"):
         sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, use_hashtable=True)
+    with pytest.raises(ValueError, match="no `combiner`.*'sum'"):
+        sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, combiner="sum")
 
 
 def test_config_and_saving(tmp_path):
