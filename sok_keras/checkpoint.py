@@ -197,8 +197,24 @@ def _optimizer_variables(optimizer):
     if optimizer is None or not optimizer.built:
         return []
     out = [v for v in optimizer.variables if not isinstance(v, Variable)]
-    _check_unique([v.path for v in out], "optimizer variable", "dump")
+    _check_unique([_optimizer_key(optimizer, v.path) for v in out],
+                  "optimizer variable", "dump")
     return out
+
+
+def _optimizer_key(optimizer, path):
+    """The name a checkpoint keys an optimizer variable by: its path, less
+    the `OptimizerWrapper`'s name before the wrapped optimizer's own
+    (`optimizer_wrapper/adam/d_kernel_momentum` -> `adam/...`). Keras
+    builds the wrapped optimizer's slots under the wrapper's name in a
+    model's first step, but under its own when a loaded model restores them
+    (`load_model`), so the same model would otherwise key them two ways."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        prefix = f"{optimizer.name}/{inner.name}/"
+        if path.startswith(prefix):
+            return path[len(optimizer.name) + 1:]
+    return path
 
 
 def _slots_of(table, optimizer):
@@ -353,7 +369,8 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
                 _join(data_dir, name), entries)
         if rank == 0 and (dense or opt_vars):
             entries = [(f"model/{v.path}", v) for v in dense]
-            entries += [(f"optimizer/{v.path}", v) for v in opt_vars]
+            entries += [(f"optimizer/{_optimizer_key(optimizer, v.path)}", v)
+                        for v in opt_vars]
             record["files"]["dense.bin"] = _write_shard_file(
                 _join(data_dir, "dense.bin"), entries)
         _write_json(_join(data_dir, f"rank-{rank}.json"), record)
@@ -424,7 +441,7 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
         "optimizer": None if not opt_vars else {
             "class": type(optimizer).__name__,
             "iterations": int(optimizer.iterations.numpy()),
-            "variables": [{"name": v.path,
+            "variables": [{"name": _optimizer_key(optimizer, v.path),
                            "shape": [int(s) for s in v.shape],
                            "dtype": _std_dtype(v)} for v in opt_vars],
         },
@@ -757,22 +774,24 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
             p.old = (kind_old, target_old, n_old)
     dense_files = [f for f in files if f == "dense.bin"]
 
-    def dense_plan(kind, want, have):
-        have = {d["name"]: d for d in have}
-        names = [v.path for v in want]
+    def dense_plan(kind, want, have, key=lambda path: path):
+        # Keyed by `key` on both sides (a checkpoint of an older version may
+        # hold an optimizer variable under the wrapper's prefix).
+        have = {key(d["name"]): d for d in have}
+        names = [key(v.path) for v in want]
         missing = [nm for nm in names if nm not in have]
         extra = [nm for nm in have if nm not in names]
         if missing or extra:
             _fail(mpath, f"{kind} variables do not match: missing "
                   f"{missing}, unexpected {extra}.")
-        for v in want:
-            d = have[v.path]
+        for v, name in zip(want, names):
+            d = have[name]
             shape = [int(s) for s in v.shape]
             if d["shape"] != shape or d["dtype"] != _std_dtype(v):
-                _fail(mpath, f"{kind} variable '{v.path}' is {d['dtype']}"
+                _fail(mpath, f"{kind} variable '{name}' is {d['dtype']}"
                       f"{d['shape']} in the checkpoint, expected "
                       f"{_std_dtype(v)}{shape}.")
-            ename = f"{kind}/{v.path}"
+            ename = f"{kind}/{d['name']}"
             e = files["dense.bin"]["entries"].get(ename) if dense_files \
                 else None
             if e is None or e["shape"] != shape or e["dtype"] != d["dtype"]:
@@ -790,7 +809,8 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
                       f"({type(optimizer).__name__}) was given.")
         else:
             dense_plan("optimizer", opt_vars,
-                       manifest["optimizer"]["variables"])
+                       manifest["optimizer"]["variables"],
+                       lambda path: _optimizer_key(optimizer, path))
     return plans, readers, root
 
 

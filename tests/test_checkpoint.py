@@ -140,6 +140,43 @@ def test_one_rank_continued_training_matches(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
 
 
+def test_a_loaded_model_and_a_built_one_read_each_others_checkpoints(
+        tmp_path):
+    """`load_model` restores the wrapped optimizer's slots under the inner
+    optimizer's name (`adam/...`), a model's first step builds them under
+    the wrapper's (`optimizer_wrapper/adam/...`): checkpoints key them
+    alike, so a checkpoint of either loads into the other."""
+    def state(model):  # `_state`, optimizer variables by checkpoint key
+        return {
+            (f"opt:{checkpoint._optimizer_key(model.optimizer, k[4:])}"
+             if k.startswith("opt:") else k): v
+            for k, v in _state(model).items()}
+
+    keras.utils.clear_session()
+    model, (x, y) = _dlrm()
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(str(tmp_path / "m.keras"))
+    keras.utils.clear_session()
+    loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+    loaded.fit(x, y, batch_size=16, verbose=0)
+    assert any(v.path.startswith("adam/")
+               for v in loaded.optimizer.variables)
+    sok.dump(str(tmp_path / "from_loaded"), loaded)
+    want = state(loaded)
+    keras.utils.clear_session()
+    fresh, _ = _dlrm()
+    build_once(fresh.optimizer, fresh.trainable_variables)
+    assert any(v.path.startswith("optimizer_wrapper/adam/")
+               for v in fresh.optimizer.variables)
+    sok.load(str(tmp_path / "from_loaded"), fresh)
+    _assert_same(want, state(fresh))
+    sok.dump(str(tmp_path / "from_fresh"), fresh)
+    keras.utils.clear_session()
+    again = keras.models.load_model(str(tmp_path / "m.keras"))
+    sok.load(str(tmp_path / "from_fresh"), again)
+    _assert_same(want, state(again))
+
+
 def test_list_of_variables_and_config_mismatches(tmp_path):
     path = str(tmp_path / "vars")
     table = sok.Variable(np.arange(40, dtype=np.float32).reshape(10, 4),
