@@ -95,7 +95,7 @@ def _signature(leaves):
     return zlib.crc32(text.encode("utf-8"))
 
 
-def gather_predictions(predictions):
+def gather_predictions(predictions, batch_size=None):
     """Every rank's predictions, concatenated in rank order.
 
     `model.predict` returns the predictions of this rank's examples; call
@@ -106,19 +106,36 @@ def gather_predictions(predictions):
     Args:
         predictions: this rank's predictions: an array (rows first), or a
             list / tuple / dict of arrays (a multi-output model).
+        batch_size: optional, the rows of each rank's slice of a global
+            batch (`sok.shard_batches(ds)` over global batches of `B`
+            gives each rank `B // N`). The rows then come back in the
+            global batches' order, as one process would have predicted
+            them: batch 0's rows of rank 0, rank 1, ..., then batch 1's.
+            Every rank must hold the same number of rows, a multiple of
+            `batch_size`.
 
     Returns:
         The same structure of NumPy arrays holding every rank's rows in
-        rank order, on every rank.
+        rank order (or in batch order with `batch_size`), on every rank.
 
     Raises:
         RankMismatchError: if not every rank calls it, or the ranks'
             predictions differ in structure, dtype or trailing shape.
+        ValueError: with `batch_size`, if the ranks' row counts differ or
+            are not a multiple of it (on every rank alike).
 
     Example:
 
     >>> y = sok.gather_predictions(model.predict(x_of_this_rank))
+    >>> y = sok.gather_predictions(model.predict(sok.shard_batches(ds)),
+    ...                            batch_size=global_batch // sok.num_ranks())
     """
+    if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int)
+            or batch_size < 1):
+        raise ValueError(
+            "sok_keras.gather_predictions: `batch_size` must be a positive "
+            f"integer or None. Received: batch_size={batch_size!r}.")
     import keras
 
     leaves = [np.asarray(keras.ops.convert_to_numpy(x))
@@ -130,6 +147,8 @@ def gather_predictions(predictions):
                 f"rows dimension; got a scalar ({a!r}).")
     n = world.num_ranks()
     if n == 1:
+        if batch_size is not None:
+            _check_batches([a.shape[0] for a in leaves], batch_size)
         return tf.nest.pack_sequence_as(predictions, leaves)
     check_in("sok_keras.gather_predictions", "gather_predictions")
     comm = world.control_communicator()
@@ -145,6 +164,8 @@ def gather_predictions(predictions):
             f"{[(a.dtype.name, a.shape[1:]) for a in leaves]}).")
     counts = comm.all_gather(
         tf.constant(head[:, 2:]), "gather_predictions/rows").numpy()
+    if batch_size is not None:
+        _check_batches(counts.ravel().tolist(), batch_size)
     out = []
     for i, a in enumerate(leaves):
         rows = counts[:, i]
@@ -155,9 +176,24 @@ def gather_predictions(predictions):
         got = comm.all_gather(
             tf.convert_to_tensor(padded), "gather_predictions/values").numpy()
         got = got.reshape(n, most, flat.shape[1])
-        whole = np.concatenate([got[r, :rows[r]] for r in range(n)])
+        if batch_size is None:
+            whole = np.concatenate([got[r, :rows[r]] for r in range(n)])
+        else:  # [rank, batch, row] -> [batch, rank, row]
+            whole = got.reshape(n, most // batch_size, batch_size, -1)
+            whole = whole.transpose(1, 0, 2, 3)
         out.append(whole.reshape((-1,) + a.shape[1:]))
     return tf.nest.pack_sequence_as(predictions, out)
+
+
+def _check_batches(counts, batch_size):
+    """Every rank (and output) holds the same rows, whole batches of
+    `batch_size`: else the same ValueError on every rank."""
+    if len(set(counts)) != 1 or counts[0] % batch_size:
+        raise ValueError(
+            "sok_keras.gather_predictions: with batch_size="
+            f"{batch_size}, every rank must hold the same number of rows, "
+            f"a multiple of it. Received: rows per rank and output "
+            f"{counts}.")
 
 
 # -- global parameter counts ------------------------------------------------

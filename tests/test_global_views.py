@@ -48,6 +48,12 @@ def test_gather_predictions_in_a_world_of_one():
     np.testing.assert_array_equal(sok.gather_predictions(y), y)
     got = sok.gather_predictions({"a": y, "b": (y[:, 0],)})
     np.testing.assert_array_equal(got["b"][0], y[:, 0])
+    np.testing.assert_array_equal(
+        sok.gather_predictions(y, batch_size=len(y)), y)
+    with pytest.raises(ValueError, match="multiple of it"):
+        sok.gather_predictions(y[:3], batch_size=2)
+    with pytest.raises(ValueError, match="positive integer"):
+        sok.gather_predictions(y, batch_size=0)
     with pytest.raises(ValueError, match="rows dimension"):
         sok.gather_predictions(np.float32(1.0))
 
@@ -80,6 +86,8 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
                 f"{r['local_rows'] * 8:,} on this rank") in r["summary"]
         assert r["gathered"] == r0["mine"] + r1["mine"]
         assert r["nested_b"] == [0] * 5 + [1] * 3 and r["nested_a_equal"]
+        assert r["batched"] == [0, 1, 10, 11, 2, 3, 12, 13]
+        assert "same number of rows" in r["batched_uneven"], r
     assert (r0["local_rows"], r1["local_rows"]) == (501, 500)
     assert r0["plain_load"] == "no error"
     assert r0[last].startswith("RankMismatchError"), r0[last]

@@ -42,6 +42,14 @@ nested = sok.gather_predictions({"a": mine, "b": [np.full((len(x),), RANK)]})
 result["nested_b"] = nested["b"][0].tolist()
 result["nested_a_equal"] = bool(np.array_equal(nested["a"],
                                                result["gathered"]))
+# batch_size: back in the global batches' order (2 batches of 2 rows each).
+result["batched"] = sok.gather_predictions(
+    np.arange(4)[:, None] + 10 * RANK, batch_size=2).ravel().tolist()
+try:
+    sok.gather_predictions(mine, batch_size=2)  # 5 and 3 rows
+    result["batched_uneven"] = "no error"
+except ValueError as e:
+    result["batched_uneven"] = str(e)
 
 # Saving and loading on every rank still work.
 path = os.path.join(folder, "m.keras")
