@@ -603,7 +603,8 @@ class _FileReader:
         self.f = None
 
     def where(self):
-        return f"'{self.path}' (table '{self.table}')"
+        kind = "variable" if self.path.endswith("dense.bin") else "table"
+        return f"'{self.path}' ({kind} '{self.table}')"
 
     def check(self, root):
         """Existence, no symlink escape, size and header: before any
