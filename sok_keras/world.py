@@ -347,6 +347,49 @@ def _check_tf_not_started():
         )
 
 
+_INIT_WATCH = """
+import os, select, signal, sys
+r, pid, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+if not select.select([r], [], [], timeout)[0]:
+    sys.stderr.write(sys.argv[4] + "\\n")
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+def _start_collectives_bounded(world):
+    """`_start_collectives`, but a rank whose peers do not all join within
+    `world.timeout` (SOK_COMM_TIMEOUT) is ended with a message naming the
+    wait. TensorFlow's coordination service waits for every task for ever,
+    in C++ and holding the interpreter (no Python thread or exception can
+    interrupt it), and its preemption notifier swallows SIGTERM meanwhile:
+    without this a rank whose peer never started (a launcher other than
+    sokrun) would hang. The watch is a small process that kills this one
+    (SIGKILL) unless this end of a pipe closes in time."""
+    import subprocess
+    import sys
+
+    message = (
+        f"sok_keras.init(): rank {world.rank} of {world.num_ranks}: not "
+        f"every rank joined within {world.timeout:g} s (SOK_COMM_TIMEOUT or "
+        "sok_keras.init(timeout=...)): a rank did not start, or the "
+        f"addresses from {world.source} are wrong "
+        f"({', '.join(world.worker_addrs)}). Stopping this rank.")
+    r, w = os.pipe()
+    try:
+        watch = subprocess.Popen(
+            [sys.executable, "-S", "-c", _INIT_WATCH, str(r), str(os.getpid()),
+             str(world.timeout), message], pass_fds=(r,),
+            stdin=subprocess.DEVNULL)
+    finally:
+        os.close(r)
+    try:
+        _start_collectives(world)
+    finally:
+        os.close(w)  # the watch sees end-of-file and exits
+        watch.wait()
+
+
 def _start_collectives(world):
     import tensorflow as tf
     from tensorflow.python.distribute.collective_all_reduce_strategy import (
@@ -688,7 +731,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             _guard_servers(world)
             _pin_gpu(world)
             with _sigterm_kept():
-                _start_collectives(world)
+                _start_collectives_bounded(world)
         else:
             _pin_gpu(world)
         _start_host_communicator(world)

@@ -128,3 +128,32 @@ def test_rank_servers_listen_on_loopback_only(launcher, request):
         assert r["listening"], r
         assert all(_loopback(a) for a, _ in r["listening"]), r
         assert r["bind_host"] == "127.0.0.1"
+
+
+def test_a_rank_whose_peer_never_starts_stops_after_the_timeout():
+    """torchrun-style rank 0 of 2 alone: TensorFlow's coordination service
+    would wait for rank 1 for ever (swallowing SIGTERM); sok.init() stops
+    the rank after SOK_COMM_TIMEOUT, saying why."""
+    base = _free_port_block(2)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONUNBUFFERED="1", RANK="0", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(base),
+               SOK_COMM_TIMEOUT="4")
+    for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
+                "SOK_BIND_HOST", "LD_PRELOAD"):
+        env.pop(var, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sok_keras as sok; sok.init(); print('INIT-DONE')"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, out
+    assert "INIT-DONE" not in out, out
+    assert ("sok_keras.init(): rank 0 of 2: not every rank joined within "
+            "4 s") in out, out
