@@ -222,15 +222,15 @@ class Communicator:
     def _ragged(self, x, c, site, transpose):
         """Exchange with C (or its transpose); gradient is the reverse."""
         x = tf.convert_to_tensor(x)
-        ct = tf.transpose(c) if transpose else c
-        if not (x.dtype.is_floating or x.dtype.is_complex):
-            return self._exchange(x, ct, site)
-        if not tf.executing_eagerly():
+        differentiable = x.dtype.is_floating or x.dtype.is_complex
+        if differentiable and not tf.executing_eagerly():
             # The gradient uses `c`: made here, it is of this graph (a
             # tf.cond branch's gradient may only use that branch's tensors;
             # a matrix from outside the branch would be the outer graph's).
             c = tf.identity(c)
-            ct = tf.transpose(c) if transpose else c
+        ct = tf.transpose(c) if transpose else c
+        if not differentiable:
+            return self._exchange(x, ct, site)
 
         @tf.custom_gradient
         def _fn(x):

@@ -1152,8 +1152,9 @@ def _pooled_lookup_weights_grad(op, dy, combiner):
     ids, -1, get zero), as `lookup_ops.weights_gradient`."""
     table, values, splits, weights = op.inputs
     valid = tf.not_equal(values, -1)
+    # Padding reads row 0; its terms are masked out below (and its weight
+    # out of the mean/sqrtn denominators).
     rows = tf.gather(table, tf.where(valid, values, tf.zeros_like(values)))
-    rows = rows * tf.cast(valid, rows.dtype)[:, None]
     out = op.outputs[0]
     num_bags = tf.shape(out, out_type=tf.int64)[0]
     bag_width = op.get_attr("bag_width")
@@ -1162,9 +1163,10 @@ def _pooled_lookup_weights_grad(op, dy, combiner):
     else:
         segments = tf.ragged.row_splits_to_segment_ids(splits,
                                                        out_type=tf.int64)
-    w = weights * tf.cast(valid, weights.dtype)
-    return lookup_ops.weights_gradient(rows, dy, out, segments, w, num_bags,
-                                       combiner) * tf.cast(valid, w.dtype)
+    w = tf.where(valid, weights, tf.zeros_like(weights))
+    grad = lookup_ops.weights_gradient(rows, dy, out, segments, w, num_bags,
+                                       combiner)
+    return tf.where(valid, grad, tf.zeros_like(grad))
 
 
 def _forward_plan(op):

@@ -40,6 +40,7 @@ Each function returns the op: ``None`` when executing eagerly, the
 import tensorflow as tf
 
 from sok_keras._ops import ops
+from sok_keras.variable import TABLE_DTYPES
 
 __all__ = [
     "slot_dtype",
@@ -85,7 +86,7 @@ def _scalar(x, dtype, what):
 
 
 _HALF_DTYPES = (tf.float16, tf.bfloat16)
-_TABLE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_TABLE_DTYPES = tuple(tf.as_dtype(d) for d in TABLE_DTYPES)
 
 
 def slot_dtype(table_dtype):
