@@ -47,7 +47,13 @@ _LOG = logging.getLogger("sok_keras")
 
 
 def _sublayers(layer, seen):
-    for sub in getattr(layer, "layers", None) or ():
+    """Every layer under `layer`: a model's `.layers` and the layers any
+    layer keeps as attributes (a sok layer inside a custom layer)."""
+    flatten = getattr(layer, "_flatten_layers", None)
+    subs = (list(flatten(include_self=False, recursive=False))
+            if flatten is not None else [])
+    subs += list(getattr(layer, "layers", None) or ())
+    for sub in subs:
         if id(sub) in seen:
             continue
         seen.add(id(sub))
@@ -56,13 +62,22 @@ def _sublayers(layer, seen):
 
 
 def has_sok_layers(model):
-    """Whether `model` (built or not) holds a sok embedding layer."""
+    """Whether `model` (built or not) holds a sok embedding layer, at any
+    depth, or (once built) a `sok_keras.Variable` that a custom layer
+    looks up itself."""
     from sok_keras.layers.base_embedding import BaseEmbedding
     from sok_keras.layers.embedding_collection import EmbeddingCollection
+    from sok_keras.variable import is_sok_variable
 
     kinds = (BaseEmbedding, EmbeddingCollection)
-    return any(isinstance(layer, kinds)
-               for layer in _sublayers(model, {id(model)}))
+    if any(isinstance(layer, kinds)
+           for layer in _sublayers(model, {id(model)})):
+        return True
+    try:
+        variables = list(model.variables)
+    except Exception:  # a layer not built yet may not list them
+        return False
+    return any(is_sok_variable(v) for v in variables)
 
 
 def is_sok_aware(optimizer):

@@ -35,6 +35,35 @@ def test_string_and_instance_optimizers_are_wrapped(caplog):
         assert full == []
 
 
+class _Tower(keras.layers.Layer):
+    """A custom layer that keeps a sok layer as an attribute (no `.layers`)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.emb = sok.layers.DistributedEmbedding(500, 4, combiner="sum")
+        self.dense = keras.layers.Dense(4)
+
+    def build(self, input_shape):
+        self.emb.build(input_shape)
+        self.dense.build((None, 4))
+
+    def call(self, x):
+        return self.dense(self.emb(x))
+
+
+def test_sok_layers_inside_custom_layers_are_found():
+    x = np.random.default_rng(0).integers(0, 500, (64, 3))
+    y = np.ones((64, 1), np.float32)
+    ids = keras.Input((3,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(_Tower()(ids)))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    assert isinstance(model.optimizer, sok.optimizers.OptimizerWrapper)
+    model.fit(x, y, epochs=1, verbose=0)
+    full = [v for v in model.optimizer.variables
+            if tuple(v.shape) == (500, 4) and not is_sok_variable(v)]
+    assert full == []
+
+
 def test_sok_optimizers_and_plain_models_are_left_alone():
     model = _model()
     wrapper = sok.optimizers.OptimizerWrapper(keras.optimizers.SGD(0.1))
