@@ -92,7 +92,6 @@ __all__ = [
     "RankDivergedError", "Variable",
     "all2all_dense_embedding", "callbacks", "checkpoint", "data", "dump",
     "export_for_serving",
-    "filter_variables",
     "filter_variables", "gather_predictions",
     "init", "layers", "load", "lookup_sparse", "num_ranks", "optimizers",
     "rank",
