@@ -46,21 +46,6 @@ _STEPS = {"fit": (("train_step", "train_function"),),
 _LOG = logging.getLogger("sok_keras")
 
 
-def _sublayers(layer, seen):
-    """Every layer under `layer`: a model's `.layers` and the layers any
-    layer keeps as attributes (a sok layer inside a custom layer)."""
-    flatten = getattr(layer, "_flatten_layers", None)
-    subs = (list(flatten(include_self=False, recursive=False))
-            if flatten is not None else [])
-    subs += list(getattr(layer, "layers", None) or ())
-    for sub in subs:
-        if id(sub) in seen:
-            continue
-        seen.add(id(sub))
-        yield sub
-        yield from _sublayers(sub, seen)
-
-
 def has_sok_layers(model):
     """Whether `model` (built or not) holds a sok embedding layer, at any
     depth, or (once built) a `sok_keras.Variable` that a custom layer
@@ -70,14 +55,12 @@ def has_sok_layers(model):
     from sok_keras.variable import is_sok_variable
 
     kinds = (BaseEmbedding, EmbeddingCollection)
+    # Keras' own walk: a model's layers and the layers any layer keeps as
+    # attributes (a sok layer inside a custom layer), at every depth.
     if any(isinstance(layer, kinds)
-           for layer in _sublayers(model, {id(model)})):
+           for layer in model._flatten_layers(include_self=False)):
         return True
-    try:
-        variables = list(model.variables)
-    except Exception:  # a layer not built yet may not list them
-        return False
-    return any(is_sok_variable(v) for v in variables)
+    return any(is_sok_variable(v) for v in model.variables)
 
 
 def is_sok_aware(optimizer):

@@ -5,6 +5,7 @@ import logging
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import sok_keras as sok
 from sok_keras.variable import is_sok_variable
@@ -62,6 +63,26 @@ def test_sok_layers_inside_custom_layers_are_found():
     full = [v for v in model.optimizer.variables
             if tuple(v.shape) == (500, 4) and not is_sok_variable(v)]
     assert full == []
+
+
+class _OwnLookup(keras.Model):
+    """A subclassed model that holds a sok.Variable and looks it up itself."""
+
+    def build(self, input_shape):
+        self.table = sok.Variable(np.zeros((50, 4), np.float32))
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        ids = tf.RaggedTensor.from_tensor(x)
+        return self.dense(
+            sok.lookup_sparse([self.table], [ids], combiners=["sum"])[0])
+
+
+def test_a_table_looked_up_by_a_custom_model_is_found():
+    model = _OwnLookup()
+    model(np.zeros((2, 3), np.int64))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    assert isinstance(model.optimizer, sok.optimizers.OptimizerWrapper)
 
 
 def test_sok_optimizers_and_plain_models_are_left_alone():
