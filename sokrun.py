@@ -5,6 +5,7 @@ Usage:
 ```
 sokrun -np N [--timeout S] [--grace S] program [args...]
 python -m sokrun -np 2 python train.py --epochs 3   # or -m sok_keras.launch
+sokrun -np 2 train.py --epochs 3     # a .py file runs with this Python
 ```
 
 Each rank gets the environment variables
@@ -39,7 +40,9 @@ the ranks bind them, so another program could take one in between (the
 job then fails at startup; run it again). If sokrun is killed with SIGKILL,
 processes that a rank started itself (grandchildren) are not stopped by
 PR_SET_PDEATHSIG; with any other ending they are (process-group kill).
-TensorFlow's gRPC server listens on every interface, not only loopback.
+With `SOK_BIND_GUARD=0`, or a program whose TensorFlow does not load the
+bind guard (a static binary), TensorFlow's gRPC servers listen on every
+interface.
 """
 
 import argparse
@@ -205,7 +208,9 @@ def _parse(argv):
         help="seconds between SIGTERM and SIGKILL when stopping ranks "
         "(default 5)",
     )
-    parser.add_argument("program", help="the program to run, e.g. python")
+    parser.add_argument(
+        "program", help="the program to run, e.g. python; a path to a .py "
+        "file runs with this Python (as torchrun does)")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     if ns.np < 1:
@@ -215,6 +220,15 @@ def _parse(argv):
     if ns.grace < 0:
         parser.error(f"--grace must be >= 0, got {ns.grace}")
     return ns
+
+
+def _command(program, args):
+    """The command line of a rank: a `.py` file that exists runs with this
+    Python (`sokrun -np 2 train.py`, as torchrun does), anything else as
+    given."""
+    if program.endswith(".py") and os.path.isfile(program):
+        return [sys.executable, program] + list(args)
+    return [program] + list(args)
 
 
 def main(argv=None):
@@ -261,7 +275,7 @@ def main(argv=None):
             )
             try:
                 proc = subprocess.Popen(
-                    [ns.program] + ns.args,
+                    _command(ns.program, ns.args),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -269,7 +283,12 @@ def main(argv=None):
                     preexec_fn=_child_setup(os.getpid()),
                 )
             except OSError as e:
-                printer.say(f"cannot start rank {r}: {ns.program!r}: {e}")
+                hint = ""
+                if ns.program.endswith(".py"):
+                    hint = (" (to run a Python script, name it by its path, "
+                            f"or: sokrun -np {n} python {ns.program})")
+                printer.say(f"cannot start rank {r}: {ns.program!r}: {e}"
+                            f"{hint}")
                 code = 127
                 break
             rank = _Rank(r, proc)

@@ -64,6 +64,12 @@ def install():
     is_memory_sufficient._sok_keras = True
     is_memory_sufficient._sok_original = original
     lib.is_memory_sufficient = is_memory_sufficient
+    # A SIGTERM mid-save or mid-load removes the temporary weights file or
+    # folder these paths make before the process dies (`_terminate`).
+    from sok_keras._terminate import guarded
+
+    lib.save_model = guarded(lib.save_model)
+    lib.load_model = guarded(lib.load_model)
     _INSTALLED = True
 
 
@@ -115,7 +121,8 @@ def check_keras_internals():
     lib = _saving_lib()
     missing = [name for name in (
         "is_memory_sufficient", "H5IOStore", "safe_get_h5_dataset",
-        "_save_model_to_fileobj", "_load_model_from_fileobj")
+        "_save_model_to_fileobj", "_load_model_from_fileobj",
+        "save_model", "load_model")
         if not hasattr(lib, name)]
     assert not missing, f"keras saving_lib lacks {missing}"
     for fn in (lib._save_model_to_fileobj, lib._load_model_from_fileobj):

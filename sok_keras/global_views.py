@@ -79,14 +79,23 @@ def check_in(what, key=None):
         world.control_communicator().agree(
             f"enter/{key or what}", 1, timeout)
     except tf.errors.OpError as e:
-        if "timed out" not in str(e):
+        if "timed out" in str(e):
+            why = (f"not all of them called it within {timeout:g} s "
+                   "(SOK_SAVE_TIMEOUT)")
+        elif isinstance(e, tf.errors.UnavailableError):
+            # A rank that exited (its script ended without the call) or
+            # crashed: TensorFlow reports its tasks unreachable.
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            why = ("another rank is gone (it exited or crashed before "
+                   f"calling it; TensorFlow: {first[:300]})")
+        else:
             raise  # aborted for another reason (a failed peer): as it is
         raise RankMismatchError(
             f"sok_keras: rank {world.rank()}: {what} must be called on "
-            f"every rank ({n} ranks), but not all of them called it within "
-            f"{timeout:g} s (SOK_SAVE_TIMEOUT). Call it on every rank (e.g. "
-            "not under `if sok.rank() == 0:`); to use a result on one rank "
-            "only, compute it everywhere and keep it where needed.") from e
+            f"every rank ({n} ranks), but {why}. Call it on every rank "
+            "(e.g. not under `if sok.rank() == 0:`), before any rank "
+            "exits; to use a result on one rank only, compute it "
+            "everywhere and keep it where needed.") from e
 
 
 # -- gathered predictions ---------------------------------------------------

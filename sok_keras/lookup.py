@@ -131,9 +131,18 @@ class _Ids:
 
 def _check_int(t, what):
     if not t.dtype.is_integer:
+        hint = ""
+        if t.dtype.is_floating:
+            # Keras makes a model's inputs float32 unless told otherwise
+            # (a Sequential with no Input, keras.Input without dtype).
+            hint = (" Declare the ids' input as integers, e.g. "
+                    "`keras.Input(shape=(n,), dtype=\"int64\")` as the "
+                    "first layer of a Sequential: Keras makes inputs "
+                    "float32 by default, which holds ids exactly only up "
+                    "to 2**24.")
         raise TypeError(
             f"{what}: ids must be an integer tensor (int32 or int64). "
-            f"Received: dtype={t.dtype.name}."
+            f"Received: dtype={t.dtype.name}.{hint}"
         )
 
 

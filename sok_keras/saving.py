@@ -37,6 +37,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from sok_keras import _terminate
 from sok_keras import global_views
 from sok_keras import world
 from sok_keras.variable import stream_entry
@@ -196,6 +197,20 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
         raise FileExistsError(
             f"sok_keras: '{path}' exists and overwrite=False.")
     target = _temporary_path(path)
+    # Also when a SIGTERM stops the save: rank 0's temporary file goes.
+    with _terminate.on_sigterm_clean_up():
+        try:
+            _write_on_rank_0(model, path, target, rank, n, what, write)
+        finally:
+            if rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(target)
+    return None
+
+
+def _write_on_rank_0(model, path, target, rank, n, what, write):
+    """Rank 0 writes `target`, which the others serve rows to, then
+    renames it into place; every rank raises if any failed."""
     global _STREAM
     error = None
     try:
@@ -218,27 +233,21 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
     except Exception as e:  # reported to every rank below
         error = e
     failed = _agree("save/done", int(error is not None), world.timeout())
-    try:
-        if failed:
-            # Every rank returns once the temporary file is gone.
-            if rank == 0:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(target)
-            _agree("save/cleaned", 1, world.timeout())
-            if error is not None:
-                raise error
-            raise RuntimeError(
-                f"sok_keras: {what}('{path}') failed on another rank "
-                f"({failed} of {n}); its error is in that rank's output. "
-                "The file was not changed.")
-        if rank == 0:
-            os.replace(target, path)
-        _agree("save/renamed", 1, world.timeout())
-    finally:
+    if failed:
+        # Every rank returns once the temporary file is gone.
         if rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(target)
-    return None
+        _agree("save/cleaned", 1, world.timeout())
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            f"sok_keras: {what}('{path}') failed on another rank "
+            f"({failed} of {n}); its error is in that rank's output. "
+            "The file was not changed.")
+    if rank == 0:
+        os.replace(target, path)
+    _agree("save/renamed", 1, world.timeout())
 
 
 def _backup_on_train_end(original):

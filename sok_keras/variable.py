@@ -5,6 +5,7 @@ import re
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from sok_keras import world
 
@@ -87,7 +88,10 @@ class Variable(keras.Variable):
     A `Variable` is a `keras.Variable`: a layer that assigns one to an
     attribute owns it, `model.summary()` counts it, and a
     `tf.GradientTape` differentiates through `sok_keras.lookup_sparse`
-    to a `tf.IndexedSlices` gradient over the local shard.
+    to a `tf.IndexedSlices` gradient over the local shard. Made inside
+    Keras' `StatelessScope` (Keras building a layer by running it on
+    placeholders), it is initialized when that scope exits, as a
+    `keras.Variable` made from an initializer is.
 
     Args:
         initial_value: the whole table, as an array of shape
@@ -160,7 +164,6 @@ class Variable(keras.Variable):
                 f"sok_keras.Variable '{name}' needs an `initial_value` "
                 "(an array, or an initializer with `shape`)."
             )
-        plan = None
         if _is_initializer(initial_value):
             if shape is None or len(tuple(shape)) != 2:
                 raise ValueError(
@@ -169,30 +172,12 @@ class Variable(keras.Variable):
                 )
             global_shape = tuple(int(s) for s in shape)
             dtype = dtype or "float32"
-            from sok_keras import table_init
+            initializer = keras.initializers.get(initial_value)
 
-            # Eagerly, even when the table is built inside a trace (a
-            # subclassed model's first call): the seed agreement and the
-            # block writes must not become part of the traced step.
-            tracing = not tf.executing_eagerly()
-            values = []
-            for r in owners:
-                rows = global_to_local(global_shape[0], kind, r, num_ranks)
-                if kind == LOCALIZED and r != target:
-                    rows = rows[:0]
-                with tf.init_scope():
-                    plan = table_init.TablePlan(
-                        keras.initializers.get(initial_value), global_shape,
-                        dtype, rows, num_ranks if kind == DISTRIBUTED else 1,
-                        name)
-                    value = plan.initial_value()
-                    if tracing or strategy is not None:
-                        # Made inside a trace, the variable is initialized
-                        # when the function first runs: it cannot be
-                        # written now, so it starts from the whole shard
-                        # (as does each replica's shard).
-                        value, plan = plan.local_value(value), None
-                values.append(value)
+            def make_values():
+                return _initializer_values(
+                    initializer, global_shape, dtype, kind, target, owners,
+                    num_ranks, strategy is not None, name)
         else:
             array = np.asarray(
                 keras.ops.convert_to_numpy(initial_value)
@@ -216,19 +201,16 @@ class Variable(keras.Variable):
                     else "float32"
                 )
             global_shape = array.shape
-            values = []
-            for r in owners:
-                rows = global_to_local(global_shape[0], kind, r, num_ranks)
-                if kind == LOCALIZED and r != target:
-                    rows = rows[:0]
-                values.append(array[rows].astype(
-                    keras.backend.standardize_dtype(dtype)))
-        value = values[0]
-        # Replica shards (`sok_keras.replicas`): made by `_initialize`.
-        self._sok_replica_values = values if strategy is not None else None
+
+            def make_values():
+                np_dtype = keras.backend.standardize_dtype(dtype)
+                return [array[_owned_rows(global_shape[0], kind, target, r,
+                                          num_ranks)].astype(np_dtype)
+                        for r in owners], None
         self._sok_replica_devices = (
             list(strategy.extended.worker_devices) if strategy is not None
             else None)
+        self._sok_replica_values = None
         self._sok_shards = None
         self._sok_kind = kind
         self._sok_target = target
@@ -238,17 +220,63 @@ class Variable(keras.Variable):
         self._sok_slots = {}
         self._sok_pending_slots = {}
         self._sok_optimizer = None
+        self._sok_make_values = None
+        if in_stateless_scope():
+            # As `keras.Variable` does with an initializer: the table is
+            # made when the outermost `StatelessScope` exits (Keras then
+            # calls `_deferred_initialize`). Until then a read gives a
+            # symbolic placeholder of the shard's shape. This is how a
+            # layer built while Keras infers shapes (a subclassed model
+            # rebuilt by `load_model`, a custom layer with no `build()`
+            # called on a `keras.Input`) gets its table.
+            self._sok_make_values = make_values
+            local = (shard_rows(global_shape[0], kind, target, owners[0],
+                                num_ranks), global_shape[1])
+            super().__init__(
+                initializer=_placeholder, shape=local, dtype=dtype,
+                trainable=trainable, name=name, autocast=False)
+            return
+        values, plan = make_values()
+        value = self._take_values(values, strategy is not None)
+        del values
         super().__init__(
             value, dtype=dtype, trainable=trainable, name=name, autocast=False
         )
         # No reference to the initial tensor may outlive this point: a
         # slice assignment copies a variable's whole buffer while another
         # tensor shares it.
-        del value, values
+        del value
+        self._fill(plan)
+
+    def _take_values(self, values, replicated):
+        # Replica shards (`sok_keras.replicas`): made by `_initialize`.
+        self._sok_replica_values = values if replicated else None
+        return values[0]
+
+    def _fill(self, plan):
         if plan is not None:
             with tf.init_scope():
                 plan.fill(self._value)  # block by block, in place
                 dense_reads(self._value)
+
+    def _deferred_initialize(self):
+        make = self.__dict__.get("_sok_make_values")
+        if make is None:
+            return super()._deferred_initialize()
+        if in_stateless_scope():
+            raise ValueError(
+                f"sok_keras.Variable '{self.name}' cannot be initialized "
+                "inside a stateless scope. Build the layer (or call the "
+                "model once) before using it statelessly.")
+        self._sok_make_values = None
+        self._initializer = None
+        values, plan = make()
+        value = self._take_values(values, self._sok_replica_devices
+                                  is not None)
+        del values
+        self._initialize(value)
+        del value
+        self._fill(plan)
 
     def _initialize(self, value):
         if self._sok_replica_values is not None:
@@ -567,6 +595,45 @@ def dense_reads(var):
         logging.getLogger("sok_keras").warning(
             "sok_keras: could not turn off copy-on-read for '%s' (%s): its "
             "reads copy the table.", getattr(var, "name", var), e)
+
+
+def _owned_rows(global_rows, kind, target, rank, num_ranks):
+    """The global ids of the rows `rank` holds of a table."""
+    rows = global_to_local(global_rows, kind, rank, num_ranks)
+    return rows[:0] if kind == LOCALIZED and rank != target else rows
+
+
+def _placeholder(shape, dtype=None):
+    # What a read of a table still to be made gives inside Keras'
+    # `StatelessScope` (shape inference on symbolic inputs only).
+    return tf.zeros(shape, dtype)
+
+
+def _initializer_values(initializer, global_shape, dtype, kind, target,
+                        owners, num_ranks, replicated, name):
+    """Each owner's initial rows of an initializer-made table, and the
+    plan that fills the first in place (None when it comes whole)."""
+    from sok_keras import table_init
+
+    # Eagerly, even when the table is built inside a trace (a subclassed
+    # model's first call): the seed agreement and the block writes must
+    # not become part of the traced step.
+    tracing = not tf.executing_eagerly()
+    values, plan = [], None
+    for r in owners:
+        rows = _owned_rows(global_shape[0], kind, target, r, num_ranks)
+        with tf.init_scope():
+            plan = table_init.TablePlan(
+                initializer, global_shape, dtype, rows,
+                num_ranks if kind == DISTRIBUTED else 1, name)
+            value = plan.initial_value()
+            if tracing or replicated:
+                # Made inside a trace, the variable is initialized when the
+                # function first runs: it cannot be written now, so it
+                # starts from the whole shard (as does each replica's).
+                value, plan = plan.local_value(value), None
+        values.append(value)
+    return values, plan
 
 
 def _is_initializer(value):

@@ -213,6 +213,7 @@ def world_from_env(env=None):
         if rank_var in env and size_var in env:
             break
     else:
+        _check_no_half_world(env)
         if env.get("TF_CONFIG"):
             return _world_from_tf_config(env["TF_CONFIG"])
         return World(0, 1)
@@ -236,6 +237,11 @@ def world_from_env(env=None):
         elif "MASTER_PORT" in env:
             host = env.get("MASTER_ADDR") or "127.0.0.1"
             port = _int_env("MASTER_PORT", env)
+            if not 0 < port or port + size > 65535:
+                raise RuntimeError(
+                    f"sok_keras: MASTER_PORT={port}: the ranks listen on "
+                    f"MASTER_PORT + 1 .. MASTER_PORT + {size}, which must be "
+                    "ports (1..65535).")
             addrs = [f"{host}:{port + 1 + i}" for i in range(size)]
         else:
             raise RuntimeError(
@@ -246,6 +252,23 @@ def world_from_env(env=None):
                 "launch with `sokrun -np N`."
             )
     return World(rank, size, addrs, source)
+
+
+def _check_no_half_world(env):
+    """Refuses a launcher's number of ranks (> 1) without its rank
+    variable (`WORLD_SIZE=4` without `RANK`): each process would otherwise
+    train alone, as a world of one, and nothing would say so."""
+    for source, rank_var, size_var in _SOURCES:
+        try:
+            size = int(env.get(size_var, ""))
+        except ValueError:
+            continue
+        if size > 1 and rank_var not in env:
+            raise RuntimeError(
+                f"sok_keras: {size_var}={size} is set ({source}) but "
+                f"{rank_var} is not, so this process does not know its "
+                f"rank. Set {rank_var} on every rank (0..{size - 1}), or "
+                f"unset {size_var} to run as one process.")
 
 
 def _world_from_tf_config(text):

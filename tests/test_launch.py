@@ -144,6 +144,28 @@ def test_usage_errors():
     )
     assert out.returncode == 127
     assert b"cannot start rank 0" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "sokrun", "-np", "1", "missing_script.py"],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+    )
+    assert out.returncode == 127
+    assert b"sokrun -np 1 python missing_script.py" in out.stderr
+
+
+def test_a_python_script_runs_with_this_python(tmp_path):
+    """`sokrun -np 2 hello.py` (no `python`): before, "No such file or
+    directory" for a file that is there."""
+    script = tmp_path / "hello.py"
+    script.write_text("import os, sys\n"
+                      "print('rank', os.environ['SOK_RANK'], sys.executable)\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "sokrun", "-np", "2", str(script)],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+        text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    for r in range(2):
+        assert f"[{r}] rank {r} {sys.executable}" in out.stdout, out.stdout
 
 
 def test_sigterm_to_a_rank_stops_the_job_promptly():

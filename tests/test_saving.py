@@ -72,6 +72,21 @@ def test_save_on_rank_0_only_fails_fast_with_a_clear_error(tmp_path):
     assert not (tmp_path / "model.keras").exists()
 
 
+def test_save_on_rank_0_after_the_other_rank_exited_names_the_mistake(
+        tmp_path):
+    """The usual script: rank 1 ends (without saving) while rank 0 saves.
+    Before: rank 0 got TensorFlow's raw UnavailableError."""
+    job = launch(worker_path("save_every_rank"), 2,
+                 args=["rank0-only-exit", str(tmp_path)], timeout=120,
+                 env={"SOK_SAVE_TIMEOUT": "30"})
+    r0 = job.results.get(0)
+    assert r0 is not None, job.output
+    assert r0["error"].startswith("RankMismatchError"), r0
+    assert "must be called on every rank" in r0["error"], r0
+    assert not (tmp_path / "model.keras").exists()
+    assert job.leftovers == []
+
+
 def test_keras_still_has_the_saving_internals_sok_keras_relies_on():
     """sok_keras/_keras_h5.py reaches into keras.src.saving.saving_lib:
     fail loudly (naming what changed) when Keras changes under it."""

@@ -67,6 +67,12 @@ def test_world_from_env(env, want):
         ({"SOK_RANK": "0", "SOK_NUM_RANKS": "2", "SOK_WORKER_ADDRS": "a:1"},
          "one host:port per rank .* got 'a:1'"),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "set SOK_WORKER_ADDRS"),
+        # Before: a world of one, each process training alone, silently.
+        ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set .* but RANK is not"),
+        ({"SOK_NUM_RANKS": "2", "RANK": "1"},
+         "SOK_NUM_RANKS=2 is set .* but SOK_RANK is not"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "65534"},
+         "MASTER_PORT=65534: .* must be ports"),
     ],
 )
 def test_world_from_env_errors(env, match):

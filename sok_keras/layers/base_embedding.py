@@ -13,6 +13,7 @@ from sok_keras.variable import save_entry
 from sok_keras.variable import saved_array
 from sok_keras.variable import table_entries
 from sok_keras._ops import not_converted as _not_converted
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 
 def check_positive_int(value, arg, layer):
@@ -89,6 +90,28 @@ def load_table(store, key, slot_prefix, table, where):
         table.restore_slot(name, array)
 
 
+def shape_inference_ids(ids):
+    """`ids` as int64 while Keras infers shapes without data (its
+    `SymbolicScope`), else as they are.
+
+    Keras builds a subclassed model, or a layer with no `build()`, by
+    running its `call` on float32 placeholders of the recorded input
+    shapes (`load_model`, a first call on a `keras.Input`). No id value
+    exists there to be truncated; a real float id still raises the
+    lookup's TypeError.
+    """
+    if not in_symbolic_scope():
+        return ids
+
+    def cast(t):  # dense, ragged and sparse tensors alike
+        dtype = getattr(t, "dtype", None)
+        if dtype is not None and tf.as_dtype(dtype).is_floating:
+            return tf.cast(t, tf.int64)
+        return t
+
+    return tf.nest.map_structure(cast, ids)
+
+
 class BaseEmbedding(keras.layers.Layer):
     """Base class: one sharded table, looked up with a combiner.
 
@@ -146,6 +169,7 @@ class BaseEmbedding(keras.layers.Layer):
     def call(self, inputs, weights=None):
         from sok_keras.lookup import lookup_one
 
+        inputs = shape_inference_ids(inputs)
         out = lookup_one(
             self.embeddings, inputs, weights, self.combiner, name=self.name,
             pooling=self.pooling)

@@ -12,6 +12,7 @@ from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
+from sok_keras.layers.base_embedding import shape_inference_ids
 from sok_keras.variable import Variable
 from sok_keras.variable import mode_for_world
 from sok_keras.variable import parse_mode
@@ -279,6 +280,7 @@ class EmbeddingCollection(keras.layers.Layer):
     @_not_converted
     def call(self, inputs, weights=None, training=None):
         del training
+        inputs = shape_inference_ids(inputs)
         if self._keras_rs is None:
             where = f"EmbeddingCollection '{self.name}'"
             for what, value in (("inputs", inputs), ("weights", weights)):
@@ -311,7 +313,7 @@ class EmbeddingCollection(keras.layers.Layer):
         names = list(self.features)
         feats = [
             lookup.normalize_ids(inputs[f], weights.get(f),
-                                 f"{self.name}/{f}")
+                                 f"{self.name}/{self._feature_label(f)}")
             for f in names
         ]
         params = [self.embeddings[self.features[f]["table"]] for f in names]
@@ -328,6 +330,13 @@ class EmbeddingCollection(keras.layers.Layer):
                 value = lookup.pool(r, inverse, feat, combiner)
             out[f] = tf.cast(value, self.compute_dtype)
         return out
+
+    def _feature_label(self, f):
+        """The feature in messages: its key, or, for a lone keras-rs
+        `FeatureConfig` (whose path is empty), its name."""
+        if f or self._keras_rs is None:
+            return f
+        return self._keras_rs.features[f].get("name") or "<top>"
 
     # -- keras-rs' form ---------------------------------------------------
     def _where(self):

@@ -173,6 +173,12 @@ def gather(values, paths, what, where):
     def walk(node, path):
         key = ".".join(str(p) for p in path)
         if key in paths:
+            if isinstance(node, dict):
+                raise ValueError(
+                    f"{where}: {what} must have the structure of the "
+                    f"layer's feature_configs; at '{key or '<top>'}' it "
+                    f"holds a dict with keys {sorted(node)}, where one "
+                    f"feature's tensor belongs.")
             found[key] = node
             return
         if not any(p.startswith(key + ".") or not key for p in paths):

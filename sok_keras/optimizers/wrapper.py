@@ -496,6 +496,15 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             )
         if isinstance(inner_optimizer, OptimizerWrapper):
             raise ValueError("OptimizerWrapper cannot wrap another one.")
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            inner = type(inner_optimizer.inner_optimizer).__name__
+            raise ValueError(
+                "OptimizerWrapper cannot wrap a LossScaleOptimizer: wrap "
+                "the other way round, "
+                "`keras.optimizers.LossScaleOptimizer(sok.OptimizerWrapper("
+                "keras.optimizers.Adam(...)))` (the loss scale then covers "
+                "the tables' gradients too). Received: "
+                f"LossScaleOptimizer({inner}).")
         sparse_rules.rule_for(inner_optimizer)  # fail early
         _check_supported(inner_optimizer)
         if not isinstance(skip_nonfinite, bool):

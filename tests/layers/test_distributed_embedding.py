@@ -228,3 +228,75 @@ def test_unpooled_lookup_masks_padding_for_mask_aware_layers():
                                      [True, False, False]]
     pooled = sok.layers.DistributedEmbedding(10, 2, combiner="sum")
     assert pooled.compute_mask(tf.constant(ids)) is None
+
+
+@keras.saving.register_keras_serializable(package="sok_keras_tests")
+class Ranker(keras.Model):
+    """A subclassed model: Keras rebuilds it in `load_model` by running
+    `call` on float32 placeholders inside its `StatelessScope`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = sok.layers.DistributedEmbedding(50, 6, combiner="mean")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_subclassed_model_saves_and_loads_with_its_trained_state(
+        tmp_path):
+    """Before: load_model failed with "'DistributedEmbedding' object has
+    no attribute 'embeddings'" (the table could not be made inside Keras'
+    StatelessScope)."""
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 50, size=(32, 4))
+    model = Ranker()
+    model.compile(optimizer=sok.OptimizerWrapper(keras.optimizers.Adam(0.1)),
+                  loss="mse")
+    model.fit(x, rng.normal(size=(32, 1)), batch_size=8, verbose=0)
+    loaded = assert_model_saving(model, x, tmp_path)
+    np.testing.assert_array_equal(loaded.emb.embeddings.numpy(),
+                                  model.emb.embeddings.numpy())
+    np.testing.assert_array_equal(loaded.emb.embeddings.slots["m"].numpy(),
+                                  model.emb.embeddings.slots["m"].numpy())
+
+
+def test_a_custom_layer_without_build_makes_its_table_on_a_keras_input():
+    """A custom layer with no `build()` builds its sublayers by running
+    `call` symbolically (Keras' StatelessScope): the table is made when
+    the scope exits, seeded as an eager build would make it."""
+
+    class Twice(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = sok.layers.DistributedEmbedding(
+                40, 3, embeddings_initializer=keras.initializers.RandomNormal(
+                    seed=5))
+
+        def call(self, ids):
+            return 2.0 * self.emb(ids)
+
+    ids = keras.Input((2,), dtype="int64")
+    layer = Twice()
+    model = keras.Model(ids, layer(ids))
+    assert model.output.shape == (None, 3)
+    table = layer.emb.embeddings
+    assert isinstance(table, sok.Variable) and table.shape == (40, 3)
+    expected = keras.initializers.RandomNormal(seed=5)((40, 3)).numpy()
+    np.testing.assert_array_equal(table.numpy(), expected)
+    x = np.array([[1, 2], [3, -1]])
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0),
+        2.0 * np.stack([expected[1] + expected[2], expected[3]]), rtol=1e-6)
+
+
+def test_a_sequential_without_an_int_input_names_the_fix():
+    """Keras gives a Sequential with no Input float32 inputs: the error
+    names the layer and says how to declare int ids."""
+    model = keras.Sequential([sok.layers.DistributedEmbedding(10, 2,
+                                                              name="emb"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(TypeError, match=r"(?s)emb.*float32.*keras\.Input"):
+        model.fit(np.array([[1, 2]]), np.ones((1, 1)), verbose=0)

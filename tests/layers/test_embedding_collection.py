@@ -157,3 +157,35 @@ def test_functional_model_fit_and_save(tmp_path):
     np.testing.assert_array_equal(
         loaded.get_layer("coll").embeddings["item"].slots["v"].numpy(),
         tables["item"].slots["v"].numpy())
+
+
+@keras.saving.register_keras_serializable(package="sok_keras_tests")
+class Tower(keras.Model):
+    """A subclassed model over an EmbeddingCollection (rebuilt by
+    `load_model` inside Keras' StatelessScope)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.coll = sok.layers.EmbeddingCollection(
+            {"user": {"vocabulary_size": 30, "embedding_dim": 4}},
+            {"user_id": {"table": "user"}, "friends": {"table": "user"}})
+        self.head = keras.layers.Dense(1)
+
+    def call(self, inputs):
+        out = self.coll(inputs)
+        return self.head(keras.ops.concatenate(
+            [out["user_id"], out["friends"]], axis=-1))
+
+
+def test_a_subclassed_model_with_a_collection_saves_and_loads(tmp_path):
+    rng = np.random.default_rng(4)
+    data = {"user_id": rng.integers(0, 30, size=(16, 1)),
+            "friends": rng.integers(-1, 30, size=(16, 3))}
+    model = Tower()
+    model.compile(optimizer=sok.OptimizerWrapper(keras.optimizers.Adam(0.1)),
+                  loss="mse")
+    model.fit(data, rng.normal(size=(16, 1)), batch_size=8, verbose=0)
+    loaded = assert_model_saving(model, data, tmp_path)
+    np.testing.assert_array_equal(
+        loaded.coll.embeddings["user"].numpy(),
+        model.coll.embeddings["user"].numpy())

@@ -281,6 +281,10 @@ def test_constructor_errors():
         Wrapper("adam")
     with pytest.raises(ValueError, match="cannot wrap another"):
         Wrapper(Wrapper(keras.optimizers.SGD()))
+    with pytest.raises(ValueError, match=(
+            r"LossScaleOptimizer\(sok\.OptimizerWrapper\(.*"
+            r"Received: LossScaleOptimizer\(SGD\)")):
+        Wrapper(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
     with pytest.raises(ValueError, match="set `clipnorm` on the inner"):
         Wrapper(keras.optimizers.SGD(), clipnorm=1.0)
     with pytest.raises(ValueError, match="does not take arguments"):

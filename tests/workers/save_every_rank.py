@@ -1,7 +1,8 @@
 """The README's save pattern: every rank calls model.save on one path,
 repeatedly; rank 0 checks each file (a valid zip, the right rows). Then a
 save that fails on one rank: every rank raises, the file is unchanged.
-With the argument "rank0-only", only rank 0 saves (the common mistake).
+With the argument "rank0-only", only rank 0 saves (the common mistake);
+with "rank0-only-exit", the other rank exits at once (the usual script).
 With "killed", rank 0 is killed (SIGKILL) half-way through writing a
 table during the second save; the first file must stay loadable."""
 
@@ -33,14 +34,16 @@ rng = np.random.default_rng(RANK)
 x = rng.integers(0, 20_000, (64, 4))
 y = rng.normal(size=(64, 1)).astype(np.float32)
 result = {}
-if mode == "rank0-only":
+if mode == "rank0-only-exit" and RANK != 0:
+    sys.exit(0)
+if mode.startswith("rank0-only"):
     if RANK == 0:
         t0 = time.monotonic()
         try:
             model.save(path)
             result["error"] = None
-        except RuntimeError as e:
-            result["error"] = str(e)
+        except Exception as e:  # noqa: BLE001 - the test reads which
+            result["error"] = f"{type(e).__name__}: {e}"
         result["elapsed"] = time.monotonic() - t0
     else:
         time.sleep(float(os.environ["SOK_SAVE_TIMEOUT"]) + 10)

@@ -1,0 +1,45 @@
+"""One process gets SIGTERM in the middle of `model.save` ("save") or of
+`keras.models.load_model` ("load"), or rank 0 of a job of several in
+the middle of `model.save` ("save-ranks"), sent from inside the layer's own
+save/load of its table, when Keras' temporary weights file (save) or
+extracted weights folder (load) exists. The folder argument holds the
+`.keras` file; the test checks that nothing else is left in it."""
+
+import os
+import signal
+import sys
+
+import keras
+import numpy as np
+
+import sok_keras as sok
+
+mode, folder = sys.argv[1], sys.argv[2]
+sok.init()
+path = os.path.join(folder, "model.keras")
+ids = keras.Input((2,), dtype="int64")
+model = keras.Model(ids, keras.layers.Dense(1)(
+    sok.layers.DistributedEmbedding(1000, 8, name="emb")(ids)))
+model.predict(np.array([[1, 2]]), verbose=0)
+
+
+def terminate(original):
+    def hook(self, store):
+        if sok.rank() == 0:
+            # Keras' temporary file or folder exists now, beside `path`.
+            print("during:", sorted(os.listdir(folder)), flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, store)
+
+    return hook
+
+
+cls = sok.layers.DistributedEmbedding
+if mode.startswith("save"):
+    cls.save_own_variables = terminate(cls.save_own_variables)
+    model.save(path)
+else:
+    model.save(path)
+    cls.load_own_variables = terminate(cls.load_own_variables)
+    keras.models.load_model(path)
+print("not terminated", flush=True)
