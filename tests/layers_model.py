@@ -109,3 +109,17 @@ def build_and_fit(steps, global_batch, num_ranks=None, dtype=None):
         "local_rows": {n: int(t.shape[0]) for n, t in tables.items()},
         "dense": [w.tolist() for w in model.get_layer("hidden").get_weights()],
     }
+
+
+@keras.saving.register_keras_serializable(package="sok_keras_tests")
+class SubclassedRanker(keras.Model):
+    """A subclassed model: `load_model` rebuilds it by running `call` on
+    placeholders inside Keras' StatelessScope, where its table is made."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = sok.layers.DistributedEmbedding(101, 4, combiner="sum")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(self.emb(ids))

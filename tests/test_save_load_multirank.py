@@ -170,3 +170,23 @@ def test_tables_placed_on_a_rank_load_on_fewer_ranks_and_clone(jobs):
     np.testing.assert_allclose(model.predict(data, verbose=0).ravel(),
                                results[0]["predictions"], rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_subclassed_model_saved_on_two_ranks_loads_on_two_and_one(
+        tmp_path):
+    """Its table is made inside Keras' StatelessScope when load_model
+    rebuilds it (deferred, then filled from the file with this rank's
+    rows)."""
+    from tests import layers_model  # noqa: F401 (registers the model)
+    from tests.multiprocess import run_workers
+
+    results = run_workers(worker_path("subclassed_save_load"), 2,
+                          args=[str(tmp_path)], timeout=240)
+    for r in results:
+        assert r["max_diff"] == 0.0 and r["same_table"], results
+    assert [r["shard_rows"] for r in results] == [51, 50]
+    model = keras.models.load_model(str(tmp_path / "ranker.keras"))
+    assert model.emb.embeddings.shape == (101, 4)
+    np.testing.assert_array_equal(
+        model.predict(np.load(tmp_path / "probe.npy"), verbose=0),
+        np.load(tmp_path / "expected.npy"))
