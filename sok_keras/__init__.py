@@ -83,6 +83,37 @@ from sok_keras import _keras_h5 as _keras_h5  # noqa: E402
 
 _keras_h5.install()
 
+# SOK names sok_keras does not have, and what to use instead: a ported
+# script gets this, not a bare AttributeError.
+_NOT_IN_SOK_KERAS = {
+    "DynamicVariable": "dynamic (hash-table) embeddings are not supported: "
+                       "use sok.Variable with a vocabulary size and map raw "
+                       "keys to ids in [0, V) first (keras.layers.Hashing or "
+                       "IntegerLookup)",
+    "DistributedVariable": "use sok.Variable(..., mode='distributed')",
+    "LocalizedVariable": "use sok.Variable(..., mode='localized:<rank>')",
+    "raw_ops": "the op library's ops are internal; use sok.lookup_sparse / "
+               "sok.all2all_dense_embedding",
+    "SGD": "use sok.optimizers.SGD or "
+           "sok.OptimizerWrapper(keras.optimizers.SGD(...))",
+    "assign": "use table.assign(value) (the local shard) or "
+              "table.assign_global(whole_table)",
+    "sparse_read_and_evict": "dynamic tables are not supported",
+    "incremental_model_dump": "use sok.dump / sok.load (sharded "
+                              "checkpoints) or model.save",
+    "set_comm_tool": "sok_keras picks its communicator at sok.init("
+                     "backend=...)",
+}
+
+
+def __getattr__(name):
+    if name in _NOT_IN_SOK_KERAS:
+        raise AttributeError(
+            f"sok_keras has no {name!r} (a SparseOperationKit name): "
+            f"{_NOT_IN_SOK_KERAS[name]}. See docs/recipes.md.")
+    raise AttributeError(f"module 'sok_keras' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__",
     "All2AllDenseEmbedding", "CheckpointError", "DistributedEmbedding",

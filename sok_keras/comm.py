@@ -405,6 +405,13 @@ class CollectiveCommunicator(Communicator):
         if tf.executing_eagerly():
             try:
                 y = fn(x)
+            except tf.errors.OpError as e:
+                from sok_keras import divergence
+
+                clear = divergence.explain_failed_collective(e, what)
+                if clear is e:
+                    raise
+                raise clear from e
             finally:
                 inflight.end(tf.zeros([0]), token)
             return y

@@ -556,6 +556,42 @@ def channel():
     return _CHANNEL
 
 
+def explain_failed_collective(error, what, wait=1.0):
+    """`error`, a TensorFlow error of an eager collective, with the reason
+    the side channel knows (a peer that exited or failed), or `error`
+    itself when it knows none within `wait` seconds.
+
+    TensorFlow reports a peer that left as "Socket closed" or
+    "Connection refused"; the peer's goodbye on the side channel says
+    which rank it was and that its program ended.
+    """
+    import tensorflow as tf
+
+    ch = _CHANNEL
+    if ch is None or not isinstance(error, (
+            tf.errors.UnavailableError, tf.errors.AbortedError,
+            tf.errors.CancelledError)) or "sok_keras" in (error.message or ""):
+        return error  # not a peer's loss, or already sok's own reason
+    deadline = time.monotonic() + wait
+    with ch.lock:
+        while not (ch.gone or ch.failed) and time.monotonic() < deadline:
+            ch.changed.wait(max(0.0, deadline - time.monotonic()))
+        known = sorted(ch.gone.items()) + sorted(ch.failed.items())
+    if not known:
+        return error
+    r, why = known[0]
+    why = why[1] if isinstance(why, tuple) else why
+    if not why.startswith(f"rank {r} "):
+        why = f"rank {r} failed: {why}"
+    first = (error.message or "").strip().splitlines()
+    return type(error)(
+        error.node_def, error.op,
+        f"sok_keras: rank {ch.rank}: {what} cannot complete: {why}. Every "
+        "rank must make the same collective calls (lookups, their "
+        "gradients, updates) before any rank ends. (TensorFlow: "
+        f"{first[0][:200] if first else ''})")
+
+
 def _abort_collectives(message):
     import tensorflow as tf
     from tensorflow.python.eager import context

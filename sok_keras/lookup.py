@@ -104,6 +104,20 @@ def _check_table(param):
             "sok_keras lookups need a sok_keras.Variable. Received: "
             f"{type(param).__name__} {getattr(param, 'name', '')!r}."
         )
+    if not tf.executing_eagerly():
+        from tensorflow.python.ops import control_flow_util
+
+        if control_flow_util.GraphOrParentsInXlaContext(
+                tf.compat.v1.get_default_graph()):
+            # Else XLA fails later with "No registered 'Sok...' OpKernel
+            # for XLA_..._JIT", naming no table.
+            raise ValueError(
+                f"sok_keras: table '{param.name}' is looked up inside an "
+                "XLA-compiled function (`tf.function(jit_compile=True)`): "
+                "the op library's kernels have no XLA form. Compile the "
+                "function without `jit_compile`, or only its dense part "
+                "(`model.compile(jit_compile=True)` does this: Keras "
+                "leaves models with sok layers uncompiled).")
 
 
 def _table_key(param):
@@ -991,11 +1005,15 @@ def _bags(ids, weights, name):
 
 
 def _check_static_weights_shape(w, ids, name):
-    """One rank, in a graph: dense weights whose known shape differs from
-    the ids' (the gradient's trace would fail first, unnamed; eagerly
-    `SokPooledLookup` raises)."""
-    if not tf.executing_eagerly() and not w.shape.is_compatible_with(
-            ids.shape):
+    """One rank: dense weights whose known shape differs from the ids' (in
+    a graph the gradient's trace would fail first, unnamed); eagerly, a
+    different number of weights than ids (the op's own message would
+    give only the counts)."""
+    if tf.executing_eagerly():
+        wrong = w.shape.num_elements() != ids.shape.num_elements()
+    else:
+        wrong = not w.shape.is_compatible_with(ids.shape)
+    if wrong:
         raise ValueError(
             f"sok_keras: table '{name}': the weights must have one entry "
             f"per id, with the ids' shape. Received: weights "
@@ -1281,7 +1299,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         sp_weights: optional per-id weights, same structure as `sp_ids`
             (a list with `None` entries is allowed).
         combiners: `"sum"`, `"mean"` or `"sqrtn"` (one string for all
-            tables, or one per table). Defaults to `"sum"`.
+            tables, or one per table). Defaults to `"mean"`, as in SOK's
+            `lookup_sparse` and `tf.nn.embedding_lookup_sparse`.
         hotness: optional maximum number of ids per sample for each table
             (SOK's argument). Only its length is checked (one entry per
             table); the ids are not checked against it, and the lookup does
@@ -1314,7 +1333,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         sp_weights = [None] * len(params)
     sp_weights = _to_list(sp_weights)
     if combiners is None:
-        combiners = "sum"
+        combiners = "mean"  # SOK's default (and TensorFlow's)
     if isinstance(combiners, str):
         combiners = [combiners] * len(params)
     combiners = list(combiners)

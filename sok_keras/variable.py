@@ -1,6 +1,7 @@
 """`sok_keras.Variable`: an embedding table sharded across the ranks."""
 
 import re
+import weakref
 
 import keras
 import numpy as np
@@ -135,6 +136,8 @@ class Variable(keras.Variable):
     ):
         if initial_value is None:
             initial_value = kwargs.pop("initializer", None)
+        # SOK's (tf.Variable's) argument: a table's shape is always checked.
+        kwargs.pop("validate_shape", None)
         if kwargs:
             raise TypeError(
                 f"Unexpected keyword argument(s) for sok_keras.Variable: "
@@ -270,13 +273,14 @@ class Variable(keras.Variable):
                 "model once) before using it statelessly.")
         self._sok_make_values = None
         self._initializer = None
-        values, plan = make()
-        value = self._take_values(values, self._sok_replica_devices
-                                  is not None)
-        del values
-        self._initialize(value)
-        del value
-        self._fill(plan)
+        with tf.init_scope():  # as Keras' own deferred variables
+            values, plan = make()
+            value = self._take_values(values, self._sok_replica_devices
+                                      is not None)
+            del values
+            self._initialize(value)
+            del value
+            self._fill(plan)
 
     def _initialize(self, value):
         if self._sok_replica_values is not None:
@@ -349,6 +353,16 @@ class Variable(keras.Variable):
                 return shards[r].shape
         return super().shape
 
+    def __tf_tracing_type__(self, context):
+        # A `tf.function` argument that is a table stays the table (as a
+        # `tf.Variable` argument stays a variable, and SOK's own tables,
+        # ResourceVariables, do): the function is traced once per table
+        # and reads it through its captured handle. A `keras.Variable`
+        # argument would arrive as a tensor, which a lookup cannot
+        # shard or differentiate to an `IndexedSlices`.
+        del context
+        return _table_trace_type()(self)
+
     @property
     def replica_shards(self):
         """The per-replica shard variables of a table sharded over the
@@ -381,6 +395,9 @@ class Variable(keras.Variable):
     def num_ranks(self):
         """The number of ranks the table is sharded over."""
         return self._sok_num_ranks
+
+    # SOK's name for `num_ranks`.
+    num_gpus = num_ranks
 
     @property
     def rank(self):
@@ -595,6 +612,40 @@ def dense_reads(var):
         logging.getLogger("sok_keras").warning(
             "sok_keras: could not turn off copy-on-read for '%s' (%s): its "
             "reads copy the table.", getattr(var, "name", var), e)
+
+
+_TABLE_TRACE_TYPE = None
+
+
+def _table_trace_type():
+    """The `tf.function` trace type of a table argument: the table itself,
+    by identity (TensorFlow's `Weakref` type, but a `keras.Variable` has
+    no hash, and its `==` is elementwise)."""
+    global _TABLE_TRACE_TYPE
+    if _TABLE_TRACE_TYPE is None:
+        from tensorflow.core.function.trace_type import default_types
+
+        class TableType(default_types.Weakref):
+            def __init__(self, table):  # noqa: D107 - TensorFlow's API
+                self._ref = weakref.ref(table)
+                self._ref_hash = id(table)
+
+            def __eq__(self, other):
+                if not isinstance(other, TableType):
+                    return False
+                mine = self._ref()
+                return mine is not None and mine is other._ref()
+
+            def __hash__(self):
+                return self._ref_hash
+
+            def cast(self, value, _):
+                if value is self._ref():
+                    return value
+                raise ValueError(f"Can not cast {value!r} to {self!r}")
+
+        _TABLE_TRACE_TYPE = TableType
+    return _TABLE_TRACE_TYPE
 
 
 def _owned_rows(global_rows, kind, target, rank, num_ranks):
@@ -950,6 +1001,14 @@ def save_entry(store, key, entry):
         store[key] = whole
 
 
+# Why a layer finds nothing of its own in a weights file.
+NOTHING_SAVED_HINT = (
+    " Keras files key each layer's weights by the layer's class (and "
+    "place), so a file saved from another layer class, e.g. "
+    "keras.layers.Embedding, holds nothing for this one: move such "
+    "weights with `get_weights()` / `set_weights()`.")
+
+
 def saved_array(store, key, where):
     """`store[key]` without reading it: the h5py dataset when `store` is
     Keras' H5 store, else the stored array."""
@@ -959,6 +1018,6 @@ def saved_array(store, key, where):
     if key not in keys:
         raise ValueError(
             f"{where}: no '{key}' entry in the saved weights. Found: "
-            f"{keys}.")
+            f"{keys}.{NOTHING_SAVED_HINT if not keys else ''}")
     dataset = _keras_h5.dataset(store, key)
     return dataset if dataset is not None else store[key]

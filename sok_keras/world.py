@@ -657,8 +657,10 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             turns that off (rank-local logs); None (default) leaves it to
             `SOK_GLOBAL_METRICS` (default on).
         **kwargs: accepted for compatibility with SparseOperationKit's
-            `sok.init`: `comm_tool` (only `None`/`"tf"`; there is no
-            Horovod) and `use_legacy_optimizer` (ignored).
+            `sok.init`: `comm_tool` (`None`, `"tf"` or SOK's default
+            `"horovod"`, all the same runtime: `hvd` calls go to
+            `sok_keras.compat.horovod`) and `use_legacy_optimizer`
+            (ignored).
 
     Returns:
         The `World`.
@@ -681,11 +683,16 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
         callbacks.set_global_metrics(global_metrics)
     for name, value in kwargs.items():
         if name == "comm_tool":
-            if value not in (None, "tf", "tensorflow"):
+            # SOK's default is "horovod": a ported script keeps it, and its
+            # `hvd` calls go to `sok_keras.compat.horovod` (the same ranks,
+            # through sok's own runtime; no Horovod is needed).
+            if value not in (None, "tf", "tensorflow", "horovod"):
                 raise ValueError(
                     "sok_keras communicates through TensorFlow collectives "
-                    "(CPU) and NCCL (GPU); there is no Horovod or other "
-                    f"comm_tool. Received comm_tool={value!r}."
+                    "(CPU) and NCCL (GPU); `comm_tool` may be 'horovod' "
+                    "(SOK's default: use `import sok_keras.compat.horovod as "
+                    "hvd`) or 'tf'. Received "
+                    f"comm_tool={value!r}."
                 )
         elif name != "use_legacy_optimizer":
             raise TypeError(

@@ -318,6 +318,11 @@ def expectation(input_name, entry):
         return ("works", lambda kind, entry, bad=True: reference(
             kind, np.zeros([2, 2, 2], np.int64)
             if input_name == "ids_3d" else np.array(3)))
+    if kind == "rows" and input_name == "ids_3d":
+        # An unpooled layer takes ids of any rank >= 1, as
+        # keras.layers.Embedding does.
+        return ("works", lambda kind, entry, bad=True: reference(
+            kind, np.zeros([2, 2, 2], np.int64)))
     return exp
 
 

@@ -177,6 +177,14 @@ def test_fit_weights_of_another_shape():
         _fit(model, [_good_ids(), np.ones((8, 3), np.float32)], Y)
 
 
+def test_eager_weights_of_another_shape_name_both_shapes():
+    """Before: the op's "one entry per id (6), got shape [8]"."""
+    emb = sok.layers.DistributedEmbedding(cases.V, cases.D, name="emb")
+    with pytest.raises(ValueError, match=r"'emb'.*weights shape=\(2, 4\), "
+                       r"ids shape=\(2, 3\)"):
+        emb(np.zeros((2, 3), np.int64), weights=np.ones((2, 4), np.float32))
+
+
 def test_fit_padding_only_and_empty_batches_work():
     model, emb, _ = _model()
     before = emb.embeddings.numpy().copy()

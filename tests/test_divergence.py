@@ -268,3 +268,15 @@ def test_a_peer_that_left_outside_a_loop_aborts_nothing():
     ch, aborted = _channel()
     ch.receive({"t": "bye", "rank": 1})
     assert aborted == []
+
+
+def test_an_eager_lookup_after_the_other_rank_ended_names_it():
+    """Before: TensorFlow's raw "UnavailableError: ... Socket closed"."""
+    job = launch(worker_path("peer_exit_eager"), 2, timeout=120)
+    r0 = job.results.get(0)
+    assert r0 is not None, job.output
+    assert r0["error"] is not None, r0
+    assert "rank 1 has exited (its program ended)" in r0["error"], r0
+    assert "must make the same collective calls" in r0["error"], r0
+    assert r0["elapsed"] < 60, r0
+    assert job.leftovers == []

@@ -242,8 +242,8 @@ def test_one_rank_unpooled_dense_ids(weighted):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"unpooled_t.*\b30\b"):
         sok.lookup.lookup_one(v, tf.constant([[1, 30]]), combiner=None)
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="one entry per id"):
+    with pytest.raises(ValueError, match=r"one entry per id.*weights "
+                       r"shape=\(3, 3\), ids shape=\(3, 4\)"):
         sok.lookup.lookup_one(v, ids, tf.ones([3, 3]), combiner=None)
 
 
@@ -344,3 +344,31 @@ def test_unpooled_weights_and_a_weight_model_train():
         x = [rng.integers(0, 30, (16, 3)), rng.normal(size=(16, 3))]
         model.fit(x, rng.normal(size=(16, 1)), epochs=2, verbose=0)
         assert np.abs(net.kernel.numpy() - before).max() > 1e-4, combiner
+
+
+def test_default_combiner_is_mean_as_in_sok():
+    """SOK's `lookup_sparse` (and `tf.nn.embedding_lookup_sparse`) pool
+    with "mean" when no combiner is given; a ported script keeps its
+    numbers (before: "sum")."""
+    v = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype="float32")
+    ids = tf.SparseTensor([[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]],
+                          [1, 1, 3, 4, 5], [2, 3])
+    np.testing.assert_array_equal(sok.lookup_sparse(v, ids).numpy(),
+                                  [[3, 4, 5], [12, 13, 14]])
+    ref = tf.nn.embedding_lookup_sparse(tf.constant(v.numpy()), ids, None)
+    np.testing.assert_array_equal(sok.lookup_sparse([v], [ids])[0].numpy(),
+                                  ref.numpy())
+
+
+def test_a_lookup_inside_an_xla_function_names_the_table():
+    """Before: XLA's "No registered 'SokPooledGradPlan' OpKernel for
+    XLA_CPU_JIT", naming no table."""
+    v = sok.Variable(np.ones((5, 2)), dtype="float32", name="t")
+
+    @tf.function(jit_compile=True)
+    def f(ids):
+        return sok.lookup_sparse(v, ids)
+
+    with pytest.raises(ValueError, match=r"table 't'.*XLA-compiled.*"
+                       r"jit_compile"):
+        f(tf.constant([[1, 2]], tf.int64))

@@ -100,3 +100,37 @@ def test_tables_written_in_place_are_read_without_copies(tmp_path):
         tables = [v for v in m.weights if sok.variable.is_sok_variable(v)]
         for t in tables + [s for t in tables for s in t.slots.values()]:
             assert _reads_alias_the_table(t), t.path
+
+
+def test_a_table_passed_to_a_tf_function_stays_a_table():
+    """SOK's examples pass their tables as `tf.function` arguments
+    (`step(params, ids)`): the lookup and the sparse update reach the
+    table, traced once. Before: the table arrived as a tensor
+    ("lookups need a sok_keras.Variable")."""
+    v = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype="float32")
+    w = sok.Variable(np.ones((7, 5)), dtype="float32")
+    opt = sok.OptimizerWrapper(keras.optimizers.SGD(1.0))
+
+    @tf.function
+    def step(params, ids):
+        with tf.GradientTape() as tape:
+            outs = sok.lookup_sparse(params, ids, combiners="sum")
+            loss = tf.add_n([tf.reduce_sum(o) for o in outs])
+        opt.apply_gradients(zip(tape.gradient(loss, params), params))
+        return outs
+
+    ids = [tf.SparseTensor([[0, 0], [0, 1]], tf.constant([1, 1], tf.int64),
+                           [1, 3]),
+           tf.SparseTensor([[0, 0]], tf.constant([2], tf.int64), [1, 1])]
+    first = step([v, w], ids)
+    np.testing.assert_array_equal(first[0].numpy(), [[6, 8, 10]])
+    np.testing.assert_array_equal(v.numpy()[1], [1, 2, 3])  # 4,5,6 - 2 * 1
+    np.testing.assert_array_equal(w.numpy()[2], np.zeros(5))
+    second = step([v, w], ids)
+    np.testing.assert_array_equal(second[0].numpy(), [[2, 4, 6]])
+    assert step.experimental_get_tracing_count() == 1
+    # Another table of the same shape is its own argument (its own trace).
+    v2 = sok.Variable(np.zeros((17, 3)), dtype="float32")
+    np.testing.assert_array_equal(step([v2, w], ids)[0].numpy(),
+                                  [[0, 0, 0]])
+    np.testing.assert_array_equal(v.numpy()[1], [-1, 0, 1])

@@ -123,8 +123,8 @@ def test_init_world_of_one(monkeypatch):
 
 def test_init_arguments(monkeypatch):
     monkeypatch.setattr(world, "_WORLD", None)
-    with pytest.raises(ValueError, match="comm_tool='horovod'"):
-        world.init(comm_tool="horovod")
+    with pytest.raises(ValueError, match="comm_tool='mpi'"):
+        world.init(comm_tool="mpi")
     with pytest.raises(TypeError, match="'bogus'"):
         world.init(bogus=1)
     with pytest.raises(ValueError, match="got -1"):

@@ -90,6 +90,54 @@ def load_table(store, key, slot_prefix, table, where):
         table.restore_slot(name, array)
 
 
+# `keras.layers.Embedding` arguments a sharded table does not have, and
+# what to do instead.
+_KERAS_ONLY = {
+    "mask_zero": "the sok layers take -1 as padding and mask it "
+                 "(`compute_mask`: ids != -1); shift ids by one, or map 0 to -1",
+    "embeddings_regularizer": "a regularizer would need the whole table on "
+                              "every step; add a penalty on the looked-up "
+                              "rows to the loss (`layer.add_loss`)",
+    "embeddings_constraint": "a constraint would rewrite the whole table on "
+                             "every step",
+    "input_length": "Keras 3 dropped it too; give the ids' shape to "
+                    "`keras.Input`",
+    "sparse": "the gradient of a table is always sparse (IndexedSlices over "
+              "the looked-up rows)",
+    "lora_rank": "LoRA is not supported for sharded tables",
+}
+
+
+def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
+    """`(vocabulary_size, embedding_dim)`, also from Keras' names
+    `input_dim` / `output_dim`; refuses Keras' other Embedding arguments
+    with what to do instead (popped from `kwargs`)."""
+    for ours, keras_name, value in (("vocabulary_size", "input_dim",
+                                     vocabulary_size),
+                                    ("embedding_dim", "output_dim",
+                                     embedding_dim)):
+        if keras_name in kwargs:
+            if value is not None:
+                raise ValueError(
+                    f"{cls}: give `{ours}` or Keras' `{keras_name}`, not "
+                    f"both. Received: {ours}={value!r}, "
+                    f"{keras_name}={kwargs[keras_name]!r}.")
+    vocabulary_size = kwargs.pop("input_dim", vocabulary_size)
+    embedding_dim = kwargs.pop("output_dim", embedding_dim)
+    for name, why in _KERAS_ONLY.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if name in ("mask_zero", "sparse") and not value:
+                continue  # Keras' default: nothing to refuse
+            if value is None:
+                continue
+            raise ValueError(
+                f"{cls} does not take `{name}` (an argument of "
+                f"keras.layers.Embedding): {why}. Received: "
+                f"{name}={value!r}.")
+    return vocabulary_size, embedding_dim
+
+
 def shape_inference_ids(ids):
     """`ids` as int64 while Keras infers shapes without data (its
     `SymbolicScope`), else as they are.
@@ -120,16 +168,18 @@ class BaseEmbedding(keras.layers.Layer):
 
     def __init__(
         self,
-        vocabulary_size,
-        embedding_dim,
+        vocabulary_size=None,
+        embedding_dim=None,
         combiner="sum",
         embeddings_initializer="uniform",
         optimizer=None,
         pooling="auto",
         **kwargs,
     ):
-        super().__init__(**kwargs)
         cls = type(self).__name__
+        vocabulary_size, embedding_dim = _keras_embedding_arguments(
+            cls, vocabulary_size, embedding_dim, kwargs)
+        super().__init__(**kwargs)
         from sok_keras.lookup import POOLING_MODES
 
         if pooling not in POOLING_MODES:
@@ -163,6 +213,12 @@ class BaseEmbedding(keras.layers.Layer):
             name="embeddings",
         )
         self.embeddings.optimizer = self.table_optimizer
+        if not self.trainable:
+            # As Keras' add_weight does: the table stays among the layer's
+            # trainable variables (so that `layer.trainable = True` thaws
+            # it) but is frozen with the layer (`trainable=False` given to
+            # the constructor, or restored from a saved config).
+            self.embeddings.trainable = False
         self.built = True
 
     @_not_converted
@@ -170,9 +226,22 @@ class BaseEmbedding(keras.layers.Layer):
         from sok_keras.lookup import lookup_one
 
         inputs = shape_inference_ids(inputs)
+        deep = (self.combiner is None and tf.is_tensor(inputs)
+                and not isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor))
+                and inputs.shape.rank is not None and inputs.shape.rank > 2)
+        if deep:
+            # Unpooled ids of any rank, as `keras.layers.Embedding` takes
+            # them: looked up as [batch, n] and given back their shape.
+            shape = tf.shape(inputs)
+            inputs = tf.reshape(inputs, [shape[0], -1])
+            if weights is not None and tf.is_tensor(weights):
+                weights = tf.reshape(weights, [shape[0], -1])
         out = lookup_one(
             self.embeddings, inputs, weights, self.combiner, name=self.name,
             pooling=self.pooling)
+        if deep:
+            out = tf.reshape(out, tf.concat(
+                [shape, [self.embedding_dim]], axis=0))
         return tf.cast(out, self.compute_dtype)
 
     def compute_mask(self, inputs, mask=None):
@@ -182,7 +251,7 @@ class BaseEmbedding(keras.layers.Layer):
         if self.combiner is not None or isinstance(
                 inputs, (tf.RaggedTensor, tf.SparseTensor)):
             return None
-        if len(getattr(inputs, "shape", ())) != 2:
+        if len(getattr(inputs, "shape", ())) < 2:
             return None
         return keras.ops.not_equal(inputs, -1)
 

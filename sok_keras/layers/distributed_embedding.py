@@ -16,7 +16,8 @@ class DistributedEmbedding(BaseEmbedding):
 
     Args:
         vocabulary_size: int, the number of rows of the whole table.
-        embedding_dim: int, the width of each row.
+        embedding_dim: int, the width of each row. Keras' names
+            `input_dim` / `output_dim` are accepted for these two.
         combiner: `"sum"` (default), `"mean"`, `"sqrtn"`, or `None` to
             return the rows unpooled (`[batch, n, dim]` for dense
             `[batch, n]` input, a ragged `[batch, None, dim]` for ragged

@@ -13,6 +13,7 @@ from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import shape_inference_ids
+from sok_keras.variable import NOTHING_SAVED_HINT
 from sok_keras.variable import Variable
 from sok_keras.variable import mode_for_world
 from sok_keras.variable import parse_mode
@@ -275,6 +276,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 mode=spec["mode"], dtype=self.variable_dtype, name=t)
             var.optimizer = self._table_optimizers[t]
             self.embeddings[t] = var
+            if not self.trainable:  # as Keras' add_weight does
+                var.trainable = False
         self.built = True
 
     @_not_converted
@@ -503,7 +506,8 @@ class EmbeddingCollection(keras.layers.Layer):
             if f"table.{t}" not in keys:
                 raise ValueError(
                     f"EmbeddingCollection '{self.name}': no 'table.{t}' "
-                    f"entry in the saved weights. Found: {keys}.")
+                    f"entry in the saved weights. Found: {keys}."
+                    f"{NOTHING_SAVED_HINT if not keys else ''}")
         for t in sorted(self.embeddings):
             load_table(store, f"table.{t}", f"table.{t}.slot.",
                        self.embeddings[t],

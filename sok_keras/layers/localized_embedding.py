@@ -29,7 +29,8 @@ class LocalizedEmbedding(BaseEmbedding):
 
     Args:
         vocabulary_size: int, the number of rows.
-        embedding_dim: int, the width of each row.
+        embedding_dim: int, the width of each row. Keras' names
+            `input_dim` / `output_dim` are accepted for these two.
         combiner: `"sum"` (default), `"mean"`, `"sqrtn"` or `None`.
         embeddings_initializer: initializer. Defaults to `"uniform"`.
         rank: int or `None`, the rank that holds the table. `None` (default)
@@ -64,8 +65,9 @@ class LocalizedEmbedding(BaseEmbedding):
     TensorShape([2, 8])
     """
 
-    def __init__(self, vocabulary_size, embedding_dim, combiner="sum",
-                 embeddings_initializer="uniform", rank=None, **kwargs):
+    def __init__(self, vocabulary_size=None, embedding_dim=None,
+                 combiner="sum", embeddings_initializer="uniform", rank=None,
+                 **kwargs):
         super().__init__(
             vocabulary_size, embedding_dim, combiner=combiner,
             embeddings_initializer=embeddings_initializer, **kwargs)

@@ -544,6 +544,55 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """Keras' `apply_gradients`, with SOK's signature.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs; tables take
+                `tf.IndexedSlices` gradients.
+            global_step: optional, SOK's (TF1 optimizers') step counter:
+                a variable incremented by one after the update.
+            name: ignored (SOK's op name).
+
+        Returns:
+            The optimizer's `iterations`.
+        """
+        del name
+        super().apply_gradients(grads_and_vars)
+        if global_step is not None:
+            global_step.assign_add(tf.cast(1, global_step.dtype))
+        return self.iterations
+
+    def get_slot_names(self):
+        """SOK's: the names of the slots the inner optimizer keeps beside
+        each table (`["m", "v"]` for Adam; `[]` for plain SGD)."""
+        return [n for n, _ in sparse_rules.rule_for(
+            self.inner_optimizer).slots(self.inner_optimizer)]
+
+    def get_slot(self, var, slot_name):
+        """SOK's: the slot `slot_name` of table `var`, a `sok.Variable` with
+        the table's sharding (made when the optimizer is built).
+
+        Raises:
+            KeyError: naming the table's slots, if it has no such slot.
+        """
+        if not is_sok_variable(var):
+            raise TypeError(
+                "OptimizerWrapper.get_slot takes a table (sok.Variable); a "
+                "dense variable's state is in "
+                "`optimizer.inner_optimizer.variables`. Received: "
+                f"{type(var).__name__} {getattr(var, 'name', '')!r}.")
+        if slot_name not in var.slots:
+            raise KeyError(
+                f"Table '{var.name}' has no slot {slot_name!r}; its slots: "
+                f"{sorted(var.slots)} (made when the optimizer is built).")
+        return var.slots[slot_name]
+
+    @property
+    def lr(self):
+        """SOK's (and Keras 2's) name for `learning_rate`."""
+        return self.learning_rate
+
     @_not_converted
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)

@@ -106,6 +106,30 @@ def test_argument_validation():
         sok.layers.DistributedEmbedding(3, 4, combiner="max")
     with pytest.raises(ValueError, match="pooling.*'nowhere'"):
         sok.layers.DistributedEmbedding(3, 4, pooling="nowhere")
+    # Before: "BaseEmbedding.__init__() missing 2 required positional
+    # arguments".
+    with pytest.raises(ValueError, match=r"DistributedEmbedding: "
+                       r"`vocabulary_size` must be a positive integer"):
+        sok.layers.DistributedEmbedding(embedding_dim=4)
+
+
+def test_keras_embedding_argument_names():
+    """Keras' `input_dim` / `output_dim` name the table's shape; Keras'
+    other Embedding arguments are refused with what to do instead
+    (before: "Unrecognized keyword arguments")."""
+    for cls in (sok.layers.DistributedEmbedding,
+                sok.layers.LocalizedEmbedding):
+        layer = cls(input_dim=30, output_dim=4, combiner=None)
+        assert (layer.vocabulary_size, layer.embedding_dim) == (30, 4)
+        assert layer(np.array([[1, 2]])).shape == (1, 2, 4)
+        assert cls(30, 4, mask_zero=False).vocabulary_size == 30
+    with pytest.raises(ValueError, match="not both"):
+        sok.layers.DistributedEmbedding(30, 4, input_dim=30)
+    with pytest.raises(ValueError, match=r"`mask_zero`.*-1 as padding"):
+        sok.layers.DistributedEmbedding(30, 4, mask_zero=True)
+    with pytest.raises(ValueError, match=r"`embeddings_regularizer`.*"
+                       r"add_loss.*Received: embeddings_regularizer='l2'"):
+        sok.layers.DistributedEmbedding(30, 4, embeddings_regularizer="l2")
 
 
 def test_config_round_trip_with_non_defaults():
@@ -300,3 +324,96 @@ def test_a_sequential_without_an_int_input_names_the_fix():
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(TypeError, match=r"(?s)emb.*float32.*keras\.Input"):
         model.fit(np.array([[1, 2]]), np.ones((1, 1)), verbose=0)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "collection"])
+def test_trainable_false_in_the_constructor_freezes_the_table(kind, tmp_path):
+    """As with `keras.layers.Embedding(trainable=False)`: the table is not
+    trained, also after load_model and clone_model, and
+    `layer.trainable = True` thaws it. Before: the table trained."""
+    rng = np.random.default_rng(12)
+    x = rng.integers(0, 50, size=(32, 3))
+    y = rng.normal(size=(32, 1))
+    ids = keras.Input((3,), dtype="int64", name="ids")
+    if kind == "distributed":
+        layer = sok.layers.DistributedEmbedding(50, 4, trainable=False,
+                                                name="emb")
+        out = layer(ids)
+    else:
+        layer = sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 50, "embedding_dim": 4}},
+            {"ids": {"table": "t"}}, trainable=False, name="emb")
+        out = layer({"ids": ids})["ids"]
+    model = keras.Model(ids, keras.layers.Dense(1)(out))
+
+    def table(m):
+        emb = m.get_layer("emb").embeddings
+        return emb if kind == "distributed" else emb["t"]
+
+    def fit_changes_table(m):
+        m.compile(optimizer=sok.OptimizerWrapper(keras.optimizers.SGD(0.5)),
+                  loss="mse")
+        before = table(m).numpy().copy()
+        m.fit(x, y, batch_size=8, verbose=0)
+        return not np.array_equal(table(m).numpy(), before)
+
+    assert len(model.trainable_weights) == 2  # the Dense layer's
+    assert not fit_changes_table(model)
+    path = str(tmp_path / "frozen.keras")
+    model.save(path)
+    for again in (keras.models.load_model(path),
+                  keras.models.clone_model(model)):
+        assert not again.get_layer("emb").trainable
+        assert not fit_changes_table(again)
+    layer.trainable = True
+    assert fit_changes_table(model)
+
+
+def test_unpooled_ids_of_any_rank_like_keras_embedding():
+    """`keras.layers.Embedding` takes ids [batch, a, b]: so does an
+    unpooled sok layer, with the mask `ids != -1` of the ids' shape
+    (before: "dense ids must have shape [batch] or [batch, n]")."""
+    rng = np.random.default_rng(13)
+    ids = rng.integers(-1, 50, size=(4, 3, 2))
+    table = rng.normal(size=(50, 5)).astype(np.float32)
+    layer = _layer_with_table(table, combiner=None)
+    want = table[np.maximum(ids, 0)] * (ids >= 0)[..., None]
+    np.testing.assert_array_equal(layer(ids).numpy(), want)
+    np.testing.assert_array_equal(
+        layer.compute_mask(tf.constant(ids)).numpy(), ids != -1)
+    inp = keras.Input((3, 2), dtype="int64")
+    out = layer(inp)
+    assert out.shape == (None, 3, 2, 5)
+    model = keras.Model(inp, keras.layers.Dense(1)(
+        keras.layers.Reshape((30,))(out)))
+    model.compile(optimizer=sok.OptimizerWrapper(keras.optimizers.SGD(0.1)),
+                  loss="mse")
+    model.fit(ids, np.ones((4, 1)), verbose=0)
+    assert not np.array_equal(layer.embeddings.numpy(), table)
+    pooled = _layer_with_table(table)
+    with pytest.raises(ValueError, match=r"shape \[batch\] or \[batch, n\]"):
+        pooled(ids)
+
+
+def test_weights_of_a_keras_embedding_model_say_how_to_move_them(tmp_path):
+    """A `.weights.h5` of the same model on `keras.layers.Embedding` holds
+    nothing under the sok layer's key: the error says why and what to do
+    (before: "Found: []" alone)."""
+
+    def build(emb):
+        ids = keras.Input((3,), dtype="int64", name="ids")
+        return keras.Model(ids, keras.layers.Dense(1, name="dense")(
+            keras.layers.Flatten()(emb(ids))))
+
+    plain = build(keras.layers.Embedding(50, 4, name="emb"))
+    path = str(tmp_path / "plain.weights.h5")
+    plain.save_weights(path)
+    ours = build(sok.layers.DistributedEmbedding(50, 4, combiner=None,
+                                                 name="emb"))
+    with pytest.raises(ValueError, match=r"(?s)emb.*Found: \[\].*"
+                       r"get_weights\(\)` / `set_weights\(\)"):
+        ours.load_weights(path)
+    ours.set_weights(plain.get_weights())
+    x = np.array([[1, 2, 3]])
+    np.testing.assert_allclose(ours.predict(x, verbose=0),
+                               plain.predict(x, verbose=0), rtol=1e-6)

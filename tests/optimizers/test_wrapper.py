@@ -603,3 +603,28 @@ def test_jit_compile_survives_get_config(jit):
     config = opt.get_config()
     del config["jit_compile"]
     assert Wrapper.from_config(config).jit_compile == "auto"
+
+
+def test_sok_s_optimizer_wrapper_api():
+    """SOK's `OptimizerWrapper` calls: `apply_gradients(grads_and_vars,
+    global_step=None, name=None)`, `get_slot_names()`,
+    `get_slot(var, name)`, `lr` (before: TypeError / AttributeError)."""
+    table = sok.Variable(np.ones((6, 2)), dtype="float32", name="t")
+    opt = Wrapper(keras.optimizers.Adam(0.1))
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(sok.lookup_sparse(table, tf.constant([[1, 2]])))
+    grads = tape.gradient(loss, [table])
+    iterations = opt.apply_gradients(zip(grads, [table]), global_step=step,
+                                     name="update")
+    assert int(step.numpy()) == 1 and int(iterations.numpy()) == 1
+    assert opt.get_slot_names() == ["m", "v"]
+    m = opt.get_slot(table, "m")
+    assert isinstance(m, sok.Variable) and m.shape == (6, 2)
+    assert np.count_nonzero(m.numpy().any(axis=1)) == 2  # rows 1 and 2
+    with pytest.raises(KeyError, match=r"no slot 'velocity'.*\['m', 'v'\]"):
+        opt.get_slot(table, "velocity")
+    with pytest.raises(TypeError, match="takes a table"):
+        opt.get_slot(tf.Variable(1.0), "m")
+    assert float(opt.lr) == pytest.approx(0.1)
+    assert Wrapper(keras.optimizers.SGD(0.1)).get_slot_names() == []

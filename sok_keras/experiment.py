@@ -1,0 +1,30 @@
+"""SOK's experimental namespace, for `from sparse_operation_kit import
+experiment as sok` written `from sok_keras import experiment as sok`.
+
+SOK 2 kept its `sok.Variable` / `lookup_sparse` API under `experiment`;
+in sok_keras that API is the package itself. This module gives the same
+names, so a ported script changes only the package name.
+
+Example:
+
+>>> from sok_keras import experiment as sok
+>>> sok.lookup_sparse is sok_keras.lookup_sparse
+True
+"""
+
+from sok_keras import Init
+from sok_keras import OptimizerWrapper
+from sok_keras import Variable
+from sok_keras import all2all_dense_embedding
+from sok_keras import filter_variables
+from sok_keras import init
+from sok_keras import lookup_sparse
+from sok_keras import num_ranks
+from sok_keras import rank
+from sok_keras import split_embedding_variable_from_others
+
+__all__ = [
+    "Init", "OptimizerWrapper", "Variable", "all2all_dense_embedding",
+    "filter_variables", "init", "lookup_sparse", "num_ranks", "rank",
+    "split_embedding_variable_from_others",
+]

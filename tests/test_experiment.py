@@ -1,0 +1,42 @@
+"""`sok_keras.experiment`: SOK's experimental namespace, so that a ported
+`from sparse_operation_kit import experiment as sok` changes one word."""
+
+import numpy as np
+import tensorflow as tf
+
+
+def test_the_experimental_names_are_the_package_s():
+    import sok_keras
+    from sok_keras import experiment as sok
+
+    for name in sok.__all__:
+        assert getattr(sok, name) is getattr(sok_keras, name), name
+
+
+def test_sok_s_own_example_through_the_experimental_namespace():
+    """SOK's docstring example, as SOK writes it (`sok.init` with its
+    default `comm_tool`, no combiners: SOK's default "mean")."""
+    from sok_keras import experiment as sok
+
+    sok.init(comm_tool="horovod", use_legacy_optimizer=False)
+    v1 = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype=tf.float32)
+    ids = tf.SparseTensor(indices=[[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]],
+                          values=[1, 1, 3, 4, 5], dense_shape=[2, 3])
+    np.testing.assert_array_equal(
+        sok.lookup_sparse([v1], [ids], hotness=[3])[0].numpy(),
+        [[3, 4, 5], [12, 13, 14]])
+
+
+def test_sok_names_sok_keras_lacks_say_what_to_use():
+    import pytest
+
+    import sok_keras as sok
+
+    with pytest.raises(AttributeError, match=r"no 'DynamicVariable' \(a "
+                       r"SparseOperationKit name\).*Hashing"):
+        sok.DynamicVariable
+    with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
+        sok.nonsense
+    assert not hasattr(sok, "raw_ops")
+    v = sok.Variable(np.ones((3, 2)), dtype="float32", validate_shape=True)
+    assert v.num_gpus == v.num_ranks == 1
