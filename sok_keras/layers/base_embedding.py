@@ -234,8 +234,10 @@ class BaseEmbedding(keras.layers.Layer):
             # them: looked up as [batch, n] and given back their shape.
             shape = tf.shape(inputs)
             inputs = tf.reshape(inputs, [shape[0], -1])
-            if weights is not None and tf.is_tensor(weights):
-                weights = tf.reshape(weights, [shape[0], -1])
+            if weights is not None and not isinstance(
+                    weights, (tf.RaggedTensor, tf.SparseTensor)):
+                weights = tf.reshape(tf.convert_to_tensor(weights),
+                                     [shape[0], -1])
         out = lookup_one(
             self.embeddings, inputs, weights, self.combiner, name=self.name,
             pooling=self.pooling)

@@ -381,6 +381,9 @@ def test_unpooled_ids_of_any_rank_like_keras_embedding():
     np.testing.assert_array_equal(layer(ids).numpy(), want)
     np.testing.assert_array_equal(
         layer.compute_mask(tf.constant(ids)).numpy(), ids != -1)
+    w = rng.uniform(0.5, 2.0, size=ids.shape).astype(np.float32)
+    np.testing.assert_allclose(layer(ids, w).numpy(), want * w[..., None],
+                               rtol=1e-6)
     inp = keras.Input((3, 2), dtype="int64")
     out = layer(inp)
     assert out.shape == (None, 3, 2, 5)
