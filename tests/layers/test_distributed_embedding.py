@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import sok_keras as sok
+from tests.layers_model import SubclassedRanker
 from tests.testing import assert_config_round_trip
 from tests.testing import assert_model_saving
 
@@ -150,16 +151,6 @@ def _functional():
     return keras.Model(ids, out)
 
 
-class SubclassedModel(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.emb = sok.layers.DistributedEmbedding(50, 6, combiner="sum")
-        self.head = keras.layers.Dense(1)
-
-    def call(self, x):
-        return self.head(self.emb(x))
-
-
 @pytest.mark.parametrize("kind", ["functional", "sequential", "subclassed"])
 def test_models_train_with_fit_and_jit_auto(kind):
     rng = np.random.default_rng(5)
@@ -172,7 +163,7 @@ def test_models_train_with_fit_and_jit_auto(kind):
             keras.layers.Dense(1),
         ])
     else:
-        model = SubclassedModel()
+        model = SubclassedRanker()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                   jit_compile="auto")
     x = rng.integers(-1, 50, size=(64, 4))
@@ -254,20 +245,6 @@ def test_unpooled_lookup_masks_padding_for_mask_aware_layers():
     assert pooled.compute_mask(tf.constant(ids)) is None
 
 
-@keras.saving.register_keras_serializable(package="sok_keras_tests")
-class Ranker(keras.Model):
-    """A subclassed model: Keras rebuilds it in `load_model` by running
-    `call` on float32 placeholders inside its `StatelessScope`."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.emb = sok.layers.DistributedEmbedding(50, 6, combiner="mean")
-        self.head = keras.layers.Dense(1)
-
-    def call(self, ids):
-        return self.head(self.emb(ids))
-
-
 def test_a_subclassed_model_saves_and_loads_with_its_trained_state(
         tmp_path):
     """Before: load_model failed with "'DistributedEmbedding' object has
@@ -275,7 +252,7 @@ def test_a_subclassed_model_saves_and_loads_with_its_trained_state(
     StatelessScope)."""
     rng = np.random.default_rng(11)
     x = rng.integers(0, 50, size=(32, 4))
-    model = Ranker()
+    model = SubclassedRanker()
     model.compile(optimizer=sok.OptimizerWrapper(keras.optimizers.Adam(0.1)),
                   loss="mse")
     model.fit(x, rng.normal(size=(32, 1)), batch_size=8, verbose=0)
