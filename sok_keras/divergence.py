@@ -365,9 +365,7 @@ class _Channel:
         if self.failed and not self.reported:
             r, why = min(self.failed.items())
             at = f"; rank {me} is at {here}" if here else ""
-            if not why.startswith(f"rank {r} "):
-                why = f"rank {r} failed: {why}"
-            return f"{why}{at}"
+            return f"{_failure_of(r, why)}{at}"
         outer = self.stack[0].lid if self.stack else None
         left = [(r, why) for r, (_, why) in sorted(self.gone.items())
                 if (r, outer) not in self.loop_done]
@@ -556,6 +554,11 @@ def channel():
     return _CHANNEL
 
 
+def _failure_of(r, why):
+    """A peer's reported failure as a sentence that names the rank."""
+    return why if why.startswith(f"rank {r} ") else f"rank {r} failed: {why}"
+
+
 def explain_failed_collective(error, what, wait=1.0):
     """`error`, a TensorFlow error of an eager collective, with the reason
     the side channel knows (a peer that exited or failed), or `error`
@@ -576,13 +579,11 @@ def explain_failed_collective(error, what, wait=1.0):
     with ch.lock:
         while not (ch.gone or ch.failed) and time.monotonic() < deadline:
             ch.changed.wait(max(0.0, deadline - time.monotonic()))
-        known = sorted(ch.gone.items()) + sorted(ch.failed.items())
+        known = ([(r, why) for r, (_, why) in sorted(ch.gone.items())]
+                 + sorted(ch.failed.items()))
     if not known:
         return error
-    r, why = known[0]
-    why = why[1] if isinstance(why, tuple) else why
-    if not why.startswith(f"rank {r} "):
-        why = f"rank {r} failed: {why}"
+    why = _failure_of(*known[0])
     first = (error.message or "").strip().splitlines()
     return type(error)(
         error.node_def, error.op,

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
+from tensorflow.core.function.trace_type import default_types as trace_types
 
 from sok_keras import world
 
@@ -361,7 +362,7 @@ class Variable(keras.Variable):
         # argument would arrive as a tensor, which a lookup cannot
         # shard or differentiate to an `IndexedSlices`.
         del context
-        return _table_trace_type()(self)
+        return _TableType(self)
 
     @property
     def replica_shards(self):
@@ -614,38 +615,28 @@ def dense_reads(var):
             "reads copy the table.", getattr(var, "name", var), e)
 
 
-_TABLE_TRACE_TYPE = None
-
-
-def _table_trace_type():
+class _TableType(trace_types.Weakref):
     """The `tf.function` trace type of a table argument: the table itself,
     by identity (TensorFlow's `Weakref` type, but a `keras.Variable` has
     no hash, and its `==` is elementwise)."""
-    global _TABLE_TRACE_TYPE
-    if _TABLE_TRACE_TYPE is None:
-        from tensorflow.core.function.trace_type import default_types
 
-        class TableType(default_types.Weakref):
-            def __init__(self, table):  # noqa: D107 - TensorFlow's API
-                self._ref = weakref.ref(table)
-                self._ref_hash = id(table)
+    def __init__(self, table):  # noqa: D107 - TensorFlow's API
+        self._ref = weakref.ref(table)
+        self._ref_hash = id(table)
 
-            def __eq__(self, other):
-                if not isinstance(other, TableType):
-                    return False
-                mine = self._ref()
-                return mine is not None and mine is other._ref()
+    def __eq__(self, other):
+        if not isinstance(other, _TableType):
+            return False
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
 
-            def __hash__(self):
-                return self._ref_hash
+    def __hash__(self):
+        return self._ref_hash
 
-            def cast(self, value, _):
-                if value is self._ref():
-                    return value
-                raise ValueError(f"Can not cast {value!r} to {self!r}")
-
-        _TABLE_TRACE_TYPE = TableType
-    return _TABLE_TRACE_TYPE
+    def cast(self, value, _):
+        if value is self._ref():
+            return value
+        raise ValueError(f"Can not cast {value!r} to {self!r}")
 
 
 def _owned_rows(global_rows, kind, target, rank, num_ranks):
