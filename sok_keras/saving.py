@@ -253,12 +253,16 @@ def _write_on_rank_0(model, path, target, rank, n, what, write):
 def _backup_on_train_end(original):
     """`BackupAndRestore.on_train_end` on several ranks: the ranks share one
     backup folder, so rank 0 alone deletes it (two ranks removing the same
-    tree race, and one fails with FileNotFoundError)."""
+    tree race, and one fails with FileNotFoundError), once every rank has
+    got there: a rank still writing its last backup's
+    `training_metadata.json` would find the folder gone (GPU run 10)."""
 
     @functools.wraps(original)
     def on_train_end(self, logs=None):
-        if world.num_ranks() > 1 and world.rank() != 0:
-            return None
+        if world.num_ranks() > 1:
+            _agree("backup/train_end", 1, world.timeout())
+            if world.rank() != 0:
+                return None
         return original(self, logs)
 
     on_train_end._sok_keras = True

@@ -432,6 +432,12 @@ def references():
     return out
 
 
+# On a GPU the reference's own gradient sums (Keras' scatter-adds) are
+# summed in a varying order: run 10 saw keras-rs' weight differ from sok's
+# by 1.7e-6 (sok's value the same on 1 and 2 ranks).
+_ATOL = 1e-5 if tf.config.list_physical_devices("GPU") else 1e-6
+
+
 def _check_against(kind, reference, losses, weights):
     initial, ref_losses, ref_weights = reference
     assert len(losses) == STEPS
@@ -439,7 +445,7 @@ def _check_against(kind, reference, losses, weights):
     assert sorted(weights) == sorted(ref_weights)
     for key, want in ref_weights.items():
         np.testing.assert_allclose(np.asarray(weights[key]), want, rtol=1e-5,
-                                   atol=1e-6, err_msg=f"{kind} {key}")
+                                   atol=_ATOL, err_msg=f"{kind} {key}")
         if key.startswith("table/"):
             assert not np.allclose(want, initial[key])  # it trained
 

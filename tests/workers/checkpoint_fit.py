@@ -83,6 +83,25 @@ elif action in ("backup-killed", "backup-resume"):
     if action == "backup-killed":
         callbacks.append(Die())
     else:
+        # Rank 1 writes each backup's training_metadata.json late: rank 0
+        # must not delete the folder (at the fit's end) before every rank
+        # has written its last one (a FileNotFoundError on rank 1 in GPU
+        # run 10).
+        if RANK == 1:
+            import time
+
+            from keras.src.utils import file_utils
+
+            opened = file_utils.File
+
+            def late_metadata(path, mode="r"):
+                if "w" in mode and str(path).endswith(
+                        "training_metadata.json"):
+                    time.sleep(1.0)
+                return opened(path, mode)
+
+            file_utils.File = late_metadata
+
         class Begin(keras.callbacks.Callback):
             def on_train_begin(self, logs=None):  # after the restore
                 result["iterations"] = int(
