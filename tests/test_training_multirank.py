@@ -60,14 +60,21 @@ def test_clipping_engages_in_the_clipped_references(references):
                            rtol=1e-4)
 
 
+# Every optimizer at 2 ranks; at 3 (uneven shards, two peers per rank) the
+# two whose update reduces norms over every rank's shard: the plain rules
+# are rank-count independent past the exchange, which both cover.
+OPTIMIZERS = {2: ["sgd", "adam", "momentum_clipnorm", "adam_global_clipnorm"],
+              3: ["momentum_clipnorm", "adam_global_clipnorm"]}
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_fit_on_ranks_matches_one_process(num_ranks, references):
     results = run_workers(
         worker_path("dlrm_fit"), num_ranks,
-        args=[STEPS, GLOBAL_BATCH, "sgd", "adam", "momentum_clipnorm",
-              "adam_global_clipnorm"], timeout=300)
+        args=[STEPS, GLOBAL_BATCH, *OPTIMIZERS[num_ranks]], timeout=300)
     rows = sum(VOCAB)
-    for opt_name, (ref_losses, ref_table) in references.items():
+    for opt_name in OPTIMIZERS[num_ranks]:
+        ref_losses, ref_table = references[opt_name]
         local_rows = [r[opt_name]["local_rows"] for r in results]
         assert sum(local_rows) == rows and len(set(local_rows)) <= 2
         for r in results:
