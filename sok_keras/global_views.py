@@ -20,6 +20,7 @@ predictions, and a fast error when only some ranks make a collective call.
 import functools
 import json
 import os
+import threading
 import zipfile
 import zlib
 
@@ -238,9 +239,42 @@ def _shard_note(model):
     return lines
 
 
+# While `Model.summary` runs: (ids of the optimizer's own variables, the
+# slots its sparse rules keep on the model's tables).
+_SUMMARY = threading.local()
+
+
+def _optimizer_and_slots(model):
+    """What `summary` adds to Keras' "Optimizer params": the tables' slots
+    (Adam's m and v of a table live on the table, not in
+    `optimizer.variables`), at their global shapes."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return None
+    slots = [s for t in _tables_of(model)
+             for _, s in sorted(getattr(t, "slots", {}).items())]
+    if not slots:
+        return None
+    return frozenset(id(v) for v in optimizer.variables), slots
+
+
+def _with_table_slots(weights):
+    """`weights`, plus the tables' slots when they are the optimizer's
+    variables that `summary` is counting."""
+    current = getattr(_SUMMARY, "optimizer", None)
+    if current is None:
+        return weights
+    ids, slots = current
+    weights = list(weights)
+    if {id(w) for w in weights} != ids:
+        return weights
+    return weights + slots
+
+
 def install():
-    """Makes Keras count sok tables by their global shape, and adds the
-    shard note to `Model.summary` (idempotent)."""
+    """Makes Keras count sok tables by their global shape (and the slots
+    on them as optimizer params), and adds the shard note to
+    `Model.summary` (idempotent)."""
     if "summary" in _INSTALLED:
         return
     import math
@@ -253,13 +287,14 @@ def install():
 
     @functools.wraps(original_count)
     def count_params(weights):
+        weights = _with_table_slots(weights)
         return int(sum(math.prod(_shape(v)) for v in weights))
 
     @functools.wraps(original_size)
     def weight_memory_size(weights):
         from sok_keras.variable import Variable
 
-        unique = {id(w): w for w in weights}.values()
+        unique = {id(w): w for w in _with_table_slots(weights)}.values()
         total = 0
         for w in unique:
             total += summary_utils._compute_memory_size(
@@ -275,7 +310,11 @@ def install():
 
     @functools.wraps(original_summary)
     def summary(self, *args, **kwargs):
-        result = original_summary(self, *args, **kwargs)
+        _SUMMARY.optimizer = _optimizer_and_slots(self)
+        try:
+            result = original_summary(self, *args, **kwargs)
+        finally:
+            _SUMMARY.optimizer = None
         lines = _shard_note(self)
         if lines:
             print_fn = kwargs.get("print_fn")

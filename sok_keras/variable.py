@@ -996,8 +996,10 @@ def save_entry(store, key, entry):
 NOTHING_SAVED_HINT = (
     " Keras files key each layer's weights by the layer's class (and "
     "place), so a file saved from another layer class, e.g. "
-    "keras.layers.Embedding, holds nothing for this one: move such "
-    "weights with `get_weights()` / `set_weights()`.")
+    "keras.layers.Embedding, holds nothing for this one: copy such a "
+    "table in with `layer.embeddings.assign_global(array)` on every rank "
+    "(on N ranks `get_weights()` / `set_weights()` hold each rank's shard "
+    "of a table, not the whole table).")
 
 
 def saved_array(store, key, where):

@@ -43,6 +43,44 @@ def test_one_rank_counts_are_keras_counts():
     assert "Sharded tables" not in out.getvalue()  # one rank: no note
 
 
+def _summary_counts(model):
+    lines = []
+    model.summary(print_fn=lambda text, **kw: lines.append(text))
+    return {line.split(":")[0].strip(): int(
+        line.split(":")[1].split("(")[0].replace(",", ""))
+        for line in "\n".join(lines).splitlines()
+        if line.strip().endswith(")") and "params:" in line}
+
+
+def test_summary_counts_the_tables_slots_as_optimizer_params():
+    """Adam's m and v of a table live on the table, not in
+    `optimizer.variables`: the summary counts them as Keras counts the
+    moments of a keras.layers.Embedding."""
+    def fitted(layer, optimizer):
+        ids = keras.Input((1,), dtype="int64")  # one id: pooled == flat
+        x = keras.layers.Flatten()(layer(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(x))
+        model.compile(optimizer=optimizer, loss="mse")
+        model.fit(np.arange(20).reshape(20, 1), np.zeros((20, 1)),
+                  verbose=0)
+        return model
+
+    ours = _summary_counts(fitted(
+        sok.layers.DistributedEmbedding(50, 4),
+        sok.OptimizerWrapper(keras.optimizers.Adam())))
+    theirs = _summary_counts(fitted(keras.layers.Embedding(50, 4),
+                                    keras.optimizers.Adam()))
+    assert ours["Trainable params"] == theirs["Trainable params"]
+    own = len(sok.OptimizerWrapper(keras.optimizers.Adam()).variables)
+    # Both: iterations, learning rate, m and v of every weight.
+    slots = 2 * 50 * 4
+    assert ours["Optimizer params"] >= slots
+    assert ours["Optimizer params"] - theirs["Optimizer params"] == (
+        own - len(keras.optimizers.Adam().variables))
+    assert ours["Total params"] == (ours["Trainable params"]
+                                    + ours["Optimizer params"])
+
+
 def test_gather_predictions_in_a_world_of_one():
     y = np.arange(6.0).reshape(3, 2)
     np.testing.assert_array_equal(sok.gather_predictions(y), y)
