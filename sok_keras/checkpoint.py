@@ -217,6 +217,30 @@ def _optimizer_key(optimizer, path):
     return path
 
 
+def _unnumbered(path):
+    """`path` without Keras' uniquifying `_<n>` suffixes
+    (`adam_1/dense_2_kernel_momentum` -> `adam/dense_kernel_momentum`)."""
+    return re.sub(r"_\d+(?=[/_]|$)", "", path)
+
+
+def _match_names(saved, current):
+    """Which saved name each current variable loads from, or None.
+
+    By name when the names are the same; else by position when the two
+    lists differ only in Keras' numbering (the same model built again in
+    one process: `distributed_embedding_1`, `optimizer_wrapper_1`, ...),
+    as Keras' own `load_weights` matches by structure. Shapes and dtypes
+    are checked after.
+    """
+    if sorted(saved) == sorted(current) and len(set(saved)) == len(saved):
+        return {name: name for name in current}
+    if len(saved) == len(current) and (
+            [_unnumbered(s) for s in saved]
+            == [_unnumbered(c) for c in current]):
+        return dict(zip(current, saved))
+    return None
+
+
 def _slots_of(table, optimizer):
     """The table's slots, by name (none when there is no optimizer)."""
     if optimizer is None:
@@ -716,17 +740,19 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
             readers[fname] = _FileReader(folder, fname, files[fname], table)
         return readers[fname]
 
-    by_name = {t["name"]: t for t in manifest["tables"]}
+    saved_names = [t["name"] for t in manifest["tables"]]
     names = [t.path for t in tables]
-    missing = [nm for nm in names if nm not in by_name]
-    extra = [nm for nm in by_name if nm not in names]
-    if missing or extra:
+    saved_of = _match_names(saved_names, names)
+    if saved_of is None:
+        missing = [nm for nm in names if nm not in saved_names]
+        extra = [nm for nm in saved_names if nm not in names]
         _fail(mpath, f"tables do not match: the checkpoint has "
-              f"{sorted(by_name)}, expected {sorted(names)} (missing "
+              f"{sorted(saved_names)}, expected {sorted(names)} (missing "
               f"{missing}, unexpected {extra}).")
+    by_name = {t["name"]: t for t in manifest["tables"]}
     plans = []
     for t in tables:
-        m = by_name[t.path]
+        m = by_name[saved_of[t.path]]
         w = f"table '{t.path}'"
         if tuple(m["shape"]) != tuple(t.global_shape):
             _fail(mpath, f"{w} has shape {tuple(m['shape'])} (vocabulary "
@@ -748,7 +774,9 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
                   f"{expected}.")
         dst = [("value", t)] + [(f"slot/{k}", s) for k, s in slots.items()]
         for ename, var in dst:
-            dt = _dtype(m["dtype"], f"'{mpath}', {w}")
+            # Slots keep their own dtype (float32 for a 16-bit table).
+            want = m["dtype"] if ename == "value" else _std_dtype(var)
+            dt = _dtype(want, f"'{mpath}', {w}")
             sources = []
             for r_old in range(n_old):
                 old_rows = shard_rows(m["shape"][0], kind_old, target_old,
@@ -763,11 +791,10 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
                 if e is None:
                     _fail(mpath, f"{w}: file '{fname}' has no entry "
                           f"'{ename}'.")
-                if (e["shape"] != [old_rows, dim]
-                        or e["dtype"] != m["dtype"]):
+                if e["shape"] != [old_rows, dim] or e["dtype"] != want:
                     _fail(mpath, f"{w}: file '{fname}' entry '{ename}' is "
                           f"{e['dtype']}{e['shape']}, expected "
-                          f"{m['dtype']}{[old_rows, dim]}.")
+                          f"{want}{[old_rows, dim]}.")
                 sources.append((reader(fname, t.path), e, kind_old, r_old))
             plans.append(_Plan(var, ename, dt, sources, rows, dim))
         for p in plans[-1 - len(slots):]:
@@ -778,15 +805,17 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
     def dense_plan(kind, want, have, key=lambda path: path):
         # Keyed by `key` on both sides (a checkpoint of an older version may
         # hold an optimizer variable under the wrapper's prefix).
-        have = {key(d["name"]): d for d in have}
+        saved = [key(d["name"]) for d in have]
+        have = dict(zip(saved, have))
         names = [key(v.path) for v in want]
-        missing = [nm for nm in names if nm not in have]
-        extra = [nm for nm in have if nm not in names]
-        if missing or extra:
+        saved_of = _match_names(saved, names)
+        if saved_of is None:
+            missing = [nm for nm in names if nm not in have]
+            extra = [nm for nm in have if nm not in names]
             _fail(mpath, f"{kind} variables do not match: missing "
                   f"{missing}, unexpected {extra}.")
         for v, name in zip(want, names):
-            d = have[name]
+            d = have[saved_of[name]]
             shape = [int(s) for s in v.shape]
             if d["shape"] != shape or d["dtype"] != _std_dtype(v):
                 _fail(mpath, f"{kind} variable '{name}' is {d['dtype']}"

@@ -12,19 +12,30 @@ Example:
 True
 """
 
+import sok_keras as _sok
 from sok_keras import Init
+from sok_keras import OptimizerScope
 from sok_keras import OptimizerWrapper
 from sok_keras import Variable
 from sok_keras import all2all_dense_embedding
+from sok_keras import dump
 from sok_keras import filter_variables
 from sok_keras import init
+from sok_keras import load
 from sok_keras import lookup_sparse
 from sok_keras import num_ranks
 from sok_keras import rank
 from sok_keras import split_embedding_variable_from_others
 
 __all__ = [
-    "Init", "OptimizerWrapper", "Variable", "all2all_dense_embedding",
-    "filter_variables", "init", "lookup_sparse", "num_ranks", "rank",
+    "Init", "OptimizerScope", "OptimizerWrapper", "Variable",
+    "all2all_dense_embedding", "dump", "filter_variables", "init", "load",
+    "lookup_sparse", "num_ranks", "rank",
     "split_embedding_variable_from_others",
 ]
+
+
+def __getattr__(name):
+    # SOK names sok_keras lacks (`DynamicVariable`, ...): the package's
+    # own explanation.
+    return getattr(_sok, name)

@@ -421,6 +421,45 @@ class Variable(keras.Variable):
         """The whole table's shape `(rows, dim)`."""
         return self._sok_global_shape
 
+    # -- tf.train.Checkpoint / SavedModel ----------------------------------
+    # A TF checkpoint of a table holds this rank's shard. Each shard is
+    # written with who held it (rank, ranks, global rows, dim, owner), and a
+    # restore refuses a shard that another rank, world size or placement
+    # wrote: ranks saving to one path overwrite each other's shards, and
+    # restoring one would silently load another rank's rows.
+    _SHARD_KEY = "SOK_SHARD"
+
+    def _shard_identity(self):
+        rows, dim = self._sok_global_shape
+        return [self._sok_rank, self._sok_num_ranks, rows, dim,
+                self._sok_target]
+
+    def _serialize_to_tensors(self):
+        tensors = dict(super()._serialize_to_tensors())
+        if not self._sok_shards:
+            tensors[self._SHARD_KEY] = tf.constant(self._shard_identity(),
+                                                   tf.int64)
+        return tensors
+
+    def _restore_from_tensors(self, restored_tensors):
+        restored = dict(restored_tensors)
+        saved = restored.pop(self._SHARD_KEY, None)
+        if saved is not None and tf.executing_eagerly():
+            saved = [int(x) for x in np.asarray(saved).ravel()]
+            mine = self._shard_identity()
+            if saved != mine:
+                raise ValueError(
+                    f"sok_keras.Variable '{self.path}': this TF checkpoint "
+                    f"holds the shard of rank {saved[0]} of {saved[1]} "
+                    f"(table {saved[2]} x {saved[3]}, owner rank "
+                    f"{saved[4]}), but this is rank {mine[0]} of {mine[1]} "
+                    f"(table {mine[2]} x {mine[3]}, owner rank {mine[4]}). "
+                    "tf.train.Checkpoint saves each rank's own shard: give "
+                    "each rank its own path and restore at the same number "
+                    "of ranks, or use sok.dump / sok.load (or model.save), "
+                    "which write one checkpoint for any number of ranks.")
+        return super()._restore_from_tensors(restored)
+
     @property
     def vocabulary_size(self):
         """The whole table's number of rows."""

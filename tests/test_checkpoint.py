@@ -633,3 +633,49 @@ def test_other_dtypes_round_trip_bit_for_bit(tmp_path, dtype):
     np.testing.assert_array_equal(
         np.asarray(other.numpy()).view(np.uint8),
         np.asarray(table.numpy()).view(np.uint8))
+
+
+def _bf16_model():
+    ids = keras.Input((3,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(20, 4, dtype="bfloat16")
+    model = keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+    model.compile(optimizer=sok.OptimizerWrapper(keras.optimizers.Adam(0.1)),
+                  loss="mse")
+    return model
+
+
+def _values(model):
+    """Every table, slot, dense and optimizer variable, in model order."""
+    out = []
+    for v in model.variables:
+        if isinstance(v, sok.Variable):
+            out.append(np.asarray(v.read_global(), np.float32))
+            out += [s.read_global() for _, s in sorted(v.slots.items())]
+        else:
+            out.append(np.array(v.numpy()))
+    return out + [np.array(v.numpy()) for v in model.optimizer.variables]
+
+
+def test_a_16_bit_table_with_slots_and_the_model_rebuilt_in_one_process(
+        tmp_path):
+    """A bfloat16 table keeps float32 slots: they load (the load checked
+    them against the table's dtype and refused). The model built again in
+    the same process (no clear_session) has Keras-numbered names
+    (`distributed_embedding_1`, `optimizer_wrapper_1`, ...): the
+    checkpoint loads by position, as Keras' own `load_weights` does."""
+    model = _bf16_model()
+    x = np.arange(24).reshape(8, 3) % 20
+    model.fit(x, np.ones((8, 1)), verbose=0)
+    slots = model.layers[1].embeddings.slots
+    assert {k: v.dtype for k, v in slots.items()} == {"m": "float32",
+                                                      "v": "float32"}
+    sok.dump(str(tmp_path / "c"), model)
+    again = _bf16_model()
+    assert again.layers[1].name != model.layers[1].name
+    sok.load(str(tmp_path / "c"), again)
+    want, got = _values(model), _values(again)
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(again.predict(x, verbose=0),
+                                  model.predict(x, verbose=0))

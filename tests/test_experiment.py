@@ -40,3 +40,17 @@ def test_sok_names_sok_keras_lacks_say_what_to_use():
     assert not hasattr(sok, "raw_ops")
     v = sok.Variable(np.ones((3, 2)), dtype="float32", validate_shape=True)
     assert v.num_gpus == v.num_ranks == 1
+
+
+def test_the_experimental_namespace_has_sok_2s_checkpoint_and_scope_names():
+    """SOK 2 scripts call `sok.dump` / `sok.load` and `sok.OptimizerScope`
+    through `experiment`; its missing names explain themselves as the
+    package's do."""
+    import pytest
+
+    from sok_keras import experiment as sok
+
+    for name in ("dump", "load", "OptimizerScope"):
+        assert name in sok.__all__
+    with pytest.raises(AttributeError, match="DynamicVariable.*Hashing"):
+        sok.DynamicVariable

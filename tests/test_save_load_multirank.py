@@ -24,10 +24,11 @@ def jobs(tmp_path_factory):
     base = tmp_path_factory.mktemp("save_load")
     path, folder = str(base / "model.keras"), str(base / "streaming")
     placed = str(base / "placed.keras")
+    tf_ckpt = str(base / "tf_checkpoint")
     os.makedirs(folder)
     two = run_sequence(
         [("save_load", ["save", path]), ("multi_table", ["same"]),
-         ("placement_save", [placed]),
+         ("placement_save", [placed]), ("tf_checkpoint", [tf_ckpt]),
          ("save_streaming", ["save", folder])], 2, timeout=420)
     three = run_sequence(
         [("save_load", ["load", path]), ("multi_table", ["same"]),
@@ -112,7 +113,7 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     from tests.test_export import serve_without_sok
 
     folder = jobs["folder"]
-    r0, r1 = jobs["two"][3]
+    r0, r1 = jobs["two"][4]
     assert r0["in_file"] and all(r0["in_file"].values()), r0["in_file"]
     assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
     assert 0 < r0["max_received"] <= r0["chunk_bytes"]
@@ -190,3 +191,17 @@ def test_a_subclassed_model_saved_on_two_ranks_loads_on_two_and_one(
     np.testing.assert_array_equal(
         model.predict(np.load(tmp_path / "probe.npy"), verbose=0),
         np.load(tmp_path / "expected.npy"))
+
+
+def test_tf_checkpoint_restores_a_ranks_own_shard_and_refuses_anothers(jobs):
+    """tf.train.Checkpoint holds this rank's shard: a rank restores its own;
+    another rank's is refused with both shards named (before: rank 0 got
+    rank 1's rows without a word when the shards had the same shape), and
+    the table is left as it was."""
+    for rank, r in enumerate(jobs["two"][3]):
+        assert r["own_restored"], r
+        msg = r["other_error"]
+        assert msg is not None, r
+        assert f"holds the shard of rank {1 - rank} of 2" in msg, msg
+        assert f"this is rank {rank} of 2" in msg and "sok.dump" in msg, msg
+        assert r["other_unchanged"], r
