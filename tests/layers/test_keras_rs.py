@@ -432,19 +432,21 @@ def references():
     return out
 
 
-# On a GPU the reference's own gradient sums (Keras' scatter-adds) are
-# summed in a varying order: run 10 saw keras-rs' weight differ from sok's
-# by 1.7e-6 (sok's value the same on 1 and 2 ranks).
-_ATOL = 1e-5 if tf.config.list_physical_devices("GPU") else 1e-6
+# On a GPU the reference's own sums (Keras' scatter-adds, the dense
+# layers' matmuls) run in a varying order: run 10 saw keras-rs' weight
+# differ from sok's by 1.7e-6 (sok's value the same on 1 and 2 ranks), and
+# a 2-rank loss (a mean over ranks) by 1.1e-5 relative.
+_GPU = bool(tf.config.list_physical_devices("GPU"))
+_ATOL, _RTOL = (1e-5, 1e-4) if _GPU else (1e-6, 1e-5)
 
 
 def _check_against(kind, reference, losses, weights):
     initial, ref_losses, ref_weights = reference
     assert len(losses) == STEPS
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=kind)
+    np.testing.assert_allclose(losses, ref_losses, rtol=_RTOL, err_msg=kind)
     assert sorted(weights) == sorted(ref_weights)
     for key, want in ref_weights.items():
-        np.testing.assert_allclose(np.asarray(weights[key]), want, rtol=1e-5,
+        np.testing.assert_allclose(np.asarray(weights[key]), want, rtol=_RTOL,
                                    atol=_ATOL, err_msg=f"{kind} {key}")
         if key.startswith("table/"):
             assert not np.allclose(want, initial[key])  # it trained
