@@ -112,7 +112,8 @@ def _check_table(param):
             # Else XLA fails later with "No registered 'Sok...' OpKernel
             # for XLA_..._JIT", naming no table.
             raise ValueError(
-                f"sok_keras: table '{param.name}' is looked up inside an "
+                f"sok_keras: table '{getattr(param, 'path', None) or param.name}' "
+                "is looked up inside an "
                 "XLA-compiled function (`tf.function(jit_compile=True)`): "
                 "the op library's kernels have no XLA form. Compile the "
                 "function without `jit_compile`, or only its dense part "

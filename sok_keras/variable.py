@@ -792,7 +792,7 @@ def _check_global_shape(table, expected, where):
     shape = tuple(int(s) for s in getattr(table, "shape", ()))
     if shape != tuple(expected):
         raise ValueError(
-            f"'{where}': the table has shape {shape}, but the variable's "
+            f"'{where}': the value given has shape {shape}, but the "
             f"whole table has shape {tuple(expected)}.")
 
 
