@@ -34,6 +34,7 @@ process is unusable (a TensorFlow limitation): the job must restart.
 import functools
 import threading
 import time
+import weakref
 import zlib
 
 import tensorflow as tf
@@ -46,6 +47,35 @@ HOST_GROUP_KEY = GROUP_KEY + 1
 """The collective group key of sok_keras's communicator (all ranks)."""
 
 _OPS = ("sum", "mean", "max", "min")
+
+# How many times each exchange's gradient was traced into a function (the
+# outermost one being traced: the gradients of `tf.cond` branches are built
+# in graphs of their own). Two `tape.gradient` calls over one lookup (a
+# persistent tape) trace the backward exchange twice into one function; the
+# second needs keys of its own, or TensorFlow's collective runtime aborts
+# ("ProvideBuf already called") or hangs.
+_GRAD_TRACES = weakref.WeakKeyDictionary()
+_GRAD_TRACES_LOCK = threading.Lock()
+
+
+def _grad_site(site):
+    """The call-site key of the gradient of the exchange at `site`:
+    `site|grad` for the first gradient traced into a function (and for
+    every eager one: eager collectives run one after the other),
+    `site|grad<n>` for the n-th after it. The same on every rank, since
+    every rank traces the same program."""
+    if tf.executing_eagerly():
+        return site + "|grad"
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
+    with _GRAD_TRACES_LOCK:
+        counts = _GRAD_TRACES.setdefault(graph, {})
+        n = counts.get(site, 0)
+        counts[site] = n + 1
+    return site + "|grad" + (str(n) if n else "")
 
 
 def _next_pow2_exponent(m):
@@ -238,7 +268,7 @@ class Communicator:
 
             def grad(dy):
                 dy = tf.convert_to_tensor(dy)
-                return self._ragged(dy, c, site + "|grad", not transpose)
+                return self._ragged(dy, c, _grad_site(site), not transpose)
 
             return y, grad
 

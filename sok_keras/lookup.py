@@ -1256,6 +1256,31 @@ def _ragged_weights(ids, weights, name):
         return tf.identity(weights.values)
 
 
+def _backward_is_shared(param, feat):
+    """Whether a `tf.cond` here would get one backward function that every
+    `tape.gradient` call runs: inside a function, under a persistent tape or
+    tapes nested, TensorFlow wraps control flow that such tapes watch in a
+    function of its own, and two gradients through it run its exchanges
+    twice in one step under the same keys (TensorFlow's collective runtime
+    then aborts, or the runs take each other's rows). `"auto"` pools at
+    home there: the same numbers, without the per-step `tf.cond`, and each
+    gradient traces its own exchanges (`comm._grad_site`)."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.eager import tape as tape_lib
+    from tensorflow.python.ops import gradients_util
+
+    table = param.value
+    # The branches read the table: the tapes that watch what they access
+    # watch it now rather than inside the branch, the same either way.
+    tape_lib.variable_accessed(table)
+    watched = [table.handle]
+    if feat.weights is not None:
+        watched.append(feat.weights)
+    return (gradients_util.PossibleTapeGradientTypes(watched)
+            == gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER)
+
+
 @_not_converted
 def lookup_one(param, ids, weights=None, combiner="sum", name=None,
                pooling="auto"):
@@ -1289,6 +1314,8 @@ def _lookup_one(param, ids, weights, combiner, name, pooling):
     if param._sok_shards and pooling == "auto":
         # Between a strategy's replicas the collectives are merge_calls,
         # which cannot sit inside the per-step `tf.cond` of "auto".
+        pooling = "home"
+    if pooling == "auto" and _backward_is_shared(param, feat):
         pooling = "home"
     if combiner is not None and param.num_ranks > 1 and pooling != "home":
         comm = _exchange_comm(param, name)

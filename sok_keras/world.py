@@ -255,20 +255,33 @@ def world_from_env(env=None):
 
 
 def _check_no_half_world(env):
-    """Refuses a launcher's number of ranks (> 1) without its rank
-    variable (`WORLD_SIZE=4` without `RANK`): each process would otherwise
-    train alone, as a world of one, and nothing would say so."""
+    """Refuses half of a launcher's pair of variables where the half says
+    there are other ranks: a number of ranks (> 1) without the rank
+    (`WORLD_SIZE=4` without `RANK`), or a rank (> 0) without the number of
+    ranks (`RANK=1` without `WORLD_SIZE`). Each process would otherwise train
+    alone, as a world of one, and nothing would say so. A lone rank 0 is a
+    world of one."""
     for source, rank_var, size_var in _SOURCES:
         try:
             size = int(env.get(size_var, ""))
         except ValueError:
-            continue
-        if size > 1 and rank_var not in env:
+            size = None
+        if size is not None and size > 1 and rank_var not in env:
             raise RuntimeError(
                 f"sok_keras: {size_var}={size} is set ({source}) but "
                 f"{rank_var} is not, so this process does not know its "
                 f"rank. Set {rank_var} on every rank (0..{size - 1}), or "
                 f"unset {size_var} to run as one process.")
+        try:
+            rank = int(env.get(rank_var, ""))
+        except ValueError:
+            continue
+        if rank > 0 and size_var not in env:
+            raise RuntimeError(
+                f"sok_keras: {rank_var}={rank} is set ({source}) but "
+                f"{size_var} is not, so this process does not know how many "
+                f"ranks the job has. Set {size_var} on every rank, or unset "
+                f"{rank_var} to run as one process.")
 
 
 def _world_from_tf_config(text):
@@ -702,11 +715,14 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
         raise ValueError(
             f"`timeout` must be a positive number of seconds, got {timeout!r}"
         )
-    backend = backend or os.environ.get("SOK_BACKEND") or "auto"
+    given = f"backend={backend!r}"
+    if not backend and os.environ.get("SOK_BACKEND"):
+        backend = os.environ["SOK_BACKEND"]
+        given = f"SOK_BACKEND={backend!r} (environment)"
+    backend = backend or "auto"
     if backend not in _BACKENDS:
         raise ValueError(
-            f"`backend` must be one of {_BACKENDS}. Received: "
-            f"backend={backend!r}.")
+            f"`backend` must be one of {_BACKENDS}. Received: {given}.")
     if heartbeat_timeout is not None and not heartbeat_timeout > 0:
         raise ValueError(
             "`heartbeat_timeout` must be a positive number of seconds, got "

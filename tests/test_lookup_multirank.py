@@ -13,10 +13,12 @@ def two_ranks():
     """The 2-rank scenarios of this module in one job (one TensorFlow start
     per rank): edge cases, the pooling modes on the batch of many samples,
     and last the bad id (which ends in errors on purpose)."""
-    edge, pooling, bad_id = run_sequence(
-        [("edge_cases", []), ("pooling_modes", ["many"]), ("bad_id", [])],
-        2, timeout=360)
-    return {"edge_cases": edge, "pooling_modes": pooling, "bad_id": bad_id}
+    edge, pooling, double, bad_id = run_sequence(
+        [("edge_cases", []), ("pooling_modes", ["many"]),
+         ("double_gradient", []), ("bad_id", [])],
+        2, timeout=420)
+    return {"edge_cases": edge, "pooling_modes": pooling,
+            "double_gradient": double, "bad_id": bad_id}
 
 
 def test_padding_only_rank_empty_batch_and_mixed_precision(two_ranks):
@@ -57,6 +59,18 @@ def test_pooling_on_the_owner_equals_pooling_at_home(two_ranks):
             # The weights' gradient, home and on the owner, against
             # tf.nn.embedding_lookup_sparse's.
             assert r["max_wgrad_err"] < 1e-4, (n, r)
+
+
+def test_two_gradients_of_one_lookup_in_a_function(two_ranks):
+    """Two `tape.gradient` calls of a persistent tape over one lookup in a
+    `tf.function` (every pooling mode, and unpooled), in several steps,
+    equal the same computed eagerly. Before the fix both gradients'
+    exchanges had one key: TensorFlow's collective runtime aborted
+    ("ProvideBuf already called") or hung."""
+    for r in two_ranks["double_gradient"]:
+        assert set(r["errors"]) == {"auto", "home", "owner", "unpooled"}
+        for case, err in r["errors"].items():
+            assert err < 1e-5, (case, err)
 
 
 def test_invalid_id_on_one_rank_raises_on_every_rank(two_ranks):

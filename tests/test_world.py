@@ -18,6 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     "env, want",
     [
         ({}, (0, 1, [], "none")),
+        # A lone rank 0 (no size) is a world of one, as before.
+        ({"RANK": "0"}, (0, 1, [], "none")),
         (
             {"SOK_RANK": "1", "SOK_NUM_RANKS": "2",
              "SOK_WORKER_ADDRS": "h:1,h:2"},
@@ -71,6 +73,9 @@ def test_world_from_env(env, want):
         ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set .* but RANK is not"),
         ({"SOK_NUM_RANKS": "2", "RANK": "1"},
          "SOK_NUM_RANKS=2 is set .* but SOK_RANK is not"),
+        # Before: rank 1 of a world of one, silently.
+        ({"SOK_RANK": "1"}, "SOK_RANK=1 is set .* but SOK_NUM_RANKS is not"),
+        ({"RANK": "3"}, "RANK=3 is set .* but WORLD_SIZE is not"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "65534"},
          "MASTER_PORT=65534: .* must be ports"),
     ],
@@ -145,3 +150,13 @@ def test_init_after_tf_ran_is_an_error():
                          capture_output=True, timeout=60)
     assert out.returncode != 0
     assert b"sok_keras.init() must run before TensorFlow" in out.stderr
+
+
+def test_a_bad_backend_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setattr(world, "_WORLD", None)
+    monkeypatch.setenv("SOK_BACKEND", "gloo")
+    with pytest.raises(ValueError,
+                       match=r"Received: SOK_BACKEND='gloo' \(environment\)"):
+        world.init()
+    with pytest.raises(ValueError, match=r"Received: backend='mpi'"):
+        world.init(backend="mpi")

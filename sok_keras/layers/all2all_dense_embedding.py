@@ -53,7 +53,7 @@ class All2AllDenseEmbedding(BaseEmbedding):
 
     def __init__(self, max_vocabulary_size_per_gpu, embedding_vec_size,
                  slot_num, nnz_per_slot, embeddings_initializer="uniform",
-                 vocabulary_size=None, **kwargs):
+                 vocabulary_size=None, optimizer=None, **kwargs):
         for key in ("dynamic_input", "use_hashtable", "key_dtype",
                     "embedding_initializer"):
             if key in kwargs:
@@ -82,7 +82,8 @@ class All2AllDenseEmbedding(BaseEmbedding):
             self.max_vocabulary_size_per_gpu * replicas.table_ranks())
         super().__init__(
             rows, embedding_vec_size, combiner=None,
-            embeddings_initializer=embeddings_initializer, **kwargs)
+            embeddings_initializer=embeddings_initializer,
+            optimizer=optimizer, **kwargs)
         self.embedding_vec_size = self.embedding_dim
 
     def _table_mode(self):

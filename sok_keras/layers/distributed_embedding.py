@@ -30,7 +30,9 @@ class DistributedEmbedding(BaseEmbedding):
             bringing one partial sum per sample home, and takes the cheaper
             (all ranks agree); `"home"` or `"owner"` pin one way and save the
             comparison (~0.2-0.5 ms per step on CPU). Ignored with one rank
-            and for unpooled lookups.
+            and for unpooled lookups. Inside a `tf.function` under a
+            persistent `GradientTape` (or tapes nested), `"auto"` pools at
+            home, so that several `tape.gradient` calls work.
         optimizer: optional Keras optimizer (instance, name or config) for
             this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
             over the model's optimizer for this table: its rule,

@@ -43,7 +43,9 @@ class LocalizedEmbedding(BaseEmbedding):
             bringing one partial sum per sample home, and takes the cheaper
             (all ranks agree); `"home"` or `"owner"` pin one way and save the
             comparison (~0.2-0.5 ms per step on CPU). Ignored with one rank
-            and for unpooled lookups.
+            and for unpooled lookups. Inside a `tf.function` under a
+            persistent `GradientTape` (or tapes nested), `"auto"` pools at
+            home, so that several `tape.gradient` calls work.
         optimizer: optional Keras optimizer (instance, name or config) for
             this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
             over the model's optimizer for this table: its rule,
@@ -67,10 +69,11 @@ class LocalizedEmbedding(BaseEmbedding):
 
     def __init__(self, vocabulary_size=None, embedding_dim=None,
                  combiner="sum", embeddings_initializer="uniform", rank=None,
-                 **kwargs):
+                 pooling="auto", optimizer=None, **kwargs):
         super().__init__(
             vocabulary_size, embedding_dim, combiner=combiner,
-            embeddings_initializer=embeddings_initializer, **kwargs)
+            embeddings_initializer=embeddings_initializer,
+            optimizer=optimizer, pooling=pooling, **kwargs)
         if rank is not None and (
             isinstance(rank, bool) or not isinstance(rank, int) or rank < 0
         ):
