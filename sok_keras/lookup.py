@@ -28,6 +28,7 @@ import threading
 import weakref
 
 import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from sok_keras import consistency
 from sok_keras import lookup_ops
@@ -1265,12 +1266,14 @@ def _backward_is_shared(param, feat):
     then aborts, or the runs take each other's rows). `"auto"` pools at
     home there: the same numbers, without the per-step `tf.cond`, and each
     gradient traces its own exchanges (`comm._grad_site`)."""
-    if tf.executing_eagerly():
-        return False
+    if tf.executing_eagerly() or in_stateless_scope():
+        return False  # Keras inferring shapes: nothing is differentiated
     from tensorflow.python.eager import tape as tape_lib
     from tensorflow.python.ops import gradients_util
 
-    table = param.value
+    table = getattr(param, "_value", None)  # the tf.Variable, once made
+    if not isinstance(table, tf.Variable):
+        return False
     # The branches read the table: the tapes that watch what they access
     # watch it now rather than inside the branch, the same either way.
     tape_lib.variable_accessed(table)
