@@ -1370,8 +1370,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
 
     >>> v1 = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype="float32")
     >>> ids = tf.SparseTensor([[0, 0], [0, 1]], [1, 1], [1, 3])
-    >>> sok.lookup_sparse([v1], [ids], combiners=["sum"])[0]
-    [[6., 8., 10.]]
+    >>> sok.lookup_sparse([v1], [ids], combiners=["sum"])[0].numpy().tolist()
+    [[6.0, 8.0, 10.0]]
     """
     for p in _to_list(params):
         _check_table(p)

@@ -258,7 +258,7 @@ def gather_blocks(values, starts, lengths, site=""):
 
     Example:
 
-    >>> gather_blocks(tf.range(10), [6, 1], [2, 3])
+    >>> gather_blocks(tf.range(10), [6, 1], [2, 3]).numpy().tolist()
     [6, 7, 1, 2, 3]
     """
     return ops().sok_gather_blocks(
