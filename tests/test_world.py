@@ -143,7 +143,10 @@ def test_init_after_tf_ran_is_an_error():
         "import sok_keras.world as w\n"
         "w.init()\n"
     )
-    env = dict(os.environ, PYTHONPATH=REPO, SOK_RANK="0", SOK_NUM_RANKS="2",
+    # The repo first, then where TensorFlow may live (a PYTHONPATH install).
+    path = os.pathsep.join([REPO] + [p for p in [os.environ.get(
+        "PYTHONPATH")] if p])
+    env = dict(os.environ, PYTHONPATH=path, SOK_RANK="0", SOK_NUM_RANKS="2",
                SOK_WORKER_ADDRS="127.0.0.1:1,127.0.0.1:2",
                TF_CPP_MIN_LOG_LEVEL="2")
     out = subprocess.run([sys.executable, "-c", code], env=env,
