@@ -86,12 +86,18 @@ def _call_site_key(table_key):
     """A key that is the same on every rank for the same call site.
 
     Inside a `tf.function` each lookup of a table gets its own index within
-    that graph (a layer called twice in one step makes two exchanges);
-    eagerly, calls run one after another and can share a key.
+    the outermost function being traced (a layer called twice in one step
+    makes two exchanges; so do a lookup in a nested `tf.function` and one
+    beside it, which share the outer function's step); eagerly, calls run
+    one after another and can share a key.
     """
     if tf.executing_eagerly():
         return f"{table_key}#0"
+    from tensorflow.python.framework.func_graph import FuncGraph
+
     graph = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
     with _COUNTER_LOCK:
         counters = _CALL_COUNTERS.setdefault(graph, {})
         index = counters.get(table_key, 0)

@@ -647,6 +647,24 @@ def _start_host_communicator(world):
             world.rank, world.num_ranks, timeout=world.timeout)
 
 
+def _check_later_variables(global_metrics):
+    """Checks the variables read only later (at a save or load, at `fit`,
+    at a rank's start) now, so that a bad value fails at the start of the
+    job rather than hours into it."""
+    from sok_keras import callbacks
+    from sok_keras import global_views
+
+    global_views.enter_timeout()  # SOK_SAVE_TIMEOUT
+    if global_metrics is None:
+        callbacks.global_metrics_enabled()  # SOK_GLOBAL_METRICS
+    guard = os.environ.get("SOK_BIND_GUARD", "")
+    if guard not in ("", "0", "1"):
+        raise RuntimeError(
+            "sok_keras: SOK_BIND_GUARD must be 1 (the default: servers "
+            "listen on the rank's own address) or 0 (every interface). "
+            f"Received: SOK_BIND_GUARD={guard!r}.")
+
+
 def init(timeout=None, heartbeat_timeout=None, backend=None,
          global_metrics=None, **kwargs):
     """Initializes sok_keras for this process (idempotent).
@@ -728,6 +746,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             "`heartbeat_timeout` must be a positive number of seconds, got "
             f"{heartbeat_timeout!r}"
         )
+    _check_later_variables(global_metrics)
     with _LOCK:
         if _WORLD is not None:
             if timeout is not None:

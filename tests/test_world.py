@@ -163,3 +163,18 @@ def test_a_bad_backend_from_the_environment_names_the_variable(monkeypatch):
         world.init()
     with pytest.raises(ValueError, match=r"Received: backend='mpi'"):
         world.init(backend="mpi")
+
+
+@pytest.mark.parametrize("var, value, match", [
+    ("SOK_SAVE_TIMEOUT", "-1", "SOK_SAVE_TIMEOUT must be a positive"),
+    ("SOK_GLOBAL_METRICS", "maybe", "SOK_GLOBAL_METRICS='maybe'"),
+    ("SOK_BIND_GUARD", "2", "SOK_BIND_GUARD='2'"),
+])
+def test_variables_read_later_are_checked_at_init(monkeypatch, var, value,
+                                                  match):
+    """Before: accepted at init, failing at the first save or fit (or, for
+    SOK_BIND_GUARD, silently taken as on)."""
+    monkeypatch.setattr(world, "_WORLD", None)
+    monkeypatch.setenv(var, value)
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        world.init()
