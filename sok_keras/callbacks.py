@@ -155,13 +155,15 @@ def global_logs(model, logs, key, weight=None):
     Every rank must call it at the same point with the same keys (one
     collective). Two ways, in this order:
 
-    - when `logs` are the model's metric results (Keras' own test: the same
-      keys as `model.get_metrics_result()`), the metrics' state variables
-      are summed over the ranks (as `tf.distribute` combines them: by each
-      variable's `aggregation`) and the results computed from the sum. This
-      is exact for any batch sizes and for metrics that are not means (AUC,
-      R2Score): the value a single process would compute on all ranks'
-      samples. This rank's metric state is left as it is;
+    - when `logs` hold the model's metric results (every key of
+      `model.get_metrics_result()`, and maybe more: a custom `train_step`
+      that also returns, say, the learning rate), the metrics' state
+      variables are summed over the ranks (as `tf.distribute` combines
+      them: by each variable's `aggregation`) and those entries computed
+      from the sum. This is exact for any batch sizes and for metrics that
+      are not means (AUC, R2Score): the value a single process would
+      compute on all ranks' samples. This rank's metric state is left as
+      it is;
     - any other numeric scalar entry is averaged over the ranks, weighted by
       `weight` (default: the number of samples this rank's loss tracker has
       seen), which is exact for means of per-sample values at any batch
@@ -183,8 +185,9 @@ def global_logs(model, logs, key, weight=None):
         return logs
     n, rank = world.num_ranks(), world.rank()
     variables = _metric_variables(model) if model is not None else None
-    from_state = bool(variables) and set(
-        _pythonify(model.get_metrics_result())) == set(logs)
+    metric_keys = set(_pythonify(model.get_metrics_result())) if (
+        variables) else set()
+    from_state = bool(metric_keys) and metric_keys <= set(logs)
     parts = []
     if from_state:
         for v, aggregation in variables:
@@ -216,7 +219,7 @@ def global_logs(model, logs, key, weight=None):
             mapping.append((v, tf.constant(value.astype(dtype))))
         with keras.StatelessScope(state_mapping=mapping):
             results = _pythonify(model.get_metrics_result())
-        out.update({k: results[k] for k in logs})
+        out.update({k: results[k] for k in logs if k in results})
     return out
 
 
@@ -227,6 +230,57 @@ def average_logs(logs, key):
     Every rank must call it with the same keys. Returns a new dict.
     """
     return global_logs(None, logs, key, weight=1.0)
+
+
+def check_replicated_weights(model, when):
+    """Raises on every rank if the model's dense trainable weights (every
+    trainable weight but the sharded tables) differ between the ranks.
+
+    Each rank holds the whole of each dense weight, and they must stay
+    equal: the model's compiled optimizer (an `OptimizerWrapper`) averages
+    their gradients over the ranks. A custom `train_step` that applies
+    them with another optimizer, unaveraged, lets every rank drift its own
+    way while the global logs look like one model's. Two all-reduces of a
+    fingerprint per weight (its sum and its sum of magnitudes).
+
+    Args:
+        model: the Keras model.
+        when: words for the message, e.g. `"after epoch 3"`.
+
+    Raises:
+        RuntimeError: naming the weights that differ, on every rank.
+    """
+    from sok_keras.variable import Variable
+
+    if model is None or world.num_ranks() == 1:
+        return
+    weights = [v for v in model.trainable_weights
+               if not isinstance(v, Variable)]
+    if not weights:
+        return
+    prints = []
+    for v in weights:
+        a = np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+        prints += [a.sum(), np.abs(a).sum()]
+    prints = np.array(prints, np.float64)
+    n = world.num_ranks()
+    mean = _all_reduce_sum([prints], "global_metrics/replicated") / n
+    off = np.abs(prints - mean) > 1e-6 * (1.0 + np.abs(mean))
+    off = _all_reduce_sum([off.astype(np.float64)],
+                          "global_metrics/replicated_off") > 0
+    names = sorted({getattr(weights[i // 2], "path", weights[i // 2].name)
+                    for i in np.nonzero(off)[0]})
+    if names:
+        raise RuntimeError(
+            f"sok_keras: {when}, the dense weights {names} differ between "
+            "the ranks; every rank must hold the same. Apply their "
+            "gradients with the model's compiled optimizer (an "
+            "`OptimizerWrapper`, which averages them over the ranks), or "
+            "average them yourself before another optimizer applies them: "
+            "a plain Keras optimizer kept apart from `compile` (in a custom "
+            "`train_step`) updates each rank's copy with that rank's own "
+            "gradients. See docs/design.md, \"Data parallelism and "
+            "averaging\".")
 
 
 class GlobalMetrics(keras.callbacks.Callback):
@@ -250,7 +304,9 @@ class GlobalMetrics(keras.callbacks.Callback):
     At the end of an epoch, the training entries take the global values of
     the epoch's last batch and the `val_` entries those of the validation
     run (Keras resets the metrics' state for validation); other numeric
-    entries are averaged, weighted by each rank's sample count.
+    entries are averaged, weighted by each rank's sample count. Then the
+    dense weights are checked equal on every rank
+    (`check_replicated_weights`).
 
     Example:
 
@@ -326,6 +382,7 @@ class GlobalMetrics(keras.callbacks.Callback):
         for i, k in enumerate(keys):
             if agreed[i] == n:
                 logs[k] = known[k][1]
+        check_replicated_weights(self.model, f"after epoch {epoch + 1}")
 
 
 def _make_checkpoint_folders(callbacks):

@@ -1,6 +1,8 @@
 """Lookup edge cases on 2 ranks: a rank with only padding, empty batches,
 mixed precision."""
 
+import re
+
 import pytest
 
 from tests.multiprocess import run_sequence
@@ -13,12 +15,14 @@ def two_ranks():
     """The 2-rank scenarios of this module in one job (one TensorFlow start
     per rank): edge cases, the pooling modes on the batch of many samples,
     and last the bad id (which ends in errors on purpose)."""
-    edge, pooling, double, bad_id = run_sequence(
+    edge, pooling, double, custom, bad_id, drift = run_sequence(
         [("edge_cases", []), ("pooling_modes", ["many"]),
-         ("double_gradient", []), ("bad_id", [])],
-        2, timeout=420)
+         ("double_gradient", []), ("custom_step", ["extra"]),
+         ("bad_id", []), ("custom_step", ["drift"])],
+        2, timeout=480)
     return {"edge_cases": edge, "pooling_modes": pooling,
-            "double_gradient": double, "bad_id": bad_id}
+            "double_gradient": double, "custom_step": custom,
+            "bad_id": bad_id, "drift": drift}
 
 
 def test_padding_only_rank_empty_batch_and_mixed_precision(two_ranks):
@@ -73,6 +77,26 @@ def test_two_gradients_of_one_lookup_in_a_function(two_ranks):
                                     "nested"}
         for case, err in r["errors"].items():
             assert err < 1e-5, (case, err)
+
+
+def test_a_custom_train_step_logs_global_metrics_and_keeps_ranks_equal(
+        two_ranks):
+    """A subclassed model's own `train_step` on 2 ranks: an extra entry
+    in its logs (the learning rate) leaves the metric entries global (the
+    same AUC as without it); dense weights applied by a plain optimizer,
+    unaveraged, stop `fit` with an error naming them, on every rank.
+    Before, the extra entry made AUC a mean of the ranks' values, and the
+    ranks drifted apart silently."""
+    r0, r1 = two_ranks["custom_step"]
+    for r in (r0, r1):
+        assert r["extra"]["auc"] == r["plain"]["auc"]
+        assert r["extra"]["loss"] == r["plain"]["loss"]
+        assert "lr" in r["extra"]
+    assert r0["plain"] == r1["plain"]
+    for r in two_ranks["drift"]:
+        error = r["drift_error"]
+        assert "differ between the ranks" in error, error
+        assert re.search(r"dense(_\d+)?/kernel", error), error
 
 
 def test_invalid_id_on_one_rank_raises_on_every_rank(two_ranks):
