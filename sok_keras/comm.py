@@ -48,33 +48,45 @@ HOST_GROUP_KEY = GROUP_KEY + 1
 
 _OPS = ("sum", "mean", "max", "min")
 
-# How many times each exchange's gradient was traced into a function (the
-# outermost one being traced: the gradients of `tf.cond` branches are built
-# in graphs of their own). Two `tape.gradient` calls over one lookup (a
-# persistent tape) trace the backward exchange twice into one function; the
-# second needs keys of its own, or TensorFlow's collective runtime aborts
-# ("ProvideBuf already called") or hangs.
-_GRAD_TRACES = weakref.WeakKeyDictionary()
-_GRAD_TRACES_LOCK = threading.Lock()
+class TraceCounter:
+    """Numbers the uses of each key within the outermost function being
+    traced: 0, 1, 2, ... (nested functions and `tf.cond` branches are
+    traced in graphs of their own, but run in the outer function's step,
+    so they share its numbering). Every rank traces the same program, so
+    the numbers agree. Eagerly, `next` gives None."""
+
+    def __init__(self):
+        self._counts = weakref.WeakKeyDictionary()  # outermost graph ->
+        self._lock = threading.Lock()
+
+    def next(self, key):
+        if tf.executing_eagerly():
+            return None
+        from tensorflow.python.framework.func_graph import FuncGraph
+
+        graph = tf.compat.v1.get_default_graph()
+        while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+            graph = graph.outer_graph
+        with self._lock:
+            counts = self._counts.setdefault(graph, {})
+            n = counts.get(key, 0)
+            counts[key] = n + 1
+        return n
+
+
+# Two `tape.gradient` calls over one lookup (a persistent tape) trace the
+# backward exchange twice into one function; the second needs keys of its
+# own, or TensorFlow's collective runtime aborts ("ProvideBuf already
+# called") or hangs.
+_GRAD_TRACES = TraceCounter()
 
 
 def _grad_site(site):
     """The call-site key of the gradient of the exchange at `site`:
     `site|grad` for the first gradient traced into a function (and for
     every eager one: eager collectives run one after the other),
-    `site|grad<n>` for the n-th after it. The same on every rank, since
-    every rank traces the same program."""
-    if tf.executing_eagerly():
-        return site + "|grad"
-    from tensorflow.python.framework.func_graph import FuncGraph
-
-    graph = tf.compat.v1.get_default_graph()
-    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
-        graph = graph.outer_graph
-    with _GRAD_TRACES_LOCK:
-        counts = _GRAD_TRACES.setdefault(graph, {})
-        n = counts.get(site, 0)
-        counts[site] = n + 1
+    `site|grad<n>` for the n-th after it."""
+    n = _GRAD_TRACES.next(site)
     return site + "|grad" + (str(n) if n else "")
 
 

@@ -38,10 +38,12 @@ from sok_keras._ops import ops
 from sok_keras._ops import register_gradient_once
 from sok_keras.variable import Variable
 from sok_keras._ops import not_converted as _not_converted
+from sok_keras.comm import TraceCounter
 
 SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 
-_CALL_COUNTERS = weakref.WeakKeyDictionary()
+# Each lookup of a table in the function being traced (`_call_site_key`).
+_CALL_SITES = TraceCounter()
 _COUNTER_LOCK = threading.Lock()
 # Per graph, the outputs of the lookups traced into it (`_mark_lookup`).
 _GRAPH_LOOKUPS = weakref.WeakKeyDictionary()
@@ -91,18 +93,8 @@ def _call_site_key(table_key):
     beside it, which share the outer function's step); eagerly, calls run
     one after another and can share a key.
     """
-    if tf.executing_eagerly():
-        return f"{table_key}#0"
-    from tensorflow.python.framework.func_graph import FuncGraph
-
-    graph = tf.compat.v1.get_default_graph()
-    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
-        graph = graph.outer_graph
-    with _COUNTER_LOCK:
-        counters = _CALL_COUNTERS.setdefault(graph, {})
-        index = counters.get(table_key, 0)
-        counters[table_key] = index + 1
-    return f"{table_key}#{index}"
+    index = _CALL_SITES.next(table_key)
+    return f"{table_key}#{index or 0}"
 
 
 def _check_table(param):
