@@ -48,6 +48,7 @@ HOST_GROUP_KEY = GROUP_KEY + 1
 
 _OPS = ("sum", "mean", "max", "min")
 
+
 class TraceCounter:
     """Numbers the uses of each key within the outermost function being
     traced: 0, 1, 2, ... (nested functions and `tf.cond` branches are

@@ -475,8 +475,7 @@ def _guard_servers(world):
     import socket
     import sys
 
-    if os.environ.get("SOK_BIND_HOST") or os.environ.get(
-            "SOK_BIND_GUARD", "1") == "0":
+    if os.environ.get("SOK_BIND_HOST") or _bind_guard_off():
         return
     host = world.worker_addrs[world.rank].rsplit(":", 1)[0].strip("[]")
     if host in _WILDCARDS:
@@ -657,12 +656,19 @@ def _check_later_variables(global_metrics):
     global_views.enter_timeout()  # SOK_SAVE_TIMEOUT
     if global_metrics is None:
         callbacks.global_metrics_enabled()  # SOK_GLOBAL_METRICS
+    _bind_guard_off()  # SOK_BIND_GUARD
+
+
+def _bind_guard_off():
+    """Whether `SOK_BIND_GUARD=0` asks servers to listen on every
+    interface; any value but 0 or 1 is an error."""
     guard = os.environ.get("SOK_BIND_GUARD", "")
     if guard not in ("", "0", "1"):
         raise RuntimeError(
             "sok_keras: SOK_BIND_GUARD must be 1 (the default: servers "
             "listen on the rank's own address) or 0 (every interface). "
             f"Received: SOK_BIND_GUARD={guard!r}.")
+    return guard == "0"
 
 
 def init(timeout=None, heartbeat_timeout=None, backend=None,
