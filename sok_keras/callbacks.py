@@ -232,6 +232,38 @@ def average_logs(logs, key):
     return global_logs(None, logs, key, weight=1.0)
 
 
+def _dense_weights(model, trainable):
+    """The model's trainable (or non-trainable floating) weights but the
+    sharded tables."""
+    from sok_keras.variable import Variable
+
+    if trainable:
+        return [v for v in model.trainable_weights
+                if not isinstance(v, Variable)]
+    return [v for v in model.non_trainable_weights
+            if not isinstance(v, Variable)
+            and "float" in keras.backend.standardize_dtype(v.dtype)]
+
+
+def _differing(weights, key):
+    """Indices of `weights` whose values differ between the ranks (the same
+    on every rank): two all-reduces of a fingerprint per weight (its sum and
+    its sum of magnitudes)."""
+    prints = []
+    for v in weights:
+        a = np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+        prints += [a.sum(), np.abs(a).sum()]
+    prints = np.array(prints, np.float64)
+    mean = _all_reduce_sum([prints], key) / world.num_ranks()
+    off = np.abs(prints - mean) > 1e-6 * (1.0 + np.abs(mean))
+    off = _all_reduce_sum([off.astype(np.float64)], f"{key}_off") > 0
+    return sorted({i // 2 for i in np.nonzero(off)[0]})
+
+
+def _path(v):
+    return getattr(v, "path", v.name)
+
+
 def check_replicated_weights(model, when):
     """Raises on every rank if the model's dense trainable weights (every
     trainable weight but the sharded tables) differ between the ranks.
@@ -250,26 +282,13 @@ def check_replicated_weights(model, when):
     Raises:
         RuntimeError: naming the weights that differ, on every rank.
     """
-    from sok_keras.variable import Variable
-
     if model is None or world.num_ranks() == 1:
         return
-    weights = [v for v in model.trainable_weights
-               if not isinstance(v, Variable)]
+    weights = _dense_weights(model, trainable=True)
     if not weights:
         return
-    prints = []
-    for v in weights:
-        a = np.asarray(keras.ops.convert_to_numpy(v), np.float64)
-        prints += [a.sum(), np.abs(a).sum()]
-    prints = np.array(prints, np.float64)
-    n = world.num_ranks()
-    mean = _all_reduce_sum([prints], "global_metrics/replicated") / n
-    off = np.abs(prints - mean) > 1e-6 * (1.0 + np.abs(mean))
-    off = _all_reduce_sum([off.astype(np.float64)],
-                          "global_metrics/replicated_off") > 0
-    names = sorted({getattr(weights[i // 2], "path", weights[i // 2].name)
-                    for i in np.nonzero(off)[0]})
+    names = sorted({_path(weights[i]) for i in _differing(
+        weights, "global_metrics/replicated")})
     if names:
         raise RuntimeError(
             f"sok_keras: {when}, the dense weights {names} differ between "
@@ -281,6 +300,45 @@ def check_replicated_weights(model, when):
             "`train_step`) updates each rank's copy with that rank's own "
             "gradients. See docs/design.md, \"Data parallelism and "
             "averaging\".")
+
+
+def average_rank_statistics(model):
+    """Averages over the ranks the model's non-trainable floating weights
+    that differ between them, so every rank holds the same.
+
+    Such weights are statistics each rank updates from its own slice of the
+    batch: `BatchNormalization`'s moving mean and variance. Each is a moving
+    average, linear in its updates, so their mean over the ranks is what a
+    `tf.distribute` strategy keeps (it averages every replica's update, the
+    variables' "mean" aggregation). `GlobalMetrics` calls this before each
+    evaluation (validation included), at the end of each epoch (before
+    `ModelCheckpoint` saves) and at the end of `fit`. Weights the same on
+    every rank (a frozen layer's) are left untouched.
+
+    Args:
+        model: the Keras model.
+
+    Returns:
+        The paths of the weights averaged.
+    """
+    if model is None or world.num_ranks() == 1:
+        return []
+    weights = _dense_weights(model, trainable=False)
+    if not weights:
+        return []
+    which = _differing(weights, "global_metrics/statistics")
+    if not which:
+        return []
+    values = [np.asarray(keras.ops.convert_to_numpy(weights[i]), np.float64)
+              for i in which]
+    total = _all_reduce_sum(values, "global_metrics/statistics_mean")
+    mean, start = total / world.num_ranks(), 0
+    for i, value in zip(which, values):
+        v = weights[i]
+        v.assign(mean[start:start + value.size].reshape(value.shape).astype(
+            keras.backend.standardize_dtype(v.dtype)))
+        start += value.size
+    return [_path(weights[i]) for i in which]
 
 
 class GlobalMetrics(keras.callbacks.Callback):
@@ -305,7 +363,10 @@ class GlobalMetrics(keras.callbacks.Callback):
     the epoch's last batch and the `val_` entries those of the validation
     run (Keras resets the metrics' state for validation); other numeric
     entries are averaged, weighted by each rank's sample count. Then the
-    dense weights are checked equal on every rank
+    statistics each rank keeps from its own slice (`BatchNormalization`'s
+    moving mean and variance) are averaged over the ranks
+    (`average_rank_statistics`; also before each evaluation and at the end
+    of `fit`), and the dense weights are checked equal on every rank
     (`check_replicated_weights`).
 
     Example:
@@ -341,6 +402,7 @@ class GlobalMetrics(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         self.last_test_logs = None
+        average_rank_statistics(self.model)
 
     def on_test_batch_end(self, batch, logs=None):
         self._globalize(logs, "global_metrics/test_batch")
@@ -382,7 +444,11 @@ class GlobalMetrics(keras.callbacks.Callback):
         for i, k in enumerate(keys):
             if agreed[i] == n:
                 logs[k] = known[k][1]
+        average_rank_statistics(self.model)
         check_replicated_weights(self.model, f"after epoch {epoch + 1}")
+
+    def on_train_end(self, logs=None):
+        average_rank_statistics(self.model)
 
 
 def _make_checkpoint_folders(callbacks):

@@ -76,12 +76,22 @@ def shard_batches(dataset, global_batch_size=None):
     spec = dataset.element_spec
     flat = tf.nest.flatten(spec)
     paths = [f"#{i}" for i in range(len(flat))] if len(flat) > 1 else [""]
-    dims = {_batch_dim(s, p) for s, p in zip(flat, paths)}
+    per = [_batch_dim(s, p) for s, p in zip(flat, paths)]
+    dims = set(per)
     if None in dims:
+        unknown = [p or "element" for p, d in zip(paths, per) if d is None]
+        known = sorted(d for d in dims if d is not None)
         raise ValueError(
-            "shard_batches needs a static batch dimension, but the dataset's "
-            f"element_spec is {spec}. Batch the dataset with "
-            "`.batch(global_batch_size, drop_remainder=True)`."
+            "shard_batches needs a static batch dimension, but the batch "
+            f"size of component(s) {unknown} is unknown (element_spec "
+            f"{spec}). Batch the dataset with "
+            "`.batch(global_batch_size, drop_remainder=True)`"
+            + (f" (the other components have {known[0]} rows)"
+               if known else "")
+            + "; a component made after batching, in `.map` (a "
+            "`RaggedTensor.to_sparse()`, say), loses the static size: "
+            "convert before batching, or give it back in the map "
+            "(`t.set_shape([global_batch_size, ...])`)."
         )
     if len(dims) != 1:
         raise ValueError(

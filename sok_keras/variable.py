@@ -434,31 +434,74 @@ class Variable(keras.Variable):
         return [self._sok_rank, self._sok_num_ranks, rows, dim,
                 self._sok_target]
 
+    # A table sharded over a strategy's replicas (one process) saves every
+    # replica's shard: VARIABLE_VALUE is replica 0's, SOK_REPLICA_<r> the
+    # others'.
+    _REPLICA_KEY = "SOK_REPLICA_"
+
     def _serialize_to_tensors(self):
         tensors = dict(super()._serialize_to_tensors())
-        if not self._sok_shards:
-            tensors[self._SHARD_KEY] = tf.constant(self._shard_identity(),
-                                                   tf.int64)
+        for r, shard in enumerate(self._sok_shards or [], 0):
+            if r:
+                tensors[f"{self._REPLICA_KEY}{r}"] = shard.read_value()
+        tensors[self._SHARD_KEY] = tf.constant(self._shard_identity(),
+                                               tf.int64)
         return tensors
 
     def _restore_from_tensors(self, restored_tensors):
         restored = dict(restored_tensors)
-        saved = restored.pop(self._SHARD_KEY, None)
-        if saved is not None and tf.executing_eagerly():
-            saved = [int(x) for x in np.asarray(saved).ravel()]
-            mine = self._shard_identity()
-            if saved != mine:
-                raise ValueError(
-                    f"sok_keras.Variable '{self.path}': this TF checkpoint "
-                    f"holds the shard of rank {saved[0]} of {saved[1]} "
-                    f"(table {saved[2]} x {saved[3]}, owner rank "
-                    f"{saved[4]}), but this is rank {mine[0]} of {mine[1]} "
-                    f"(table {mine[2]} x {mine[3]}, owner rank {mine[4]}). "
-                    "tf.train.Checkpoint saves each rank's own shard: give "
-                    "each rank its own path and restore at the same number "
-                    "of ranks, or use sok.dump / sok.load (or model.save), "
-                    "which write one checkpoint for any number of ranks.")
-        return super()._restore_from_tensors(restored)
+        self._check_saved_shard(restored.pop(self._SHARD_KEY, None), "")
+        ops = [shard.assign(restored.pop(f"{self._REPLICA_KEY}{r}"))
+               for r, shard in enumerate(self._sok_shards or []) if r]
+        result = super()._restore_from_tensors(restored)
+        return tf.group([result, *ops]) if ops else result
+
+    def _check_saved_shard(self, saved, what):
+        """Raises unless `saved` (a checkpoint's SOK_SHARD, or None) names
+        this rank's shard of this table; `what` names a slot, if one."""
+        if saved is None or not tf.executing_eagerly():
+            return
+        saved = [int(x) for x in np.asarray(saved).ravel()]
+        mine = self._shard_identity()
+        if saved != mine:
+            raise ValueError(
+                f"sok_keras.Variable '{self.path}'{what}: this TF checkpoint "
+                f"holds the shard of rank {saved[0]} of {saved[1]} "
+                f"(table {saved[2]} x {saved[3]}, owner rank "
+                f"{saved[4]}), but this is rank {mine[0]} of {mine[1]} "
+                f"(table {mine[2]} x {mine[3]}, owner rank {mine[4]}). "
+                "tf.train.Checkpoint saves each rank's own shard: give "
+                "each rank its own path and restore at the same number "
+                "of ranks, or use sok.dump / sok.load (or model.save), "
+                "which write one checkpoint for any number of ranks.")
+
+    def restore_slot_shard(self, name, restored_tensors):
+        """Restores slot `name` from a TF checkpoint's tensors of it (this
+        rank's shard, as `tf.train.Checkpoint` saved the slot variable),
+        before the optimizer has created it: the rows are kept and applied
+        when it does (`add_slot`)."""
+        restored = dict(restored_tensors)
+        self._check_saved_shard(restored.pop(self._SHARD_KEY, None),
+                                f" (slot {name!r})")
+        if self._sok_shards:
+            raise NotImplementedError(
+                f"sok_keras.Variable '{self.path}': a TF checkpoint's slot "
+                f"{name!r} of a table sharded over a strategy's replicas "
+                "restores only into an optimizer that has made its slots: "
+                "build the optimizer first "
+                "(`optimizer.build(model.trainable_variables)`), or use "
+                "model.save / keras.models.load_model.")
+        value = np.asarray(restored.pop("VARIABLE_VALUE"))
+        local = tuple(int(d) for d in self.shape)
+        if tuple(value.shape) != local:
+            raise ValueError(
+                f"sok_keras.Variable '{self.path}': the TF checkpoint's "
+                f"slot {name!r} has shape {tuple(value.shape)}, but this "
+                f"rank's shard of the table has shape {local}.")
+        if name in self._sok_slots:
+            _assign_local(self._sok_slots[name], value)
+        else:
+            self._sok_pending_slots[name] = value
 
     @property
     def vocabulary_size(self):

@@ -73,3 +73,21 @@ def test_errors(as_rank):
         data.shard_batches(ds, global_batch_size=6)
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         data.shard_batches([1, 2])
+    # A sparse component made in a map after batching: the message names
+    # it and says how to give the size back (before: only "batch with
+    # drop_remainder=True", which the user had done).
+    ids = tf.ragged.constant([[1, 2], [3], [], [4, 5, 6]], dtype=tf.int64)
+    ds = tf.data.Dataset.zip(
+        tf.data.Dataset.from_tensor_slices(ids),
+        tf.data.Dataset.range(4)).ragged_batch(2, drop_remainder=True)
+    with pytest.raises(ValueError, match=r"component\(s\) \['#0'\].*"
+                       r"other components have 2 rows.*set_shape"):
+        data.shard_batches(ds.map(lambda r, y: (r.to_sparse(), y)))
+
+    def sized(r, y):
+        s = r.to_sparse()
+        s.set_shape([2, None])
+        return s, y
+
+    (s, _), _ = list(data.shard_batches(ds.map(sized)))
+    assert int(s.dense_shape[0]) == 1

@@ -139,3 +139,24 @@ def test_mixed_float16_overflow_on_one_rank_is_skipped_everywhere(runs):
     for x, y in zip(a["dense"], ref["dense"]):
         np.testing.assert_allclose(x, y, atol=1e-4)
     np.testing.assert_allclose(a["table"], ref["table"], atol=1e-4)
+
+
+def test_batch_norm_statistics_are_averaged_over_the_ranks():
+    """Each rank updates BatchNormalization's moving statistics from its own
+    slice (before: the ranks drifted apart silently, and `model.save` kept
+    rank 0's). After `fit` (with validation) and after `evaluate` every
+    rank holds the same; the moving means of a BN on the raw inputs equal
+    one process's on the whole batches (a moving average is linear, and
+    the slices' means average to the batch's mean)."""
+    script = worker_path("batch_norm")
+    two = run_workers(script, 2, timeout=240)
+    (one,) = run_workers(script, 1, timeout=240)
+    for when in ("after_fit", "after_evaluate"):
+        assert two[0][when] == two[1][when], when
+        np.testing.assert_allclose(
+            two[0][when]["bn_raw.moving_mean"],
+            one[when]["bn_raw.moving_mean"], rtol=1e-5, atol=1e-6)
+    # (The variances are not compared: with the slices shifted apart, a
+    # batch's variance exceeds its slices' mean variance; BN here is not
+    # synchronized, as under a tf.distribute strategy.)
+    assert two[0]["evaluate_loss"] == two[1]["evaluate_loss"]

@@ -43,6 +43,40 @@ def test_one_rank_counts_are_keras_counts():
     assert "Sharded tables" not in out.getvalue()  # one rank: no note
 
 
+@pytest.mark.parametrize("layer", ["distributed", "localized", "a2a",
+                                   "collection"])
+def test_summary_of_a_subclassed_model_that_owns_a_sok_layer(layer):
+    """A layer built by a call, not in a functional model: Keras' summary
+    asks it for its output shape with `build`'s argument name (before:
+    TypeError, unexpected keyword argument 'input_shape')."""
+    make = {
+        "distributed": lambda: sok.layers.DistributedEmbedding(20, 4),
+        "localized": lambda: sok.layers.LocalizedEmbedding(20, 4),
+        "a2a": lambda: sok.layers.All2AllDenseEmbedding(
+            20, 4, slot_num=1, nnz_per_slot=3),
+        "collection": lambda: sok.layers.EmbeddingCollection(
+            tables={"t": {"vocabulary_size": 20, "embedding_dim": 4}},
+            features={"f": {"table": "t"}}),
+    }[layer]
+
+    class Owner(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = make()
+            self.head = keras.layers.Dense(1)
+
+        def call(self, x):
+            e = self.emb(x)
+            return self.head(e["f"] if isinstance(e, dict) else e)
+
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    model = Owner()
+    model({"f": ids} if layer == "collection" else
+          ids.reshape(2, 1, 3) if layer == "a2a" else ids)
+    counts = _summary_counts(model)
+    assert counts["Total params"] == 20 * 4 + 5, counts
+
+
 def _summary_counts(model):
     lines = []
     model.summary(print_fn=lambda text, **kw: lines.append(text))

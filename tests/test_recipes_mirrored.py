@@ -134,6 +134,10 @@ def test_save_and_load_under_mirrored_strategy(trained, n):
     _same_weights(back["weights"], fit["weights"], 0, 0)
     assert back["slots"] == fit["slots"]
     assert back["preds"] == fit["preds"]
+    # tf.train.Checkpoint restores every replica's shard of the tables and
+    # of their Adam slots.
+    assert fit["tf_checkpoint"] == {"cleared": True, "restored": True,
+                                    "slots": 6}, fit["tf_checkpoint"]
     # Sharded checkpoints (one file per process rank) say what to use.
     assert "MirroredStrategy" in fit["dump_refused"]
     assert "model.save" in fit["dump_refused"]

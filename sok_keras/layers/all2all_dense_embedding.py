@@ -93,6 +93,14 @@ class All2AllDenseEmbedding(BaseEmbedding):
     def call(self, inputs):
         from sok_keras.lookup import all2all_dense_embedding
 
+        if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError(
+                f"Layer '{self.name}' (All2AllDenseEmbedding) takes dense ids "
+                f"of shape [batch, {self.slot_num}, {self.nnz_per_slot}], "
+                "every entry a valid id (SOK's fixed-shape layer). For "
+                "ragged or sparse ids, or -1 padding, use "
+                "DistributedEmbedding. Received: "
+                f"{type(inputs).__name__}.")
         inputs = tf.convert_to_tensor(inputs)
         if inputs.shape.rank != 3 or (
             inputs.shape[1] is not None and inputs.shape[1] != self.slot_num
@@ -110,6 +118,11 @@ class All2AllDenseEmbedding(BaseEmbedding):
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.embedding_dim,)
+
+    def compute_mask(self, inputs, mask=None):
+        # Every id is a row (no padding): no mask, as SOK's layer, so that
+        # Flatten and friends take the output without Keras' warning.
+        return None
 
     def get_config(self):
         config = super().get_config()

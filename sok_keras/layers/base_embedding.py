@@ -257,7 +257,12 @@ class BaseEmbedding(keras.layers.Layer):
             return None
         return keras.ops.not_equal(inputs, -1)
 
-    def compute_output_shape(self, inputs_shape, weights_shape=None):
+    def compute_output_shape(self, inputs_shape=None, weights_shape=None,
+                             **kwargs):
+        # Keras' `summary` of a layer built outside a functional model
+        # passes `build`'s argument name, `input_shape`.
+        if inputs_shape is None:
+            inputs_shape = kwargs.pop("input_shape")
         input_shape = tuple(inputs_shape)
         if self.combiner is not None:
             return (input_shape[0], self.embedding_dim)

@@ -469,7 +469,12 @@ class EmbeddingCollection(keras.layers.Layer):
 
         return {f: one(f) for f in self.features}
 
-    def compute_output_shape(self, inputs_shape, weights_shape=None):
+    def compute_output_shape(self, inputs_shape=None, weights_shape=None,
+                             **kwargs):
+        # Keras' `summary` of a layer built outside a functional model
+        # passes `build`'s argument name, `input_shape`.
+        if inputs_shape is None:
+            inputs_shape = kwargs.pop("input_shape")
         if self._keras_rs is None:
             shapes = inputs_shape
         elif isinstance(inputs_shape, dict) and _PREPROCESSED in (

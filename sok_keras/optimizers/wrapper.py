@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from sok_keras import lookup
 from sok_keras import world
-from sok_keras.optimizers import sparse_kernels, sparse_rules
+from sok_keras.optimizers import sparse_kernels, sparse_rules, tf_slots
 from sok_keras.variable import is_sok_variable
 from sok_keras._ops import not_converted as _not_converted
 
@@ -564,29 +564,29 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         return self.iterations
 
     def get_slot_names(self):
-        """SOK's: the names of the slots the inner optimizer keeps beside
-        each table (`["m", "v"]` for Adam; `[]` for plain SGD)."""
-        return [n for n, _ in sparse_rules.rule_for(
-            self.inner_optimizer).slots(self.inner_optimizer)]
+        """SOK's: the names of the slots kept beside tables (`["m", "v"]`
+        for Adam; `[]` for plain SGD), with those of tables that have their
+        own optimizer."""
+        return tf_slots.slot_names(
+            [n for n, _ in sparse_rules.rule_for(
+                self.inner_optimizer).slots(self.inner_optimizer)],
+            getattr(self, "_trainable_variables", None) or [])
 
     def get_slot(self, var, slot_name):
         """SOK's: the slot `slot_name` of table `var`, a `sok.Variable` with
         the table's sharding (made when the optimizer is built).
 
         Raises:
+            TypeError: if `var` is not a table.
             KeyError: naming the table's slots, if it has no such slot.
         """
-        if not is_sok_variable(var):
-            raise TypeError(
-                "OptimizerWrapper.get_slot takes a table (sok.Variable); a "
-                "dense variable's state is in "
-                "`optimizer.inner_optimizer.variables`. Received: "
-                f"{type(var).__name__} {getattr(var, 'name', '')!r}.")
-        if slot_name not in var.slots:
-            raise KeyError(
-                f"Table '{var.name}' has no slot {slot_name!r}; its slots: "
-                f"{sorted(var.slots)} (made when the optimizer is built).")
-        return var.slots[slot_name]
+        return tf_slots.table_slot("OptimizerWrapper", var, slot_name)
+
+    def _create_or_restore_slot_variable(self, slot_variable_position,
+                                         slot_name, variable, **kwargs):
+        del kwargs
+        return tf_slots.create_or_restore(
+            slot_variable_position, slot_name, variable)
 
     @property
     def lr(self):
@@ -650,6 +650,14 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         # A deep copy: deserializing the inner optimizer rewrites its config
         # in place (e.g. a learning rate schedule's dict becomes the object).
         config = copy.deepcopy(config)
+        if "inner_optimizer" not in config:
+            raise ValueError(
+                "OptimizerWrapper wraps an optimizer: its config needs "
+                "`inner_optimizer` (write "
+                "`sok.OptimizerWrapper(keras.optimizers.Adam(...))`, or use "
+                "`sok.optimizers.Adam(...)`, whose name "
+                "'sok_keras>Adam' also works in `compile`). Received: "
+                f"config={config!r}.")
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import sok_keras as sok
 from tests.testing import assert_config_round_trip
@@ -41,3 +42,21 @@ def test_config_and_saving(tmp_path):
     model = keras.Model(ids, out)
     x = np.random.default_rng(1).integers(0, 40, size=(6, 2, 2))
     assert_model_saving(model, x, tmp_path)
+
+
+def test_ragged_and_sparse_ids_are_a_clear_error_and_the_output_has_no_mask():
+    """SOK's fixed-shape layer: ragged or sparse ids get an error naming the
+    layer and what to use (before: "object of type 'RaggedTensor' has no
+    len()"); every id is a row, so the output carries no mask (before: an
+    always-true one, and Keras' Flatten warned that it drops it)."""
+    layer = sok.layers.All2AllDenseEmbedding(10, 2, slot_num=1,
+                                             nnz_per_slot=2, name="a2a")
+    ragged = tf.ragged.constant([[[1, 2]], [[3]]])
+    with pytest.raises(TypeError, match="'a2a'.*DistributedEmbedding"):
+        layer(ragged)
+    with pytest.raises(TypeError, match="'a2a'.*SparseTensor"):
+        layer(tf.sparse.from_dense(tf.constant([[[1, 2]]], tf.int64)))
+    ids = keras.Input((1, 2), dtype="int64")
+    out = layer(ids)
+    assert getattr(out, "_keras_mask", None) is None
+    assert layer.compute_mask(ids) is None

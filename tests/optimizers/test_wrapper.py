@@ -628,3 +628,12 @@ def test_sok_s_optimizer_wrapper_api():
         opt.get_slot(tf.Variable(1.0), "m")
     assert float(opt.lr) == pytest.approx(0.1)
     assert Wrapper(keras.optimizers.SGD(0.1)).get_slot_names() == []
+
+
+def test_the_wrapper_by_name_alone_says_it_needs_an_inner_optimizer():
+    """`keras.optimizers.get("sok_keras>OptimizerWrapper")` (before: a bare
+    KeyError 'inner_optimizer')."""
+    with pytest.raises(ValueError, match="needs `inner_optimizer`"):
+        keras.optimizers.get("sok_keras>OptimizerWrapper")
+    assert isinstance(keras.optimizers.get("sok_keras>Adam"),
+                      sok.optimizers.Adam)

@@ -139,6 +139,27 @@ def save_and_load(strategy, model, inputs, path):
     return got
 
 
+def tf_checkpoint_round_trip(model, path):
+    """`tf.train.Checkpoint` of the model and its optimizer under the
+    strategy: every replica's shard of each table and of its slots comes
+    back (before: only replica 0's)."""
+    tables = [v for v in model.weights if sok.variable.is_sok_variable(v)]
+    every = [s for t in tables for s in [t, *t.slots.values()]]
+
+    def state():
+        return [v.read_global().tolist() for v in every]
+
+    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    saved_path, saved = ckpt.save(path), state()
+    for v in every:
+        for shard in v.replica_shards:
+            shard.assign(tf.zeros_like(shard))
+    cleared = state() != saved
+    ckpt.restore(saved_path)
+    return {"cleared": cleared, "restored": state() == saved,
+            "slots": len(every) - len(tables)}
+
+
 def three_tables(strategy, steps, eager=False, save_to=None):
     """`model.fit` of a functional model with 3 sok layers (distributed,
     localized on the last rank, All2AllDenseEmbedding), OptimizerWrapper
@@ -178,6 +199,8 @@ def three_tables(strategy, steps, eager=False, save_to=None):
                if sok.variable.is_sok_variable(v)]}
     if save_to is not None:
         out["saved"] = save_and_load(strategy, model, head, save_to)
+        out["tf_checkpoint"] = tf_checkpoint_round_trip(
+            model, save_to + ".tf/ck")
         try:
             sok.dump(save_to + ".ckpt", model)
             out["dump_refused"] = None
