@@ -70,6 +70,14 @@ class RankDivergedError(RuntimeError):
     """Another rank failed, exited, or ran a different number of steps."""
 
 
+# Added to a divergence in step counts.
+_SAME_STEPS = (
+    ". Every rank must run the same number of steps: batch the data with "
+    "`drop_remainder=True` and split each global batch with "
+    "`sok.shard_batches`, or give every rank as many batches of its own "
+    "(pad the last ones: docs/failures.md)")
+
+
 class _Loop:
     """One `fit` / `evaluate` / `predict` call on this rank."""
 
@@ -344,12 +352,12 @@ class _Channel:
                 kind = lid.partition("#")[0]
                 return (f"{kind} diverged in epoch {epoch + 1}: rank {r} "
                         f"finished after step {steps}; rank {me} finished "
-                        f"after step {mine}")
+                        f"after step {mine}{_SAME_STEPS}")
             if (mine is None and loop is not None and loop.epoch == epoch
                     and loop.step > steps):
                 return (f"{loop.kind} diverged in epoch {epoch + 1}: rank {r} "
                         f"finished after step {steps}; rank {me} is at step "
-                        f"{loop.step}")
+                        f"{loop.step}{_SAME_STEPS}")
         for (r, lid), total in sorted(self.loop_done.items()):
             loop = next((x for x in self.stack if x.lid == lid), None)
             if loop is None:
@@ -360,7 +368,7 @@ class _Channel:
             if mine > total:  # e.g. rank-local early stopping
                 return (f"{loop.kind} diverged: rank {r} finished it after "
                         f"{total} steps in all; rank {me} is at "
-                        f"{loop.where()} ({mine} steps)")
+                        f"{loop.where()} ({mine} steps){_SAME_STEPS}")
         here = self.stack[-1].where() if self.stack else None
         if self.failed and not self.reported:
             r, why = min(self.failed.items())
