@@ -86,6 +86,9 @@ class _Loop:
         self.lid = lid  # "fit#1": the same on every rank
         self.epoch = 0
         self.step = 0  # the step (1-based) running or last run
+        # The steps that ran to their end: with data of unknown length,
+        # Keras begins one more step whose input turns out empty.
+        self.done = 0
         self.ended = False  # this epoch's data ran out
 
     def where(self):
@@ -108,6 +111,9 @@ class _Channel:
         self.peer_ends = {}  # (rank, lid, epoch) -> steps
         self.loop_done = {}  # (rank, lid) -> steps of its loop
         self.failed = {}  # rank -> message
+        # A peer ended an epoch one step before the step begun here, which
+        # may yet find its data empty (`diverged`, `_periodic`).
+        self.pending_divergence = None
         self.gone = {}  # rank -> (monotonic time, message)
         self.progress = {}  # rank -> "step k of epoch e of fit" (rank 0)
         self.failure = None  # why this rank's collectives were aborted
@@ -355,9 +361,17 @@ class _Channel:
                         f"after step {mine}{_SAME_STEPS}")
             if (mine is None and loop is not None and loop.epoch == epoch
                     and loop.step > steps):
-                return (f"{loop.kind} diverged in epoch {epoch + 1}: rank {r} "
-                        f"finished after step {steps}; rank {me} is at step "
-                        f"{loop.step}{_SAME_STEPS}")
+                reason = (f"{loop.kind} diverged in epoch {epoch + 1}: rank "
+                          f"{r} finished after step {steps}; rank {me} is at "
+                          f"step {loop.step}{_SAME_STEPS}")
+                if loop.step == steps + 1 and loop.done == steps:
+                    # Begun, not finished: with data of unknown length this
+                    # may be the step that finds the data empty (the peer
+                    # had one too). `_periodic` decides once a collective
+                    # of it waits.
+                    self.pending_divergence = reason
+                    continue
+                return reason
         for (r, lid), total in sorted(self.loop_done.items()):
             loop = next((x for x in self.stack if x.lid == lid), None)
             if loop is None:
@@ -383,7 +397,17 @@ class _Channel:
         return None
 
     def _periodic(self):
-        """A peer that left while a collective waits here: it never ends."""
+        """A peer that left, or ended the epoch a step earlier, while a
+        collective waits here: it never ends."""
+        with self.lock:
+            self.pending_divergence = None
+            reason = None if self.failure is not None else self.diverged()
+            pending = self.pending_divergence
+        if reason is None and pending is not None and self._collective_waits():
+            reason = pending
+        if reason is not None:
+            self.abort(reason)
+            return
         with self.lock:
             if self.failure is not None or not self.gone:
                 return
@@ -391,15 +415,20 @@ class _Channel:
             r, (_, why) = min(self.gone.items())
         if time.monotonic() - left < _DEPARTED_GRACE:
             return
+        waiting = self._collective_waits()
+        if waiting:
+            self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}")
+
+    @staticmethod
+    def _collective_waits():
+        """The collectives in flight here for over `_DEPARTED_GRACE` s."""
         try:
             from sok_keras import inflight
 
-            waiting = [k for k, s in inflight.snapshot()
-                       if s > _DEPARTED_GRACE]
+            return [k for k, s in inflight.snapshot()
+                    if s > _DEPARTED_GRACE]
         except Exception:  # interpreter shutting down
-            return
-        if waiting:
-            self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}")
+            return []
 
     def abort(self, reason):
         """Aborts this process's collectives with `reason` (once)."""
@@ -444,10 +473,16 @@ class _Channel:
             self.abort(reason)
             raise RankDivergedError(self.failure)
 
+    def step_done(self, loop, step):
+        """This rank's `step` (1-based) of `loop` ran to its end."""
+        with self.lock:
+            loop.done = step
+
     def begin_epoch(self, loop, epoch):
         with self.lock:
             loop.epoch = epoch
             loop.step = 0
+            loop.done = 0
             loop.ended = False
 
     def end_epoch(self, loop):
@@ -456,10 +491,10 @@ class _Channel:
             if loop.ended:
                 return
             loop.ended = True
-            self.my_ends[(loop.lid, loop.epoch)] = loop.step
+            self.my_ends[(loop.lid, loop.epoch)] = loop.done
             reason = self.diverged()
         self.publish(t="epoch_end", lid=loop.lid, epoch=loop.epoch,
-                     steps=loop.step)
+                     steps=loop.done)
         if reason is not None:
             self.abort(reason)
 
@@ -676,6 +711,9 @@ class _Tracker(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         self._ch.step(self._top, batch + 1)
 
+    def on_train_batch_end(self, batch, logs=None):
+        self._ch.step_done(self._top, batch + 1)
+
     def _nested_begin(self, kind):
         if self._top.kind == "fit":  # validation inside fit
             self._inner.append(self._ch.begin_loop(kind))
@@ -694,14 +732,30 @@ class _Tracker(keras.callbacks.Callback):
     def on_test_batch_begin(self, batch, logs=None):
         self._ch.step(self._current(), batch + 1)
 
+    def on_test_batch_end(self, batch, logs=None):
+        self._ch.step_done(self._current(), batch + 1)
+
     def on_test_end(self, logs=None):
         self._nested_end()
 
     def on_predict_batch_begin(self, batch, logs=None):
         self._ch.step(self._current(), batch + 1)
 
+    def on_predict_batch_end(self, batch, logs=None):
+        self._ch.step_done(self._current(), batch + 1)
+
     def on_predict_end(self, logs=None):
         self._nested_end()
+
+
+def before_loop():
+    """A loop is about to start on this rank. Inside `fit` (validation) it
+    means this epoch's training data ran out here: the other ranks hear it
+    now, before the loop's first collective (its check-in), which a rank
+    still training would never join."""
+    ch = _CHANNEL
+    if ch is not None and ch.stack and ch.stack[-1].kind == "fit":
+        ch.end_epoch(ch.stack[-1])
 
 
 def run_loop(kind, original, model, args, kwargs):
@@ -728,7 +782,7 @@ def run_loop(kind, original, model, args, kwargs):
             raise
         with ch.lock:
             total = sum(v for (lid, _), v in ch.my_ends.items()
-                        if lid == loop.lid) if kind == "fit" else loop.step
+                        if lid == loop.lid) if kind == "fit" else loop.done
         ch.finish(loop, total, _timeout())
         return out
     finally:

@@ -90,6 +90,35 @@ def test_fewer_batches_without_any_later_collective():
                    "rank 1 finished after step 4; rank 0 is at step 5")
 
 
+def test_data_of_unknown_length_on_equal_ranks_trains():
+    """Keras begins one more step per epoch than a dataset of unknown length
+    holds (it finds the data empty): counted as not run, on every rank,
+    in training and validation."""
+    job, detail = _job(5, 5, "unknown", 2)
+    assert job.returncode == 0, detail
+    for r in (0, 1):
+        assert job.results[r]["error"] is None, detail
+        assert len(job.results[r]["losses"]) == 2, detail
+
+
+def test_fewer_batches_on_one_rank_with_validation():
+    """(Before: the rank that ran out joined the validation's first
+    collective before saying so, and the other waited for
+    SOK_COMM_TIMEOUT.)"""
+    job, detail = _job(5, 4, "validate")
+    _both_diverged(job, detail,
+                   "rank 1 finished after step 4; rank 0 is at step 5")
+
+
+def test_fewer_batches_of_unknown_length_on_one_rank():
+    """(Before: both ranks counted the empty step, so they agreed, and rank
+    0's last step waited for SOK_COMM_TIMEOUT.)"""
+    job, detail = _job(5, 4, "unknown")
+    _both_diverged(job, detail,
+                   "rank 1 finished after step 4; rank 0 is at step 5")
+    assert max(r["elapsed"] for r in job.results.values()) < 60, detail
+
+
 def test_rank_that_stops_training_early():
     # EarlyStopping on rank-local logs: rank 1 stops after epoch 1.
     job, detail = _job(5, 5, "stop", 3)
@@ -199,6 +228,7 @@ def test_equal_epoch_ends_never_abort():
         ch.begin_epoch(loop, epoch)
         for step in range(1, 5):
             ch.step(loop, step)
+            ch.step_done(loop, step)
         # The peer's report may come before or after this rank's own end.
         if epoch % 2:
             ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid,
@@ -223,26 +253,68 @@ def test_peer_that_ran_out_of_data_aborts_the_rank_that_did_not():
     ch.begin_epoch(loop, 0)
     for step in range(1, 5):
         ch.step(loop, step)
+        ch.step_done(loop, step)
     ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
                 "steps": 4})
     assert aborted == []  # step 4 is not past the peer's end
+    # Step 5 begins: it may yet find the data empty (data of unknown
+    # length), so nothing is decided until one of its collectives waits.
+    ch.step(loop, 5)
+    ch._periodic()
+    assert aborted == [] and ch.pending_divergence is not None
+    ch._collective_waits = lambda: ["all_to_all:t/ids"]
+    ch._periodic()
+    assert len(aborted) == 1
+    assert "rank 1 finished after step 4; rank 0 is at step 5" in aborted[0]
+    # A step after an unfinished one is past the peer's end for sure.
+    ch2, aborted2 = _channel()
+    loop = ch2.begin_loop("fit")
+    ch2.begin_epoch(loop, 0)
+    ch2.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
+                 "steps": 1})
+    ch2.step(loop, 1)
+    ch2.step_done(loop, 1)
+    ch2.step(loop, 2)
+    ch2.step_done(loop, 2)
     try:
-        ch.step(loop, 5)
+        ch2.step(loop, 3)
     except divergence.RankDivergedError as e:
         message = str(e)
     else:
-        raise AssertionError("step 5 should have raised")
-    assert "rank 1 finished after step 4; rank 0 is at step 5" in message
-    assert aborted == [message]
+        raise AssertionError("step 3 should have raised")
+    assert "rank 1 finished after step 1; rank 0 is at step 3" in message
+    assert aborted2 == [message]
 
 
-def test_peer_report_while_this_rank_waits_in_a_step_aborts_at_once():
+def test_a_step_that_finds_the_data_empty_is_not_counted():
+    """Data of unknown length: Keras begins a step past the end on every
+    rank. Begun, its input empty, it is not counted: no divergence."""
+    ch, aborted = _channel()
+    loop = ch.begin_loop("fit")
+    ch.begin_epoch(loop, 0)
+    for step in range(1, 4):
+        ch.step(loop, step)
+        ch.step_done(loop, step)
+    ch.step(loop, 4)  # finds the data empty
+    ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
+                "steps": 3})
+    ch.end_epoch(loop)
+    ch._collective_waits = lambda: ["all_reduce:global_metrics/epoch"]
+    ch._periodic()
+    assert aborted == [] and ch.my_ends[(loop.lid, 0)] == 3
+
+
+def test_peer_report_while_this_rank_waits_in_a_step_aborts():
     ch, aborted = _channel(rank=1)
     loop = ch.begin_loop("evaluate")
     for step in range(1, 4):
         ch.step(loop, step)
+        if step < 3:
+            ch.step_done(loop, step)
+    ch._collective_waits = lambda: ["all_to_all:t/ids"]  # step 3 waits
     ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
                 "steps": 2})
+    ch._periodic()
     assert len(aborted) == 1
     assert ("evaluate diverged in epoch 1: rank 0 finished after step 2; "
             "rank 1 is at step 3") in aborted[0]

@@ -180,6 +180,7 @@ def install_loop_hooks():
             if not (has_sok_layers(self) or is_sok_aware(
                     getattr(self, "optimizer", None))):
                 return _original(self, *args, **kwargs)
+            divergence.before_loop()
             global_views.check_in(f"model.{_kind}", _kind)  # all ranks?
             _check_first_steps(self, _kind)
             call, args, kwargs = callbacks.with_global_metrics(

@@ -5,7 +5,9 @@ epoch. EXTRA: "none"; "metrics" (GlobalMetrics); "save" (model.save after
 fit); "validate" (validation data, GlobalMetrics); "raise" (rank 1 raises
 in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 "raise_uncaught" (as "raise", and rank 1 lets the error end the program);
-"stop" (rank 1 stops training after its first epoch).
+"stop" (rank 1 stops training after its first epoch); "unknown" (data and
+validation data of unknown length, through `.filter`, and GlobalMetrics:
+Keras then begins one more step per epoch, which finds the data empty).
 Each rank writes what fit (and save) raised.
 """
 
@@ -32,7 +34,10 @@ def data(n, seed):
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, 32, size=(n * BATCH, 2)).astype(np.int64)
     y = rng.normal(size=(n * BATCH, 1)).astype(np.float32)
-    return tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)
+    ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)
+    if EXTRA == "unknown":
+        ds = ds.filter(lambda a, b: True)
+    return ds
 
 
 class Trouble(keras.callbacks.Callback):
@@ -54,10 +59,10 @@ model = keras.Model(inputs, keras.layers.Dense(1, name="head")(emb))
 model.compile(optimizer=sok.optimizers.OptimizerWrapper(
     keras.optimizers.SGD(0.1)), loss="mse")
 callbacks = [Trouble()]
-if EXTRA in ("metrics", "validate"):
+if EXTRA in ("metrics", "validate", "unknown"):
     callbacks.append(sok.callbacks.GlobalMetrics())
 kwargs = {}
-if EXTRA == "validate":
+if EXTRA in ("validate", "unknown"):
     kwargs["validation_data"] = data(3, 7 + RANK)
 result = {"error": None, "type": None}
 start = time.monotonic()
