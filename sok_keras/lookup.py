@@ -158,6 +158,14 @@ def _check_int(t, what):
             f"{what}: ids must be an integer tensor (int32 or int64). "
             f"Received: dtype={t.dtype.name}.{hint}"
         )
+    if t.dtype == tf.uint64:
+        # Looked up as int64, ids from 2**63 on would wrap to negative
+        # ones (2**64 - 1 to -1, the padding).
+        raise TypeError(
+            f"{what}: uint64 ids are not supported: ids are int64 here, "
+            "and those from 2**63 on have no int64 value. Cast them "
+            "(`tf.cast(ids, tf.int64)`) once you know they are below "
+            "2**63. Received: dtype=uint64.")
 
 
 def _check_weights_dtype(w, what):
@@ -1136,7 +1144,10 @@ def _unpooled_whole_table(param, ids, weights, name):
     out = _whole_table_lookup(param, flat, tf.zeros([0], tf.int64), w, "sum",
                               name, 1)
     dim = param.global_shape[1]
-    if ids.shape[1:].is_fully_defined():  # one Reshape, no shape ops
+    if ids.shape.is_fully_defined():
+        out = tf.reshape(out, ids.shape.as_list() + [dim])
+    elif ids.shape[1:].is_fully_defined() and ids.shape[1:].num_elements():
+        # One Reshape, no shape ops (-1 is ambiguous for rows of 0 ids).
         out = tf.reshape(out, [-1] + ids.shape[1:].as_list() + [dim])
     else:
         out = tf.reshape(out, tf.concat(

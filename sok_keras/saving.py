@@ -151,6 +151,19 @@ def save_model(model, filepath, overwrite=True, **kwargs):
         FileExistsError: if `overwrite=False` and the file exists.
     """
     original = _ORIGINAL["save"] or type(model).save
+    path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) \
+        else None
+    if (world.num_ranks() > 1 and _has_sok_tables(model) and path
+            and (path.endswith((".h5", ".hdf5"))
+                 or kwargs.get("save_format") == "h5")):
+        # (Every rank raises: the same path and model on every rank.)
+        raise ValueError(
+            f"sok_keras: model.save('{path}'): Keras' legacy HDF5 format "
+            "writes each layer's `get_weights()`, which on "
+            f"{world.num_ranks()} ranks is this rank's shard of each table: "
+            "the file would hold part of the tables. Save to a `.keras` "
+            "file (one file, loaded at any number of ranks), or "
+            "`model.save_weights('....weights.h5')`.")
     return _save_on_every_rank(model, filepath, overwrite, "model.save",
                                lambda target: original(
                                    model, target, overwrite=True, **kwargs),
@@ -203,7 +216,7 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
             _write_on_rank_0(model, path, target, rank, n, what, write)
         finally:
             if rank == 0:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.remove(target)
     return None
 
@@ -232,22 +245,48 @@ def _write_on_rank_0(model, path, target, rank, n, what, write):
             stream.serve()
     except Exception as e:  # reported to every rank below
         error = e
-    failed = _agree("save/done", int(error is not None), world.timeout())
-    if failed:
-        # Every rank returns once the temporary file is gone.
-        if rank == 0:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(target)
-        _agree("save/cleaned", 1, world.timeout())
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            f"sok_keras: {what}('{path}') failed on another rank "
-            f"({failed} of {n}); its error is in that rank's output. "
-            "The file was not changed.")
+    _fail_together("save/done", error, what, path, target, rank, n)
     if rank == 0:
-        os.replace(target, path)
-    _agree("save/renamed", 1, world.timeout())
+        try:
+            os.replace(target, path)
+        except OSError as e:  # (a folder at `path`, say)
+            error = e
+    _fail_together("save/renamed", error, what, path, target, rank, n)
+
+
+def _fail_together(stage, error, what, path, target, rank, n):
+    """Every rank raises if `error` happened on any (this rank's error, or
+    one naming the rank's failure), once rank 0's temporary file is gone."""
+    failed = _agree(stage, int(error is not None), world.timeout())
+    if not failed:
+        return
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            os.remove(target)
+    _agree(f"{stage}/cleaned", 1, world.timeout())
+    if error is not None:
+        raise _in_user_terms(error, target, path)
+    raise RuntimeError(
+        f"sok_keras: {what}('{path}') failed on another rank "
+        f"({failed} of {n}); its error is in that rank's output. "
+        "The file was not changed.")
+
+
+def _in_user_terms(error, target, path):
+    """`error` with rank 0's temporary file named as the user's `path`
+    (Keras checks the temporary name's suffix, and an OSError names it)."""
+    if target not in str(error):
+        return error
+    text = str(error).replace(target, path)
+    if isinstance(error, OSError) and error.errno is not None:
+        new = type(error)(error.errno, error.strerror, path)
+    else:
+        try:
+            new = type(error)(text)
+        except Exception:  # noqa: BLE001 - an exception class of its own
+            return error
+    new.__cause__ = error
+    return new
 
 
 def _backup_on_train_end(original):

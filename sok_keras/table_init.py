@@ -268,8 +268,16 @@ class TablePlan:
                 "a built-in Keras initializer (generated in blocks) or "
                 "assign_global to avoid it.", self.name,
                 type(self.init).__name__, self.global_shape, nbytes / 1e9)
-        value = tf.convert_to_tensor(
-            self.init(shape=self.global_shape, dtype=self.dtype))
+        try:
+            value = tf.convert_to_tensor(
+                self.init(shape=self.global_shape, dtype=self.dtype))
+        except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+            # (A `Constant` of another shape fails in its broadcast.)
+            raise ValueError(
+                f"sok_keras.Variable '{self.name}': the initializer "
+                f"{self.init!r} failed for shape={self.global_shape}, "
+                f"dtype={self.dtype}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}") from e
         if tuple(value.shape) != self.global_shape:
             raise ValueError(
                 f"sok_keras.Variable '{self.name}': the initializer "

@@ -744,12 +744,16 @@ def _initializer_values(initializer, global_shape, dtype, kind, target,
     # not become part of the traced step.
     tracing = not tf.executing_eagerly()
     values, plan = [], None
+    from keras.src.backend.common.name_scope import current_path
+
+    # The table's path ('emb/embeddings' in a layer), for messages.
+    where = f"{current_path()}/{name}" if current_path() else name
     for r in owners:
         rows = _owned_rows(global_shape[0], kind, target, r, num_ranks)
         with tf.init_scope():
             plan = table_init.TablePlan(
                 initializer, global_shape, dtype, rows,
-                num_ranks if kind == DISTRIBUTED else 1, name)
+                num_ranks if kind == DISTRIBUTED else 1, where)
             value = plan.initial_value()
             if tracing or replicated:
                 # Made inside a trace, the variable is initialized when the

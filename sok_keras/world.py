@@ -86,6 +86,7 @@ Other environment variables:
 
 import contextlib
 import logging
+import numbers
 import os
 import signal
 import threading
@@ -454,9 +455,21 @@ def _start_collectives(world):
     options = experimental.CommunicationOptions(
         implementation=experimental.CommunicationImplementation.RING
     )
-    world.strategy = tf.distribute.MultiWorkerMirroredStrategy(
-        cluster_resolver=resolver, communication_options=options
-    )
+    try:
+        world.strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver, communication_options=options
+        )
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in str(e):
+            raise
+        # (TensorFlow names the port only in a C++ log line.)
+        raise RuntimeError(
+            f"sok_keras.init(): rank {world.rank} of {world.num_ranks} could "
+            "not listen on its address "
+            f"{world.worker_addrs[world.rank]} (from {world.source}): the "
+            "port is in use, by another job or a program still running; "
+            "choose another (MASTER_PORT, or your launcher's addresses) or stop that "
+            f"program. TensorFlow: {str(e).splitlines()[0]}") from e
 
 
 _WILDCARDS = ("", "0.0.0.0", "::", "*")
@@ -735,6 +748,14 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             raise TypeError(
                 f"sok_keras.init() got an unexpected keyword argument {name!r}"
             )
+    for arg, value in (("timeout", timeout),
+                       ("heartbeat_timeout", heartbeat_timeout)):
+        if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)):
+            raise TypeError(
+                f"sok_keras.init(): `{arg}` must be a number of seconds. "
+                f"Received: {arg}={value!r}.")
     if timeout is not None and not timeout > 0:
         raise ValueError(
             f"`timeout` must be a positive number of seconds, got {timeout!r}"

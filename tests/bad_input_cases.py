@@ -208,6 +208,12 @@ INPUTS = {
     "ids_string": (
         lambda kind, bad: (tf.strings.as_string(_good(kind)), None),
         ("raise", (TypeError,), ["{name}", "string"]), True),
+    # uint64 ids from 2**63 on have no int64 value (2**64 - 1 became -1,
+    # the padding, silently): refused by dtype.
+    "ids_uint64": (
+        lambda kind, bad: (tf.cast(tf.maximum(_good(kind), 0), tf.uint64),
+                           None),
+        ("raise", (TypeError,), ["{name}", "uint64"]), True),
     "ids_int8": (
         lambda kind, bad: (tf.cast(_good(kind), tf.int8), None),
         ("works", good_reference), True),

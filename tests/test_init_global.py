@@ -89,6 +89,17 @@ def test_a_custom_initializer_returning_a_wrong_shape_is_named():
                      shape=(5, 3), name="bad")
 
 
+def test_a_constant_of_another_shape_names_the_layers_table():
+    """(Before: TensorFlow's "Incompatible shapes: [3,3] vs. [10,2]
+    [Op:Mul]", no table named.)"""
+    layer = sok.layers.DistributedEmbedding(
+        10, 2, name="emb",
+        embeddings_initializer=keras.initializers.Constant(np.zeros((3, 3))))
+    with pytest.raises(ValueError, match=r"'emb/embeddings'.*Constant.*"
+                       r"shape=\(10, 2\).*Incompatible shapes"):
+        layer.build()
+
+
 def test_a_table_built_inside_a_trace_is_the_same_table():
     """A subclassed model builds its table during the first traced call;
     the table is still the Keras initializer's global table."""

@@ -40,6 +40,18 @@ def test_every_rank_saves_one_file_atomically(tmp_path):
     assert "disk full (injected)" in r0["failure"]
     assert "failed on another rank" in r1["failure"]
     assert r0["unchanged"]
+    for r in (r0, r1):
+        more = r["more"]
+        for case in ("folder", "under_file", "h5", "suffix"):
+            said, seconds = more[case]
+            assert said != "no error" and seconds < 20, (case, more)
+        assert more["then"][0] == "no error", more
+        assert "legacy HDF5" in more["h5"][0], more
+    assert more["folder"][0].startswith("RuntimeError"), more  # rank 1
+    assert "Is a directory" in r0["more"]["folder"][0], r0["more"]
+    assert "Not a directory" in r0["more"]["under_file"][0], r0["more"]
+    assert "sok-tmp" not in r0["more"]["suffix"][0], r0["more"]
+    assert "w.h5" in r0["more"]["suffix"][0], r0["more"]
 
 
 def test_a_save_killed_half_way_leaves_the_previous_file_loadable(

@@ -134,6 +134,11 @@ def test_init_arguments(monkeypatch):
         world.init(bogus=1)
     with pytest.raises(ValueError, match="got -1"):
         world.init(timeout=-1)
+    # (Before: "'>' not supported between instances of 'str' and 'int'".)
+    with pytest.raises(TypeError, match="`timeout` must be a number.*'x'"):
+        world.init(timeout="x")
+    with pytest.raises(TypeError, match="`heartbeat_timeout` must be"):
+        world.init(heartbeat_timeout=True)
 
 
 def test_init_after_tf_ran_is_an_error():

@@ -157,3 +157,34 @@ def test_a_rank_whose_peer_never_starts_stops_after_the_timeout():
     assert "INIT-DONE" not in out, out
     assert ("sok_keras.init(): rank 0 of 2: not every rank joined within "
             "4 s") in out, out
+
+
+def test_a_rank_whose_port_is_taken_says_which():
+    """Rank 0's address is in use: an error naming it, at once (before:
+    TensorFlow's "UnknownError: Could not start gRPC server", the port only
+    in a C++ log line)."""
+    base = _free_port_block(2)
+    hog = socket.socket()
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hog.bind(("127.0.0.1", base + 1))  # rank 0 listens on MASTER_PORT + 1
+    hog.listen(1)
+    path = os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONUNBUFFERED="1", RANK="0", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(base),
+               SOK_COMM_TIMEOUT="30")
+    for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
+                "SOK_BIND_HOST", "LD_PRELOAD"):
+        env.pop(var, None)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sok_keras as sok; sok.init()"],
+            env=env, cwd=REPO, capture_output=True, text=True, timeout=90)
+    finally:
+        hog.close()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert (f"rank 0 of 2 could not listen on its address "
+            f"127.0.0.1:{base + 1}") in out, out
+    assert "MASTER_PORT" in out, out

@@ -1,5 +1,6 @@
 """`EmbeddingCollection`: several tables, one exchange per direction."""
 
+import collections.abc
 import logging
 
 import keras
@@ -28,6 +29,13 @@ _FEATURE_KEYS = ("table", "combiner")
 
 def _checked_spec(layer_name, kind, key, spec, allowed):
     """``spec`` as a dict, after checking it names only ``allowed`` keys."""
+    if not isinstance(spec, collections.abc.Mapping):
+        example = ("{'table': 'my_table'}" if kind == "feature" else
+                   "{'vocabulary_size': 1000, 'embedding_dim': 16}")
+        raise TypeError(
+            f"EmbeddingCollection '{layer_name}': {kind} '{key}' must be a "
+            f"dict of {list(allowed)}, e.g. {example}. Received: "
+            f"{spec!r}.")
     spec = dict(spec)
     unknown = sorted(set(spec) - set(allowed))
     if unknown:

@@ -397,3 +397,15 @@ def test_weights_of_a_keras_embedding_model_say_how_to_move_them(tmp_path):
     x = np.array([[1, 2, 3]])
     np.testing.assert_allclose(ours.predict(x, verbose=0),
                                plain.predict(x, verbose=0), rtol=1e-6)
+
+
+def test_unpooled_ids_with_no_columns_give_an_empty_output_like_keras():
+    """Dense ids of shape [2, 0] (before, on one rank: "shape (1, 0, 2) is
+    not compatible with (2, 0, 2)")."""
+    layer = sok.layers.DistributedEmbedding(10, 2, combiner=None)
+    ids = tf.zeros([2, 0], tf.int64)
+    assert layer(ids).shape == keras.layers.Embedding(10, 2)(ids).shape
+    assert layer(ids).shape == (2, 0, 2)
+    traced = tf.function(layer, input_signature=[
+        tf.TensorSpec([None, 0], tf.int64)])
+    assert traced(ids).shape == (2, 0, 2)

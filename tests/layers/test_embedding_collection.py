@@ -106,6 +106,9 @@ def test_config_round_trip_and_errors():
                       keras.optimizers.Adagrad)
     with pytest.raises(ValueError, match="refers to table 'nope'"):
         sok.layers.EmbeddingCollection(TABLES, {"f": {"table": "nope"}})
+    # (Before: "dictionary update sequence element #0 has length 1".)
+    with pytest.raises(TypeError, match="feature 'f' must be a dict.*'t'"):
+        sok.layers.EmbeddingCollection(TABLES, {"f": "t"})
     with pytest.raises(ValueError, match=r"unknown keys \['dim'\]"):
         sok.layers.EmbeddingCollection(
             {"t": {"vocabulary_size": 3, "dim": 2}}, {"f": {"table": "t"}})

@@ -120,6 +120,39 @@ except Exception as e:  # noqa: BLE001 - the message is checked
     failure = f"{type(e).__name__}: {e}"
 saving._ORIGINAL["save"] = original
 unchanged = RANK != 0 or open(path, "rb").read() == before
+
+
+def outcome(call):
+    """What `call` raised on this rank, and how long it took."""
+    start = time.monotonic()
+    try:
+        call()
+        said = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is checked
+        said = f"{type(e).__name__}: {e}"
+    return said, time.monotonic() - start
+
+
+# Failures of rank 0's own file system calls reach every rank at once, and
+# the next save works (before: rank 1 waited SOK_SAVE_TIMEOUT, then every
+# later save failed): a folder where the file goes (the final rename), a
+# file where a folder should be (the temporary file).
+if RANK == 0:
+    os.makedirs(os.path.join(folder, "a_folder.keras"), exist_ok=True)
+    open(os.path.join(folder, "a_file"), "w").close()
+more = {
+    "folder": outcome(lambda: model.save(
+        os.path.join(folder, "a_folder.keras"))),
+    "under_file": outcome(lambda: model.save(
+        os.path.join(folder, "a_file", "m.keras"))),
+    # Keras' legacy HDF5 would hold this rank's shards: refused on every
+    # rank (before: a file with half of each table, loaded wrong).
+    "h5": outcome(lambda: model.save(os.path.join(folder, "m.h5"))),
+    # Keras' suffix check names the user's path, not the temporary one.
+    "suffix": outcome(lambda: model.save_weights(
+        os.path.join(folder, "w.h5"))),
+    "then": outcome(lambda: model.save(path)),
+}
 write_result({"checks": checks, "leftovers": leftovers, "failure": failure,
-              "unchanged": unchanged,
+              "unchanged": unchanged, "more": more,
               "after": [n for n in os.listdir(folder) if "sok-tmp" in n]})
