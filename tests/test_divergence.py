@@ -221,14 +221,19 @@ def _channel(rank=0, n=2):
     return ch, aborted
 
 
+def _steps_done(ch, loop, n):
+    """Steps 1..n of `loop` begin and end on this rank."""
+    for step in range(1, n + 1):
+        ch.step(loop, step)
+        ch.step_done(loop, step)
+
+
 def test_equal_epoch_ends_never_abort():
     ch, aborted = _channel()
     loop = ch.begin_loop("fit")
     for epoch in range(3):
         ch.begin_epoch(loop, epoch)
-        for step in range(1, 5):
-            ch.step(loop, step)
-            ch.step_done(loop, step)
+        _steps_done(ch, loop, 4)
         # The peer's report may come before or after this rank's own end.
         if epoch % 2:
             ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid,
@@ -251,9 +256,7 @@ def test_peer_that_ran_out_of_data_aborts_the_rank_that_did_not():
     ch, aborted = _channel()
     loop = ch.begin_loop("fit")
     ch.begin_epoch(loop, 0)
-    for step in range(1, 5):
-        ch.step(loop, step)
-        ch.step_done(loop, step)
+    _steps_done(ch, loop, 4)
     ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
                 "steps": 4})
     assert aborted == []  # step 4 is not past the peer's end
@@ -292,9 +295,7 @@ def test_a_step_that_finds_the_data_empty_is_not_counted():
     ch, aborted = _channel()
     loop = ch.begin_loop("fit")
     ch.begin_epoch(loop, 0)
-    for step in range(1, 4):
-        ch.step(loop, step)
-        ch.step_done(loop, step)
+    _steps_done(ch, loop, 3)
     ch.step(loop, 4)  # finds the data empty
     ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
                 "steps": 3})

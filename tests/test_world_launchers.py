@@ -130,18 +130,28 @@ def test_rank_servers_listen_on_loopback_only(launcher, request):
         assert r["bind_host"] == "127.0.0.1"
 
 
+def _lone_rank_0_env(base, timeout):
+    """The environment of torchrun-style rank 0 of 2 (MASTER_PORT `base`),
+    with the caller's PYTHONPATH after the repo's (a TensorFlow installed
+    through it stays visible)."""
+    path = os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONUNBUFFERED="1", RANK="0", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(base),
+               SOK_COMM_TIMEOUT=str(timeout))
+    for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
+                "SOK_BIND_HOST", "LD_PRELOAD"):
+        env.pop(var, None)
+    return env
+
+
 def test_a_rank_whose_peer_never_starts_stops_after_the_timeout():
     """torchrun-style rank 0 of 2 alone: TensorFlow's coordination service
     would wait for rank 1 for ever (swallowing SIGTERM); sok.init() stops
     the rank after SOK_COMM_TIMEOUT, saying why."""
     base = _free_port_block(2)
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONUNBUFFERED="1", RANK="0", WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(base),
-               SOK_COMM_TIMEOUT="4")
-    for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
-                "SOK_BIND_HOST", "LD_PRELOAD"):
-        env.pop(var, None)
+    env = _lone_rank_0_env(base, timeout=4)
     proc = subprocess.Popen(
         [sys.executable, "-c",
          "import sok_keras as sok; sok.init(); print('INIT-DONE')"],
@@ -168,15 +178,7 @@ def test_a_rank_whose_port_is_taken_says_which():
     hog.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     hog.bind(("127.0.0.1", base + 1))  # rank 0 listens on MASTER_PORT + 1
     hog.listen(1)
-    path = os.pathsep.join(
-        p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONUNBUFFERED="1", RANK="0", WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(base),
-               SOK_COMM_TIMEOUT="30")
-    for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
-                "SOK_BIND_HOST", "LD_PRELOAD"):
-        env.pop(var, None)
+    env = _lone_rank_0_env(base, timeout=30)
     try:
         proc = subprocess.run(
             [sys.executable, "-c", "import sok_keras as sok; sok.init()"],
