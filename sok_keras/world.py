@@ -515,6 +515,27 @@ def _guard_servers(world):
     os.execv(sys.executable, [sys.executable] + list(sys.orig_argv[1:]))
 
 
+def _confine_nccl():
+    """Keeps NCCL's sockets on loopback when the ranks' servers are.
+
+    NCCL's bootstrap (sok_keras' NCCL backend, and TensorFlow's own
+    collectives on GPU tensors) listens on the first network interface it
+    finds, whatever the job's addresses, and serves anyone who connects.
+    When every rank listens on loopback (one host: sokrun, or
+    MASTER_ADDR=127.0.0.1), NCCL is told to use loopback too
+    (`NCCL_SOCKET_IFNAME=lo`), unless that variable is set already.
+    """
+    import ipaddress
+
+    host = os.environ.get("SOK_BIND_HOST", "")
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return
+    if loopback and "NCCL_SOCKET_IFNAME" not in os.environ:
+        os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+
+
 @contextlib.contextmanager
 def _sigterm_kept():
     """Restores the SIGTERM handler that TensorFlow's multi-worker runtime
@@ -821,6 +842,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
         elif world.num_ranks > 1:
             _check_tf_not_started()
             _guard_servers(world)
+            _confine_nccl()
             _pin_gpu(world)
             with _sigterm_kept():
                 _start_collectives_bounded(world)

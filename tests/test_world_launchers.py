@@ -42,8 +42,12 @@ def _run_two_ranks(style, worker, args, tmp_path):
     base = _free_port_block(2)
     procs = []
     for rank in range(2):
+        # (The caller's PYTHONPATH last: a TensorFlow installed through it,
+        # as on the GPU machine, stays visible.)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [REPO, os.path.join(REPO, "tests", "workers")]),
+            [REPO, os.path.join(REPO, "tests", "workers")]
+            + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+               else [])),
             TF_CPP_MIN_LOG_LEVEL="2", SOK_TEST_OUT=str(tmp_path),
             PYTHONUNBUFFERED="1")
         for var in ("SOK_RANK", "SOK_NUM_RANKS", "SOK_WORKER_ADDRS",
