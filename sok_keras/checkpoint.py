@@ -202,6 +202,25 @@ def _optimizer_variables(optimizer):
     return out
 
 
+def _table_optimizer_variables(tables):
+    """`(key, variable)`: the step count and learning rate of each table's
+    own optimizer (a layer's `optimizer=`), keyed by the table's path. They
+    are neither the model's variables nor its optimizer's, and Adam's bias
+    correction and learning-rate schedules read the step count."""
+    out, seen = [], set()
+    for t in tables:
+        opt = t.optimizer
+        if opt is None or id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        for v in opt.variables:
+            leaf = v.path.rsplit("/", 1)[-1]
+            if not isinstance(v, Variable) and leaf in ("iteration",
+                                                         "learning_rate"):
+                out.append((f"{t.path}:{leaf}", v))
+    return out
+
+
 def _optimizer_key(optimizer, path):
     """The name a checkpoint keys an optimizer variable by: its path, less
     the `OptimizerWrapper`'s name before the wrapped optimizer's own
@@ -359,6 +378,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     path = os.fspath(path)
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
     opt_vars = _optimizer_variables(optimizer)
+    table_opt_vars = _table_optimizer_variables(tables)
     if metadata is not None:
         if not isinstance(metadata, dict):
             raise TypeError(
@@ -391,10 +411,12 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
                 (f"slot/{k}", s) for k, s in _slots_of(t, optimizer).items()]
             record["files"][name] = _write_shard_file(
                 _join(data_dir, name), entries)
-        if rank == 0 and (dense or opt_vars):
+        if rank == 0 and (dense or opt_vars or table_opt_vars):
             entries = [(f"model/{v.path}", v) for v in dense]
             entries += [(f"optimizer/{_optimizer_key(optimizer, v.path)}", v)
                         for v in opt_vars]
+            entries += [(f"table_optimizer/{k}", v)
+                        for k, v in table_opt_vars]
             record["files"]["dense.bin"] = _write_shard_file(
                 _join(data_dir, "dense.bin"), entries)
         _write_json(_join(data_dir, f"rank-{rank}.json"), record)
@@ -410,7 +432,8 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     if rank == 0:
         try:
             manifest = _commit(path, data_dir, data_name, tables, dense,
-                               opt_vars, optimizer, n, metadata)
+                               opt_vars, optimizer, n, metadata,
+                               table_opt_vars)
         except Exception as e:
             error = e
             _remove_tree(data_dir)
@@ -437,7 +460,7 @@ def _remove_tree(folder):
 
 
 def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
-            n, metadata=None):
+            n, metadata=None, table_opt_vars=()):
     """Rank 0: the manifest from every rank's record, written last."""
     files = {}
     for r in range(n):
@@ -469,6 +492,10 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
                            "shape": [int(s) for s in v.shape],
                            "dtype": _std_dtype(v)} for v in opt_vars],
         },
+        "table_optimizers": [{"name": k,
+                              "shape": [int(d) for d in v.shape],
+                              "dtype": _std_dtype(v)}
+                             for k, v in table_opt_vars],
         "files": files,
         "metadata": metadata,
     }
@@ -616,6 +643,10 @@ def _check_manifest(m, mpath):
     _need(opt is None or (isinstance(opt, dict)
                           and isinstance(opt.get("variables"), list)),
           mpath, "'optimizer'")
+    table_opts = m.get("table_optimizers")  # (absent in older checkpoints)
+    _need(table_opts is None or (isinstance(table_opts, list) and all(
+        isinstance(d, dict) and isinstance(d.get("name"), str)
+        for d in table_opts)), mpath, "'table_optimizers'")
 
 
 class _FileReader:
@@ -802,12 +833,14 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
             p.old = (kind_old, target_old, n_old)
     dense_files = [f for f in files if f == "dense.bin"]
 
-    def dense_plan(kind, want, have, key=lambda path: path):
+    def dense_plan(kind, want, have, key=lambda path: path, names=None):
         # Keyed by `key` on both sides (a checkpoint of an older version may
-        # hold an optimizer variable under the wrapper's prefix).
+        # hold an optimizer variable under the wrapper's prefix), or by
+        # `names` given for `want`.
         saved = [key(d["name"]) for d in have]
         have = dict(zip(saved, have))
-        names = [key(v.path) for v in want]
+        if names is None:
+            names = [key(v.path) for v in want]
         saved_of = _match_names(saved, names)
         if saved_of is None:
             missing = [nm for nm in names if nm not in have]
@@ -841,6 +874,12 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
             dense_plan("optimizer", opt_vars,
                        manifest["optimizer"]["variables"],
                        lambda path: _optimizer_key(optimizer, path))
+    table_opt_vars = _table_optimizer_variables(tables)
+    # (A checkpoint written before they were saved has no such list.)
+    if table_opt_vars and manifest.get("table_optimizers") is not None:
+        dense_plan("table_optimizer", [v for _, v in table_opt_vars],
+                   manifest["table_optimizers"],
+                   names=[k for k, _ in table_opt_vars])
     return plans, readers, root
 
 
