@@ -33,6 +33,7 @@ def test_world_and_collectives(runs):
         # Ragged allgather: rank 0 sent 1 row of 0s, rank 1 2 rows of 1s.
         assert c["allgather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert c["broadcast"] == [8]  # root_rank=1 sent 1 + 7
+        assert c["tf_variable"] == [3.0]  # rank 0's
         # IndexedSlices: gathered, values averaged (rows 0 and 1).
         assert c["sparse"] == [[0.5, 1.0], [1.0, 2.0], [0.0, 0.0]]
         assert c["in_function"] == [[1.5, 15.0], [6.0, 60.0],

@@ -426,7 +426,9 @@ def broadcast_variables(variables, root_rank, process_set=None,
     for i, v in enumerate(variables):
         if is_sok_variable(v):
             continue
-        value = tf.convert_to_tensor(v.value if hasattr(v, "value") else v)
+        # (`value` is a property of a keras.Variable, a method of a
+        # tf.Variable: read either through convert_to_tensor.)
+        value = tf.convert_to_tensor(v)
         value = comm.broadcast(value, f"{base}/{i}", root=root_rank)
         out.append(v.assign(value))
     return out

@@ -133,3 +133,29 @@ def test_same_scope_entered_twice_nested_restores_keras():
             assert keras.optimizers.Adam is sok.optimizers.Adam
         assert keras.optimizers.Adam is sok.optimizers.Adam
     assert keras.optimizers.Adam is original
+
+
+def test_an_optimizer_made_outside_applied_inside_is_refused():
+    """SOK 1 put the scope around `apply_gradients`; here it goes around the
+    optimizer's creation. A plain Keras optimizer applied to tables inside
+    the scope is refused, saying where the scope goes (before: a dense
+    update with the ranks' summed gradients, N times the step on N ranks,
+    silently). Dense variables, and optimizers made inside, still apply."""
+    base_apply = keras.optimizers.Optimizer.__dict__.get("apply_gradients")
+    table = _table()
+    dense = keras.Variable(np.zeros(2, np.float32))
+    grad = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]),
+                            tf.constant([4, 2]))
+    outside = keras.optimizers.SGD(1.0)
+    with sok.OptimizerScope([table]):
+        inside = keras.optimizers.SGD(1.0)
+        with pytest.raises(ValueError, match=r"made outside the scope.*'t'"
+                           r".*difference 2"):
+            outside.apply_gradients([(grad, table)])
+        KERAS["SGD"](1.0).apply_gradients([(tf.ones(2), dense)])
+        inside.apply_gradients([(grad, table)])
+    np.testing.assert_array_equal(_np(table.value)[1], [-1.0, -1.0])
+    np.testing.assert_array_equal(_np(dense.value), [-1.0, -1.0])
+    assert keras.optimizers.Optimizer.__dict__.get(
+        "apply_gradients") is base_apply
+    outside.apply_gradients([(grad, table)])  # outside: as before

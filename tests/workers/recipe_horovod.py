@@ -70,6 +70,11 @@ result["collectives"] = {
         tf.fill([RANK + 1, 2], float(RANK))).numpy().tolist(),
     "broadcast": hvd.broadcast(tf.constant([RANK + 7]), root_rank=N - 1)
     .numpy().tolist(),
+    # A plain tf.Variable (a global step): before, "Attempt to convert a
+    # value (<bound method ...value ...>)".
+    "tf_variable": (lambda v: (hvd.broadcast_variables([v], root_rank=0),
+                               v.numpy().tolist())[1])(
+        tf.Variable([float(RANK + 3)])),
     "sparse": tf.convert_to_tensor(hvd.allreduce(tf.IndexedSlices(
         tf.constant([[1.0, 2.0]]) * (RANK + 1), tf.constant([RANK % 3]),
         tf.constant([3, 2], tf.int64)))).numpy().tolist(),
