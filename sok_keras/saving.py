@@ -211,7 +211,7 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
             f"sok_keras: '{path}' exists and overwrite=False.")
     target = _temporary_path(path)
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
-    with _terminate.on_sigterm_clean_up():
+    with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:
             _write_on_rank_0(model, path, target, rank, n, what, write)
         finally:
@@ -219,6 +219,42 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
                 with contextlib.suppress(OSError):
                     os.remove(target)
     return None
+
+
+_SKIPSET_TYPES = ("Operation", "Layer", "Functional", "Sequential",
+                  "Metric", "Optimizer", "Loss", "Cross", "Feature")
+_SKIPSETS = {}
+
+
+@contextlib.contextmanager
+def _keras_skipsets_made_together():
+    """Keras' saving builds throwaway objects to learn which attributes to
+    skip (`saving_lib.get_attr_skipset`, not cached: its cache key is
+    misspelt), an `Optimizer(1.0)` among them, whose variables a
+    `MultiWorkerMirroredStrategy` scope makes with a collective broadcast.
+    Rank 0 alone writes, so that broadcast waited for the other ranks for
+    ever. Every rank builds them once, together, here; the write uses
+    them."""
+    from keras.src.saving import saving_lib
+
+    original = saving_lib.get_attr_skipset
+    if not _SKIPSETS:
+        for obj_type in _SKIPSET_TYPES:
+            try:
+                _SKIPSETS[obj_type] = original(obj_type)
+            except Exception:  # noqa: BLE001 - a type this Keras lacks
+                pass
+
+    def get_attr_skipset(obj_type):
+        if obj_type in _SKIPSETS:
+            return set(_SKIPSETS[obj_type])
+        return original(obj_type)
+
+    saving_lib.get_attr_skipset = get_attr_skipset
+    try:
+        yield
+    finally:
+        saving_lib.get_attr_skipset = original
 
 
 def _write_on_rank_0(model, path, target, rank, n, what, write):

@@ -63,6 +63,16 @@ def test_three_sok_layers_100_steps_of_fit_parity(runs):
     _compare(two, one, "long", atol=1e-6)
 
 
+def test_save_inside_the_strategy_scope(runs):
+    """`model.save` / `save_weights` inside the scope on every rank: no hang,
+    and the file loads with the trained weights."""
+    two, _ = runs
+    for r in (0, 1):
+        assert two[r]["saved_in_scope_s"] < 60, two[r]["saved_in_scope_s"]
+        for a, b in zip(two[r]["loaded_weights"], two[r]["long"]["weights"]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=0)
+
+
 def test_upstream_keras_20585_still_open(runs):
     """A plain Keras model's `fit` under the same 2-worker strategy still
     fails in `_maybe_symbolic_build` (keras-team/keras#20585). When this

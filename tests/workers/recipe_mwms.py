@@ -185,4 +185,18 @@ if MODE in ("all", "fit"):
     result["long"] = {"losses": [float(v) for v in history3.history["loss"]],
                       "steps": int(model3.optimizer.iterations.numpy()),
                       "weights": weights_of(model3)}
+    # model.save and save_weights inside the scope, on every rank (before:
+    # rank 0's Keras built a throwaway optimizer there, whose variables'
+    # broadcast waited for the other rank for ever).
+    import time  # noqa: E402
+
+    from _worker import OUT  # noqa: E402
+
+    start = time.monotonic()
+    with strategy.scope():
+        model3.save(os.path.join(OUT, "mwms.keras"))
+        model3.save_weights(os.path.join(OUT, "mwms.weights.h5"))
+    result["saved_in_scope_s"] = time.monotonic() - start
+    loaded = tf.keras.models.load_model(os.path.join(OUT, "mwms.keras"))
+    result["loaded_weights"] = weights_of(loaded)
 write_result(result)
