@@ -103,6 +103,11 @@ _NOT_IN_SOK_KERAS = {
                               "checkpoints) or model.save",
     "set_comm_tool": "sok_keras picks its communicator at sok.init("
                      "backend=...)",
+    # SOK 1.x
+    "tf": "SOK 1's sok.tf.keras.optimizers.Adam is sok.optimizers.Adam (or "
+          "tf.keras.optimizers.Adam made inside sok.OptimizerScope)",
+    "Saver": "use sok.dump / sok.load (sharded checkpoints, any number of "
+             "ranks) or model.save / keras.models.load_model",
 }
 
 

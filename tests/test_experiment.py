@@ -32,6 +32,10 @@ def test_sok_names_sok_keras_lacks_say_what_to_use():
 
     import sok_keras as sok
 
+    for name, hint in (("tf", "sok.optimizers.Adam"),
+                       ("Saver", "sok.dump")):  # SOK 1's
+        with pytest.raises(AttributeError, match=f"no '{name}'.*{hint}"):
+            getattr(sok, name)
     with pytest.raises(AttributeError, match=r"no 'DynamicVariable' \(a "
                        r"SparseOperationKit name\).*Hashing"):
         sok.DynamicVariable

@@ -65,6 +65,13 @@ class All2AllDenseEmbedding(BaseEmbedding):
                         "All2AllDenseEmbedding: `use_hashtable=True` is not "
                         "supported; ids index the table directly."
                     )
+                elif key == "dynamic_input" and value:
+                    raise ValueError(
+                        "All2AllDenseEmbedding: `dynamic_input=True` (SOK "
+                        "1's ids of any length) is not supported: this "
+                        "layer takes [batch, slot_num, nnz_per_slot] ids. "
+                        "For unpooled ids of any shape use "
+                        "`DistributedEmbedding(..., combiner=None)`.")
         cls = "All2AllDenseEmbedding"
         if kwargs.get("combiner") is not None:
             raise ValueError(

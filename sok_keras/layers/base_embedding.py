@@ -108,6 +108,11 @@ _KERAS_ONLY = {
 }
 
 
+# SOK 1's DistributedEmbedding arguments (see _keras_embedding_arguments).
+_SOK1_ARGUMENTS = ("max_vocabulary_size_per_gpu", "embedding_vec_size",
+                   "slot_num", "max_nnz", "max_feature_num")
+
+
 def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     """`(vocabulary_size, embedding_dim)`, also from Keras' names
     `input_dim` / `output_dim`; refuses Keras' other Embedding arguments
@@ -124,6 +129,19 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
                     f"{keras_name}={kwargs[keras_name]!r}.")
     vocabulary_size = kwargs.pop("input_dim", vocabulary_size)
     embedding_dim = kwargs.pop("output_dim", embedding_dim)
+    sok1 = sorted(set(kwargs) & set(_SOK1_ARGUMENTS))
+    if sok1:
+        raise ValueError(
+            f"{cls} does not take SOK 1's {sok1}. SOK 1's "
+            "`DistributedEmbedding(combiner, max_vocabulary_size_per_gpu, "
+            "embedding_vec_size, slot_num, max_nnz)` is here "
+            f"`{cls}(vocabulary_size=max_vocabulary_size_per_gpu * "
+            "sok.num_ranks(), embedding_dim=embedding_vec_size, "
+            "combiner=...)`, which pools each sample's ids of one feature, "
+            "`[batch, max_nnz]` (-1 pads), into `[batch, embedding_dim]`: "
+            "call it once per slot, or use `sok.layers.EmbeddingCollection` "
+            "with one feature per slot sharing a table. Received: "
+            + ", ".join(f"{k}={kwargs[k]!r}" for k in sok1) + ".")
     for name, why in _KERAS_ONLY.items():
         if name in kwargs:
             value = kwargs.pop(name)

@@ -28,6 +28,10 @@ def test_shape_errors_and_hashtable():
         layer(np.zeros((2, 3, 5), np.int64))
     with pytest.raises(ValueError, match="use_hashtable"):
         sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, use_hashtable=True)
+    # (Before: accepted and ignored.)
+    with pytest.raises(ValueError, match="dynamic_input.*combiner=None"):
+        sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, dynamic_input=True)
+    sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, dynamic_input=False)
     with pytest.raises(ValueError, match="no `combiner`.*'sum'"):
         sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, combiner="sum")
 

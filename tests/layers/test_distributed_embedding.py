@@ -114,6 +114,18 @@ def test_argument_validation():
         sok.layers.DistributedEmbedding(embedding_dim=4)
 
 
+def test_sok1_distributed_embedding_arguments_say_what_to_write():
+    """SOK 1's `DistributedEmbedding(combiner, max_vocabulary_size_per_gpu,
+    embedding_vec_size, slot_num, max_nnz)` (before: Keras' bare
+    "Unrecognized keyword arguments")."""
+    with pytest.raises(ValueError, match=r"SOK 1's.*vocabulary_size="
+                       r"max_vocabulary_size_per_gpu \* sok.num_ranks\(\)"
+                       r".*embedding_dim=embedding_vec_size.*slot_num=3"):
+        sok.DistributedEmbedding(combiner="mean",
+                                 max_vocabulary_size_per_gpu=100,
+                                 embedding_vec_size=8, slot_num=3, max_nnz=2)
+
+
 def test_keras_embedding_argument_names():
     """Keras' `input_dim` / `output_dim` name the table's shape; Keras'
     other Embedding arguments are refused with what to do instead
