@@ -70,7 +70,53 @@ def install():
 
     lib.save_model = guarded(lib.save_model)
     lib.load_model = guarded(lib.load_model)
+    _keep_optimizer_state_whole()
     _INSTALLED = True
+
+
+def _keep_optimizer_state_whole():
+    """`model.load_weights` into a model whose optimizer is not built:
+    Keras skips the file's optimizer state (it warns), but the tables'
+    slots, which the layers load with their tables, would be kept and
+    applied when the optimizer is built: half an optimizer state. They are
+    dropped too, so the optimizer starts fresh as Keras' does (build it
+    first, `model.optimizer.build(model.trainable_variables)`, to restore
+    it all)."""
+    import logging
+
+    import keras
+
+    from sok_keras.variable import Variable
+
+    original = keras.Model.load_weights
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def load_weights(self, filepath, *args, **kwargs):
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and getattr(optimizer, "built", False):
+            return original(self, filepath, *args, **kwargs)
+        tables = [v for v in self.variables if isinstance(v, Variable)]
+        before = {id(t): set(t._sok_pending_slots) for t in tables}
+        out = original(self, filepath, *args, **kwargs)
+        dropped = []
+        for t in tables:
+            for name in set(t._sok_pending_slots) - before[id(t)]:
+                del t._sok_pending_slots[name]
+                dropped.append(f"{t.path}:{name}")
+        if dropped:
+            logging.getLogger("sok_keras").warning(
+                "sok_keras: load_weights: the model's optimizer is not "
+                "built, so (as Keras skips its variables) the tables' "
+                "optimizer slots in the file are not restored either: %s. "
+                "Build it first, `model.optimizer.build("
+                "model.trainable_variables)`, to restore its state.",
+                ", ".join(sorted(dropped)))
+        return out
+
+    load_weights._sok_keras = True
+    keras.Model.load_weights = load_weights
 
 
 def _is_h5_store(store):
