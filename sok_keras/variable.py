@@ -463,13 +463,17 @@ class Variable(keras.Variable):
             return
         saved = [int(x) for x in np.asarray(saved).ravel()]
         mine = self._shard_identity()
+
+        def placed(owner):
+            return "distributed" if owner < 0 else f"on rank {owner}"
+
         if saved != mine:
             raise ValueError(
                 f"sok_keras.Variable '{self.path}'{what}: this TF checkpoint "
                 f"holds the shard of rank {saved[0]} of {saved[1]} "
-                f"(table {saved[2]} x {saved[3]}, owner rank "
-                f"{saved[4]}), but this is rank {mine[0]} of {mine[1]} "
-                f"(table {mine[2]} x {mine[3]}, owner rank {mine[4]}). "
+                f"(table {saved[2]} x {saved[3]}, {placed(saved[4])}), but "
+                f"this is rank {mine[0]} of {mine[1]} (table {mine[2]} x "
+                f"{mine[3]}, {placed(mine[4])}). "
                 "tf.train.Checkpoint saves each rank's own shard: give "
                 "each rank its own path and restore at the same number "
                 "of ranks, or use sok.dump / sok.load (or model.save), "
