@@ -17,6 +17,7 @@ from sok_keras.optimizers.wrapper import broadcast_variables
 from sok_keras.optimizers.wrapper import build_once
 from sok_keras.optimizers.wrapper import check_jit_compile
 from sok_keras.optimizers.wrapper import create_table_slots
+from sok_keras.optimizers.wrapper import tf2_keras_arguments
 from sok_keras.variable import is_sok_variable
 from sok_keras._ops import not_converted as _not_converted
 
@@ -47,6 +48,11 @@ class _TablesMixin:
         variables = trainable_variables or self._trainable_variables
         apply_with_tables(self, grads, variables, super().apply,
                           jit_compile=self.jit_compile)
+
+    def apply_gradients(self, grads_and_vars, **kwargs):
+        # (SOK's seed: `experimental_aggregate_gradients=False` for tables.)
+        return super().apply_gradients(tf2_keras_arguments(
+            type(self).__name__, grads_and_vars, kwargs))
 
     def get_config(self):
         return {**super().get_config(), "jit_compile": self.jit_compile}

@@ -266,6 +266,32 @@ def _check_supported(opt):
             )
 
 
+def tf2_keras_arguments(owner, grads_and_vars, kwargs):
+    """`grads_and_vars` as a list, after `apply_gradients`' other keyword
+    arguments: TF2 Keras' `experimental_aggregate_gradients` (SOK's seed
+    passes False for its tables' update) means nothing for tables, whose
+    gradients sok_keras never all-reduces, so it is taken there; with dense
+    variables it is refused (their gradients are averaged over the ranks
+    here: docs/recipes.md, difference 1)."""
+    grads_and_vars = list(grads_and_vars)
+    if "experimental_aggregate_gradients" in kwargs:
+        value = kwargs.pop("experimental_aggregate_gradients")
+        dense = [v for _, v in grads_and_vars if not is_sok_variable(v)]
+        if dense:
+            raise ValueError(
+                f"{owner}.apply_gradients: `experimental_aggregate_gradients`"
+                " (TF2 Keras') is taken for tables only; here the dense "
+                "variables' gradients are averaged over the ranks by the "
+                f"optimizer ('{getattr(dense[0], 'path', dense[0].name)}', "
+                "...). Drop the argument (docs/recipes.md, difference 1). "
+                f"Received: experimental_aggregate_gradients={value!r}.")
+    if kwargs:
+        raise TypeError(
+            f"{owner}.apply_gradients() got unexpected keyword arguments "
+            f"{sorted(kwargs)}.")
+    return grads_and_vars
+
+
 def table_optimizer(opt, table):
     """The optimizer that rules `table`: its own (a layer's `optimizer=`
     argument) if it has one, else the model's `opt`."""
@@ -544,7 +570,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
     def iterations(self):
         return self.inner_optimizer.iterations
 
-    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None,
+                        **kwargs):
         """Keras' `apply_gradients`, with SOK's signature.
 
         Args:
@@ -558,6 +585,8 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
             The optimizer's `iterations`.
         """
         del name
+        grads_and_vars = tf2_keras_arguments(
+            "OptimizerWrapper", grads_and_vars, kwargs)
         super().apply_gradients(grads_and_vars)
         if global_step is not None:
             global_step.assign_add(tf.cast(1, global_step.dtype))

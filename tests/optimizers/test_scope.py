@@ -159,3 +159,24 @@ def test_an_optimizer_made_outside_applied_inside_is_refused():
     assert keras.optimizers.Optimizer.__dict__.get(
         "apply_gradients") is base_apply
     outside.apply_gradients([(grad, table)])  # outside: as before
+
+
+def test_tf2_keras_aggregate_argument_is_taken_for_tables_only():
+    """SOK's seed: `emb_opt.apply_gradients(..., experimental_aggregate_
+    gradients=False)` on tables (before: Keras 3's bare TypeError). With
+    dense variables it is refused: their gradients are averaged here."""
+    table = _table()
+    grad = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([2]),
+                            tf.constant([4, 2]))
+    for opt in (sok.optimizers.SGD(1.0),
+                sok.OptimizerWrapper(keras.optimizers.SGD(1.0))):
+        table.assign(np.zeros((4, 2), np.float32))
+        opt.apply_gradients([(grad, table)],
+                            experimental_aggregate_gradients=False)
+        np.testing.assert_array_equal(_np(table.value)[2], [-1.0, -1.0])
+        dense = keras.Variable(np.zeros(2, np.float32))
+        with pytest.raises(ValueError, match="tables only.*difference 1"):
+            opt.apply_gradients([(tf.ones(2), dense)],
+                                experimental_aggregate_gradients=False)
+        with pytest.raises(TypeError, match=r"unexpected.*\['bogus'\]"):
+            opt.apply_gradients([(grad, table)], bogus=1)
