@@ -86,8 +86,6 @@ def _keep_optimizer_state_whole():
 
     import keras
 
-    from sok_keras.variable import Variable
-
     original = keras.Model.load_weights
     if getattr(original, "_sok_keras", False):
         return
@@ -97,7 +95,9 @@ def _keep_optimizer_state_whole():
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and getattr(optimizer, "built", False):
             return original(self, filepath, *args, **kwargs)
-        tables = [v for v in self.variables if isinstance(v, Variable)]
+        from sok_keras.saving import _tables
+
+        tables = _tables(self)
         before = {id(t): set(t._sok_pending_slots) for t in tables}
         out = original(self, filepath, *args, **kwargs)
         dropped = []

@@ -245,13 +245,17 @@ def _dense_weights(model, trainable):
             and "float" in keras.backend.standardize_dtype(v.dtype)]
 
 
-def _differing(weights, key):
-    """Indices of `weights` whose values differ between the ranks (the same
-    on every rank): two all-reduces of a fingerprint per weight (its sum and
-    its sum of magnitudes)."""
+def _values(weights):
+    return [np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+            for v in weights]
+
+
+def _differing(values, key):
+    """Indices of `values` (each weight's, as float64 arrays) that differ
+    between the ranks (the same on every rank): two all-reduces of a
+    fingerprint per weight (its sum and its sum of magnitudes)."""
     prints = []
-    for v in weights:
-        a = np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+    for a in values:
         prints += [a.sum(), np.abs(a).sum()]
     prints = np.array(prints, np.float64)
     mean = _all_reduce_sum([prints], key) / world.num_ranks()
@@ -288,7 +292,7 @@ def check_replicated_weights(model, when):
     if not weights:
         return
     names = sorted({_path(weights[i]) for i in _differing(
-        weights, "global_metrics/replicated")})
+        _values(weights), "global_metrics/replicated")})
     if names:
         raise RuntimeError(
             f"sok_keras: {when}, the dense weights {names} differ between "
@@ -326,11 +330,11 @@ def average_rank_statistics(model):
     weights = _dense_weights(model, trainable=False)
     if not weights:
         return []
-    which = _differing(weights, "global_metrics/statistics")
+    values = _values(weights)
+    which = _differing(values, "global_metrics/statistics")
     if not which:
         return []
-    values = [np.asarray(keras.ops.convert_to_numpy(weights[i]), np.float64)
-              for i in which]
+    values = [values[i] for i in which]
     total = _all_reduce_sum(values, "global_metrics/statistics_mean")
     mean, start = total / world.num_ranks(), 0
     for i, value in zip(which, values):

@@ -441,9 +441,8 @@ class Variable(keras.Variable):
 
     def _serialize_to_tensors(self):
         tensors = dict(super()._serialize_to_tensors())
-        for r, shard in enumerate(self._sok_shards or [], 0):
-            if r:
-                tensors[f"{self._REPLICA_KEY}{r}"] = shard.read_value()
+        for r, shard in enumerate((self._sok_shards or [])[1:], 1):
+            tensors[f"{self._REPLICA_KEY}{r}"] = shard.read_value()
         tensors[self._SHARD_KEY] = tf.constant(self._shard_identity(),
                                                tf.int64)
         return tensors
@@ -452,7 +451,7 @@ class Variable(keras.Variable):
         restored = dict(restored_tensors)
         self._check_saved_shard(restored.pop(self._SHARD_KEY, None), "")
         ops = [shard.assign(restored.pop(f"{self._REPLICA_KEY}{r}"))
-               for r, shard in enumerate(self._sok_shards or []) if r]
+               for r, shard in enumerate((self._sok_shards or [])[1:], 1)]
         result = super()._restore_from_tensors(restored)
         return tf.group([result, *ops]) if ops else result
 
@@ -480,10 +479,11 @@ class Variable(keras.Variable):
                 "which write one checkpoint for any number of ranks.")
 
     def restore_slot_shard(self, name, restored_tensors):
-        """Restores slot `name` from a TF checkpoint's tensors of it (this
-        rank's shard, as `tf.train.Checkpoint` saved the slot variable),
-        before the optimizer has created it: the rows are kept and applied
-        when it does (`add_slot`)."""
+        """Restores slot `name`, which the optimizer has not created yet,
+        from a TF checkpoint's tensors of it (this rank's shard, as
+        `tf.train.Checkpoint` saved the slot variable): the rows are kept
+        and applied when it does (`add_slot`). (A slot that exists is
+        restored by TensorFlow itself: `tf_slots`.)"""
         restored = dict(restored_tensors)
         self._check_saved_shard(restored.pop(self._SHARD_KEY, None),
                                 f" (slot {name!r})")
@@ -502,10 +502,7 @@ class Variable(keras.Variable):
                 f"sok_keras.Variable '{self.path}': the TF checkpoint's "
                 f"slot {name!r} has shape {tuple(value.shape)}, but this "
                 f"rank's shard of the table has shape {local}.")
-        if name in self._sok_slots:
-            _assign_local(self._sok_slots[name], value)
-        else:
-            self._sok_pending_slots[name] = value
+        self._sok_pending_slots[name] = value
 
     @property
     def vocabulary_size(self):
@@ -751,7 +748,7 @@ def _initializer_values(initializer, global_shape, dtype, kind, target,
     from keras.src.backend.common.name_scope import current_path
 
     # The table's path ('emb/embeddings' in a layer), for messages.
-    where = f"{current_path()}/{name}" if current_path() else name
+    where = "/".join(p for p in (current_path(), name) if p)
     for r in owners:
         rows = _owned_rows(global_shape[0], kind, target, r, num_ranks)
         with tf.init_scope():

@@ -22,8 +22,9 @@ from sok_keras.variable import is_sok_variable
 from sok_keras._ops import not_converted as _not_converted
 
 
-class _TablesMixin:
-    """Routes `sok_keras.Variable`s to the sparse rule of the Keras base."""
+class _TablesMixin(tf_slots.TableSlots):
+    """Routes `sok_keras.Variable`s to the sparse rule of the Keras base
+    (and gives SOK's and TF's slot methods, `tf_slots.TableSlots`)."""
 
     def __init__(self, *args, jit_compile="auto", **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,29 +57,6 @@ class _TablesMixin:
 
     def get_config(self):
         return {**super().get_config(), "jit_compile": self.jit_compile}
-
-    # The tables' slots in tf.train.Checkpoint / SavedModel (tf_slots).
-    def get_slot_names(self):
-        """The names of the slots kept beside tables (`["m", "v"]` for
-        Adam), with those of tables that have their own optimizer."""
-        return tf_slots.slot_names(
-            [n for n, _ in sparse_rules.rule_for(self).slots(self)],
-            getattr(self, "_trainable_variables", None) or [])
-
-    def get_slot(self, var, slot_name):
-        """The slot `slot_name` of table `var` (a `sok.Variable`).
-
-        Raises:
-            TypeError: if `var` is not a table.
-            KeyError: naming the table's slots, if it has no such slot.
-        """
-        return tf_slots.table_slot(type(self).__name__, var, slot_name)
-
-    def _create_or_restore_slot_variable(self, slot_variable_position,
-                                         slot_name, variable, **kwargs):
-        del kwargs
-        return tf_slots.create_or_restore(
-            slot_variable_position, slot_name, variable)
 
 
 def _make(keras_class):

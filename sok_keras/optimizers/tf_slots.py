@@ -8,8 +8,10 @@ through the optimizer's `_create_or_restore_slot_variable`. A table's slots
 rank's shard with who held it (as the table itself is). A slot restored
 before the optimizer has created it (a checkpoint restored before the first
 step) is kept on the table and applied when the optimizer creates it.
+`TableSlots` gives sok's optimizers these three methods.
 """
 
+from sok_keras.optimizers import sparse_rules
 from sok_keras.variable import is_sok_variable
 
 
@@ -25,17 +27,39 @@ class NotATableError(TypeError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def slot_names(rule_slot_names, tables):
-    """The slot names to report: the rule's, and every table's own (a table
-    with its own optimizer may keep other slots)."""
-    names = set(rule_slot_names)
-    for table in tables:
-        if is_sok_variable(table):
-            names.update(table.slots)
-    return sorted(names)
+class TableSlots:
+    """SOK's `get_slot_names` / `get_slot` and TensorFlow's slot restore, for
+    an optimizer whose rule for tables is its own (`sok.optimizers.*`) or
+    its `inner_optimizer`'s (`OptimizerWrapper`)."""
+
+    def get_slot_names(self):
+        """SOK's: the names of the slots kept beside tables (`["m", "v"]`
+        for Adam; `[]` for plain SGD), with those of tables that have their
+        own optimizer."""
+        rule_of = getattr(self, "inner_optimizer", self)
+        names = {n for n, _ in sparse_rules.rule_for(rule_of).slots(rule_of)}
+        for table in getattr(self, "_trainable_variables", None) or []:
+            if is_sok_variable(table):
+                names.update(table.slots)
+        return sorted(names)
+
+    def get_slot(self, var, slot_name):
+        """SOK's: the slot `slot_name` of table `var`, a `sok.Variable` with
+        the table's sharding (made when the optimizer is built).
+
+        Raises:
+            TypeError: if `var` is not a table.
+            KeyError: naming the table's slots, if it has no such slot.
+        """
+        return _table_slot(type(self).__name__, var, slot_name)
+
+    def _create_or_restore_slot_variable(self, slot_variable_position,
+                                         slot_name, variable, **kwargs):
+        del kwargs
+        return _create_or_restore(slot_variable_position, slot_name, variable)
 
 
-def table_slot(owner, var, slot_name):
+def _table_slot(owner, var, slot_name):
     """Slot `slot_name` of table `var`, or a clear error (see module doc)."""
     if not is_sok_variable(var):
         raise NotATableError(
@@ -49,7 +73,7 @@ def table_slot(owner, var, slot_name):
     return var.slots[slot_name]
 
 
-def create_or_restore(slot_variable_position, slot_name, variable):
+def _create_or_restore(slot_variable_position, slot_name, variable):
     """`_create_or_restore_slot_variable` for tables: the slot variable for
     TensorFlow to restore, or None once its rows are kept on the table for
     when the optimizer creates it."""

@@ -449,7 +449,7 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
 
 
 @keras.saving.register_keras_serializable(package="sok_keras")
-class OptimizerWrapper(keras.optimizers.Optimizer):
+class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     """Makes any supported Keras optimizer train sharded tables, sparsely.
 
     Keras' own optimizers update a whole table (and every slot) on each step
@@ -591,31 +591,6 @@ class OptimizerWrapper(keras.optimizers.Optimizer):
         if global_step is not None:
             global_step.assign_add(tf.cast(1, global_step.dtype))
         return self.iterations
-
-    def get_slot_names(self):
-        """SOK's: the names of the slots kept beside tables (`["m", "v"]`
-        for Adam; `[]` for plain SGD), with those of tables that have their
-        own optimizer."""
-        return tf_slots.slot_names(
-            [n for n, _ in sparse_rules.rule_for(
-                self.inner_optimizer).slots(self.inner_optimizer)],
-            getattr(self, "_trainable_variables", None) or [])
-
-    def get_slot(self, var, slot_name):
-        """SOK's: the slot `slot_name` of table `var`, a `sok.Variable` with
-        the table's sharding (made when the optimizer is built).
-
-        Raises:
-            TypeError: if `var` is not a table.
-            KeyError: naming the table's slots, if it has no such slot.
-        """
-        return tf_slots.table_slot("OptimizerWrapper", var, slot_name)
-
-    def _create_or_restore_slot_variable(self, slot_variable_position,
-                                         slot_name, variable, **kwargs):
-        del kwargs
-        return tf_slots.create_or_restore(
-            slot_variable_position, slot_name, variable)
 
     @property
     def lr(self):
