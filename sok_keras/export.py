@@ -100,9 +100,12 @@ class ServingEmbedding(keras.layers.Layer):
         super().__init__(**kwargs)
         self.combiner = combiner
         self.fixed_shape = fixed_shape
+        # autocast=False: under a mixed policy Keras would round every row
+        # to the compute dtype before the sum; the sok layer sums in the
+        # table's dtype (float32 for 16-bit tables) and rounds once.
         self.table = self.add_weight(
             shape=table.shape, dtype=str(table.dtype), initializer="zeros",
-            trainable=False, name="embeddings")
+            trainable=False, autocast=False, name="embeddings")
         self.table.assign(table)
 
     def compute_mask(self, inputs, mask=None):
@@ -139,9 +142,10 @@ class ServingEmbeddingCollection(keras.layers.Layer):
         self.features = {f: dict(s) for f, s in features.items()}
         self.tables = {}
         for t, value in tables.items():
-            var = self.add_weight(
+            var = self.add_weight(  # autocast=False: as ServingEmbedding
                 shape=value.shape, dtype=str(value.dtype),
-                initializer="zeros", trainable=False, name=t)
+                initializer="zeros", trainable=False, autocast=False,
+                name=t)
             var.assign(value)
             self.tables[t] = var
 

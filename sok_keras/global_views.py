@@ -105,7 +105,7 @@ def _signature(leaves):
     return zlib.crc32(text.encode("utf-8"))
 
 
-def gather_predictions(predictions, batch_size=None):
+def gather_predictions(predictions, batch_size=None, strided=False):
     """Every rank's predictions, concatenated in rank order.
 
     `model.predict` returns the predictions of this rank's examples; call
@@ -123,22 +123,30 @@ def gather_predictions(predictions, batch_size=None):
             them: batch 0's rows of rank 0, rank 1, ..., then batch 1's.
             Every rank must hold the same number of rows, a multiple of
             `batch_size`.
+        strided: if True, rank `r` predicted rows `x[r::N]` of arrays
+            `x` (the README's NumPy recipe): the rows come back in the
+            order of `x`, row `i` of rank `r` as row `i * N + r`. Rank `r`
+            must hold `ceil((len(x) - r) / N)` rows. Not with `batch_size`.
 
     Returns:
         The same structure of NumPy arrays holding every rank's rows in
-        rank order (or in batch order with `batch_size`), on every rank.
+        rank order (in batch order with `batch_size`, in the arrays' order
+        with `strided=True`), on every rank.
 
     Raises:
         RankMismatchError: if not every rank calls it, or the ranks'
             predictions differ in structure, dtype or trailing shape.
         ValueError: with `batch_size`, if the ranks' row counts differ or
-            are not a multiple of it (on every rank alike).
+            are not a multiple of it; with `strided=True`, if they are not
+            those of a strided split (on every rank alike).
 
     Example:
 
     >>> y = sok.gather_predictions(model.predict(x_of_this_rank))
     >>> y = sok.gather_predictions(model.predict(sok.shard_batches(ds)),
     ...                            batch_size=global_batch // sok.num_ranks())
+    >>> r, n = sok.rank(), sok.num_ranks()
+    >>> y = sok.gather_predictions(model.predict(x[r::n]), strided=True)
     """
     if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -146,6 +154,15 @@ def gather_predictions(predictions, batch_size=None):
         raise ValueError(
             "sok_keras.gather_predictions: `batch_size` must be a positive "
             f"integer or None. Received: batch_size={batch_size!r}.")
+    if not isinstance(strided, bool):
+        raise TypeError(
+            "sok_keras.gather_predictions: `strided` must be True or "
+            f"False. Received: strided={strided!r}.")
+    if strided and batch_size is not None:
+        raise ValueError(
+            "sok_keras.gather_predictions: pass `batch_size` (rows of "
+            "sok.shard_batches' global batches) or `strided=True` (rows "
+            "x[rank::N]), not both.")
     import keras
 
     leaves = [np.asarray(keras.ops.convert_to_numpy(x))
@@ -176,6 +193,8 @@ def gather_predictions(predictions, batch_size=None):
         tf.constant(head[:, 2:]), "gather_predictions/rows").numpy()
     if batch_size is not None:
         _check_batches(counts.ravel().tolist(), batch_size)
+    if strided:
+        _check_strided(counts)
     out = []
     for i, a in enumerate(leaves):
         rows = counts[:, i]
@@ -186,7 +205,11 @@ def gather_predictions(predictions, batch_size=None):
         got = comm.all_gather(
             tf.convert_to_tensor(padded), "gather_predictions/values").numpy()
         got = got.reshape(n, most, flat.shape[1])
-        if batch_size is None:
+        if strided:
+            whole = np.empty((int(rows.sum()), flat.shape[1]), a.dtype)
+            for r in range(n):
+                whole[r::n] = got[r, :rows[r]]
+        elif batch_size is None:
             whole = np.concatenate([got[r, :rows[r]] for r in range(n)])
         else:  # [rank, batch, row] -> [batch, rank, row]
             whole = got.reshape(n, most // batch_size, batch_size, -1)
@@ -204,6 +227,22 @@ def _check_batches(counts, batch_size):
             f"{batch_size}, every rank must hold the same number of rows, "
             f"a multiple of it. Received: rows per rank and output "
             f"{counts}.")
+
+
+def _check_strided(counts):
+    """`counts[r, i]`, rows of output `i` on rank `r`, are those of
+    `x[r::N]` for one `len(x)` per output: else the same ValueError on
+    every rank."""
+    n = counts.shape[0]
+    for rows in counts.T:
+        total = int(rows.sum())
+        want = [-(-(total - r) // n) for r in range(n)]
+        if rows.tolist() != want:
+            raise ValueError(
+                "sok_keras.gather_predictions: with strided=True, rank r "
+                "must hold the rows x[r::N] of one array x: for "
+                f"{total} rows in all, {want} rows per rank. Received: "
+                f"{rows.tolist()}.")
 
 
 # -- global parameter counts ------------------------------------------------

@@ -158,3 +158,37 @@ def test_export_of_a_subclassed_model_says_why_it_cannot():
     model(np.zeros((2, 3), np.int64))
     with pytest.raises(ValueError, match="only functional and Sequential"):
         sok.export_for_serving(model, "/nonexistent/never-written")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_export_under_a_mixed_policy_sums_before_it_rounds(policy, tmp_path):
+    """Under a mixed policy the float32 table's rows are summed in float32
+    and the sum rounded once, by the sok layer and by the export alike (an
+    autocast table read would round every row first)."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        ids = keras.Input((6,), dtype="int64", name="ids")
+        seq = keras.Input((6,), dtype="int64", name="seq")
+        pooled = sok.layers.DistributedEmbedding(
+            100, 8, combiner="sum", name="emb")(ids)
+        col = sok.layers.EmbeddingCollection(
+            tables={"t": {"vocabulary_size": 100, "embedding_dim": 8}},
+            features={"f": {"table": "t", "combiner": "sqrtn"}},
+            name="col")({"f": seq})
+        model = keras.Model({"ids": ids, "seq": seq}, [pooled, col["f"]])
+        rng = np.random.default_rng(0)
+        model.get_layer("emb").set_weights(
+            [rng.normal(size=(100, 8)).astype("float32")])
+        probe = {"ids": rng.integers(0, 100, (256, 6)),
+                 "seq": rng.integers(-1, 100, (256, 6))}
+        expected = model.predict(probe, verbose=0)
+        path = os.path.join(tmp_path, "serving")
+        sok.export_for_serving(model, path)
+        loaded = tf.saved_model.load(path)
+        served = loaded.serve({k: tf.constant(v) for k, v in probe.items()})
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for want, got in zip(expected, served):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, "float32"),
+                                      np.asarray(want, "float32"))

@@ -128,6 +128,11 @@ def test_gather_predictions_in_a_world_of_one():
         sok.gather_predictions(y, batch_size=0)
     with pytest.raises(ValueError, match="rows dimension"):
         sok.gather_predictions(np.float32(1.0))
+    np.testing.assert_array_equal(sok.gather_predictions(y, strided=True), y)
+    with pytest.raises(ValueError, match="not both"):
+        sok.gather_predictions(y, batch_size=1, strided=True)
+    with pytest.raises(TypeError, match="True or False"):
+        sok.gather_predictions(y, strided="yes")
 
 
 def test_enter_timeout_is_checked(monkeypatch):
@@ -160,6 +165,9 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
         assert r["nested_b"] == [0] * 5 + [1] * 3 and r["nested_a_equal"]
         assert r["batched"] == [0, 1, 10, 11, 2, 3, 12, 13]
         assert "same number of rows" in r["batched_uneven"], r
+        assert r["strided"] == [1.5 * i for i in range(7)]
+        assert "[4, 4] rows per rank. Received: [5, 3]" in (
+            r["strided_uneven"]), r
     assert (r0["local_rows"], r1["local_rows"]) == (501, 500)
     assert r0["plain_load"] == "no error"
     assert r0[last].startswith("RankMismatchError"), r0[last]

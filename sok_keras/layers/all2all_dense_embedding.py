@@ -34,7 +34,10 @@ class All2AllDenseEmbedding(BaseEmbedding):
             cross-rank averaging still come from the model's optimizer,
             which must be an `OptimizerWrapper` or a `sok.optimizers` class.
             Defaults to `None` (the model's optimizer rules the table).
-        **kwargs: base layer arguments (`name`, `dtype`, ...).
+        **kwargs: base layer arguments (`name`, `dtype`, ...), and
+            `keras.layers.Embedding`'s `weights`: the whole initial table
+            `[rows, dim]` (or a list of it), of which each rank keeps its
+            rows when the layer is built; not saved in the config.
 
     Call arguments:
         inputs: int tensor `[batch, slot_num, nnz_per_slot]`; every entry

@@ -100,8 +100,8 @@ _KERAS_ONLY = {
                               "rows to the loss (`layer.add_loss`)",
     "embeddings_constraint": "a constraint would rewrite the whole table on "
                              "every step",
-    "input_length": "Keras 3 dropped it too; give the ids' shape to "
-                    "`keras.Input`",
+    "input_length": "Keras 3 deprecated it and ignores it; give the ids' "
+                    "shape to `keras.Input`",
     "sparse": "the gradient of a table is always sparse (IndexedSlices over "
               "the looked-up rows)",
     "lora_rank": "LoRA is not supported for sharded tables",
@@ -156,6 +156,29 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     return vocabulary_size, embedding_dim
 
 
+def _initial_table(weights, shape, where):
+    """Keras Embedding's `weights=`: the whole table `[rows, dim]`, or a
+    list of it, as an array (shape-checked now); None if not given. Like
+    Keras, it is not part of the layer's config."""
+    if weights is None:
+        return None
+    if isinstance(weights, (list, tuple)):
+        if len(weights) != 1:
+            raise ValueError(
+                f"'{where}': `weights` is the whole table or a list of it "
+                f"(one array). Received: a list of {len(weights)} arrays.")
+        weights = weights[0]
+    weights = np.asarray(keras.ops.convert_to_numpy(weights))
+    if weights.dtype.kind not in "fiu":
+        raise TypeError(
+            f"'{where}': `weights` must be a numeric array. Received: "
+            f"dtype {weights.dtype}.")
+    from sok_keras.variable import _check_global_shape
+
+    _check_global_shape(weights, shape, where)
+    return weights
+
+
 def shape_inference_ids(ids):
     """`ids` as int64 while Keras infers shapes without data (its
     `SymbolicScope`), else as they are.
@@ -197,6 +220,7 @@ class BaseEmbedding(keras.layers.Layer):
         cls = type(self).__name__
         vocabulary_size, embedding_dim = _keras_embedding_arguments(
             cls, vocabulary_size, embedding_dim, kwargs)
+        initial = kwargs.pop("weights", None)
         super().__init__(**kwargs)
         from sok_keras.lookup import POOLING_MODES
 
@@ -215,6 +239,9 @@ class BaseEmbedding(keras.layers.Layer):
         self.combiner = check_combiner(combiner, cls)
         self.embeddings_initializer = keras.initializers.get(
             embeddings_initializer)
+        self._initial_table = _initial_table(
+            initial, (self.vocabulary_size, self.embedding_dim),
+            f"{self.name}/embeddings")
         self.supports_jit = False  # custom ops have no XLA kernels
 
     def _table_mode(self):
@@ -231,6 +258,11 @@ class BaseEmbedding(keras.layers.Layer):
             name="embeddings",
         )
         self.embeddings.optimizer = self.table_optimizer
+        if self._initial_table is not None:
+            # Keras' `weights=`: each rank keeps its rows of the whole table.
+            self.embeddings.assign_global(self._initial_table,
+                                          f"{self.name}/embeddings")
+            self._initial_table = None
         if not self.trainable:
             # As Keras' add_weight does: the table stays among the layer's
             # trainable variables (so that `layer.trainable = True` thaws

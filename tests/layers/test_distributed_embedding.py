@@ -145,6 +145,33 @@ def test_keras_embedding_argument_names():
         sok.layers.DistributedEmbedding(30, 4, embeddings_regularizer="l2")
 
 
+def test_keras_embedding_weights_argument():
+    """Keras Embedding's `weights=` (the whole initial table, or a list of
+    it) sets the table when the layer is built, every sok layer alike; a
+    wrong shape is refused at once, naming the table (before: Keras'
+    "Unrecognized keyword arguments" with the array printed)."""
+    table = np.arange(60, dtype="float32").reshape(15, 4)
+    for layer in (sok.layers.DistributedEmbedding(15, 4, weights=[table],
+                                                  combiner=None),
+                  sok.layers.LocalizedEmbedding(15, 4, weights=table,
+                                                combiner=None),
+                  sok.layers.All2AllDenseEmbedding(
+                      15, 4, slot_num=1, nnz_per_slot=2, weights=table)):
+        ids = np.array([[3, 14]])
+        a2a = isinstance(layer, sok.layers.All2AllDenseEmbedding)
+        got = layer(ids[:, None] if a2a else ids)
+        np.testing.assert_array_equal(np.reshape(got, (2, 4)), table[[3, 14]])
+        np.testing.assert_array_equal(layer.get_weights()[0], table)
+        assert "weights" not in layer.get_config()
+    keras_layer = keras.layers.Embedding(15, 4, weights=table)
+    np.testing.assert_array_equal(keras_layer(ids), layer(ids[:, None])[:, 0])
+    with pytest.raises(ValueError, match=r"'bad/embeddings'.*shape \(4, 15\)"
+                       r".*whole table has shape \(15, 4\)"):
+        sok.layers.DistributedEmbedding(15, 4, weights=table.T, name="bad")
+    with pytest.raises(ValueError, match="a list of 2 arrays"):
+        sok.layers.DistributedEmbedding(15, 4, weights=[table, table])
+
+
 def test_config_round_trip_with_non_defaults():
     layer = sok.layers.DistributedEmbedding(
         123, 7, combiner="sqrtn",

@@ -50,6 +50,15 @@ try:
     result["batched_uneven"] = "no error"
 except ValueError as e:
     result["batched_uneven"] = str(e)
+# strided: rank r predicted x[r::N]; back in the order of x (7 rows).
+result["strided"] = sok.gather_predictions(
+    {"y": np.arange(7)[RANK::2, None] * 1.5}, strided=True)["y"].ravel(
+    ).tolist()
+try:
+    sok.gather_predictions(mine, strided=True)  # 5 and 3 rows
+    result["strided_uneven"] = "no error"
+except ValueError as e:
+    result["strided_uneven"] = str(e)
 
 # Saving and loading on every rank still work.
 path = os.path.join(folder, "m.keras")
