@@ -193,13 +193,57 @@ def _check_unique(names, what, fn):
             "checkpoint keys them by path (give the layers distinct names).")
 
 
-def _optimizer_variables(optimizer):
+def _given(model_or_variables):
+    """The variables given to `dump` / `load` as a list, else None (a
+    model: all of its variables)."""
+    import keras
+
+    if isinstance(model_or_variables, keras.Model):
+        return None
+    return list(model_or_variables)
+
+
+def _optimizer_variables(optimizer, given=None):
+    """The optimizer's own variables (not a table's slots) to save or load.
+    With `given`, a list of variables (`dump(path, [vars], optimizer)`),
+    the slots of variables it trains that are not in the list are left
+    out, as those variables are: the same list then loads into a fresh
+    optimizer built for it alone."""
     if optimizer is None or not optimizer.built:
         return []
     out = [v for v in optimizer.variables if not isinstance(v, Variable)]
+    if given is not None:
+        other = _slot_of_other_variable(optimizer, given)
+        out = [v for v in out if not other(v.path)]
     _check_unique([_optimizer_key(optimizer, v.path) for v in out],
                   "optimizer variable", "dump")
     return out
+
+
+def _slot_of_other_variable(optimizer, given):
+    """A predicate on an optimizer variable's path: whether it is the slot
+    of a variable the optimizer trains that is not in `given`. Keras names
+    a slot after its variable (`add_variable_from_reference`:
+    `<optimizer>/<variable path, '/' as '_'>_<slot>`); the longest such
+    prefix names the slot's variable. The step count and learning rate
+    are nobody's slots."""
+    refs = []
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        refs += list(getattr(opt, "_trainable_variables", None) or [])
+    kept = {id(v) for v in given}
+    prefixes = sorted(((v.path.replace("/", "_") + "_", id(v) in kept)
+                       for v in refs), key=lambda p: -len(p[0]))
+
+    def other(path):
+        leaf = path.rsplit("/", 1)[-1]
+        if leaf in ("iteration", "learning_rate"):
+            return False
+        for prefix, is_kept in prefixes:
+            if leaf.startswith(prefix):
+                return not is_kept
+        return False
+
+    return other
 
 
 def _table_optimizer_variables(tables):
@@ -363,7 +407,10 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
             its other variables) or a list of variables.
         optimizer: the optimizer whose state to save. Defaults to
             `model.optimizer` for a model; optimizer state is saved only if
-            the optimizer is built.
+            the optimizer is built. With a list of variables, the state
+            saved is the listed variables' (and the step count): the slots
+            of other variables the optimizer trains are left out, as
+            those variables are.
         metadata: optional JSON-serializable dict stored in the manifest
             (`manifest["metadata"]`; rank 0's is kept), e.g. the epoch.
 
@@ -377,7 +424,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     """
     path = os.fspath(path)
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
-    opt_vars = _optimizer_variables(optimizer)
+    opt_vars = _optimizer_variables(optimizer, _given(model_or_variables))
     table_opt_vars = _table_optimizer_variables(tables)
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -751,7 +798,7 @@ def _fail(mpath, what):
     raise CheckpointError(f"'{mpath}': {what}")
 
 
-def _plan(path, manifest, tables, dense, optimizer, opt_vars):
+def _plan(path, manifest, tables, dense, optimizer, opt_vars, given=None):
     """Checks the checkpoint against what is being loaded; returns the
     plans (nothing is allocated or read yet)."""
     mpath = _join(path, MANIFEST)
@@ -871,8 +918,11 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars):
                 _fail(mpath, "holds no optimizer state, but an optimizer "
                       f"({type(optimizer).__name__}) was given.")
         else:
-            dense_plan("optimizer", opt_vars,
-                       manifest["optimizer"]["variables"],
+            saved = manifest["optimizer"]["variables"]
+            if given is not None:  # (an older dump kept them)
+                other = _slot_of_other_variable(optimizer, given)
+                saved = [d for d in saved if not other(d["name"])]
+            dense_plan("optimizer", opt_vars, saved,
                        lambda path: _optimizer_key(optimizer, path))
     table_opt_vars = _table_optimizer_variables(tables)
     # (A checkpoint written before they were saved has no such list.)
@@ -957,7 +1007,9 @@ def load(path, model_or_variables, optimizer=None):
             to `dump` (same table paths, shapes and dtypes).
         optimizer: the optimizer to restore. Defaults to `model.optimizer`
             for a model. An optimizer that is not built yet is built first
-            (for the model's trainable variables), so its slots exist.
+            (for the model's trainable variables, or the listed ones), so
+            its slots exist; with a list, the slots of variables not in it
+            are left as they are.
 
     Returns:
         The manifest (a dict).
@@ -985,13 +1037,14 @@ def load(path, model_or_variables, optimizer=None):
         else:
             variables = [v for v in model_or_variables if v.trainable]
         build_once(optimizer, variables)  # as Keras' first `apply` does
-    opt_vars = _optimizer_variables(optimizer)
+    given = _given(model_or_variables)
+    opt_vars = _optimizer_variables(optimizer, given)
     n_new, r_new = world.num_ranks(), world.rank()
     error, plans, readers = None, [], {}
     try:
         manifest = _read_manifest(path)
         plans, readers, root = _plan(path, manifest, tables, dense, optimizer,
-                                     opt_vars)
+                                     opt_vars, given)
         for rd in readers.values():  # sizes and headers, before allocating
             rd.check(root)
         for p in plans:

@@ -1192,6 +1192,7 @@ def _pooled_lookup_grad(op, dy):
         dense_shape = tf.shape(table, out_type=tf.int64)
         rows = _INT64_MAX
     plan = _forward_plan(op)
+    forward = plan is not None
     if plan is None:
         plan = ops().sok_pooled_grad_plan(
             ids=values, row_splits=splits, weights=weights,
@@ -1204,7 +1205,14 @@ def _pooled_lookup_grad(op, dy):
     weights_grad = None
     if lookup_ops.needs_input_gradient(op, 3, weights):
         weights_grad = _pooled_lookup_weights_grad(op, dy, combiner)
-    return [tf.IndexedSlices(rows_grad, plan.rows, dense_shape), None,
+    indices = plan.rows
+    if forward and indices.graph is not tf.compat.v1.get_default_graph():
+        # The forward's plan, and this gradient traced into a backward
+        # function of its own (a tape around a `tf.function` call): an
+        # output must be made in that function, which then captures the
+        # forward's tensor (returned as is, it would name another graph).
+        indices = tf.identity(indices)
+    return [tf.IndexedSlices(rows_grad, indices, dense_shape), None,
             None, weights_grad]
 
 
@@ -1358,7 +1366,10 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         params: a `sok_keras.Variable` or a list of them.
         sp_ids: ids for each table: `tf.SparseTensor`, `tf.RaggedTensor`
             (`[batch, None]`) or a dense `[batch, n]` tensor with `-1` as
-            padding. One per table.
+            padding. One per table. `-1` is padding in every layout: it
+            is skipped and not counted by `mean` / `sqrtn` (and its
+            weight is ignored); any other id outside `[0, rows)` is an
+            error.
         sp_weights: optional per-id weights, same structure as `sp_ids`
             (a list with `None` entries is allowed).
         combiners: `"sum"`, `"mean"` or `"sqrtn"` (one string for all

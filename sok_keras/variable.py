@@ -139,6 +139,16 @@ class Variable(keras.Variable):
             initial_value = kwargs.pop("initializer", None)
         # SOK's (tf.Variable's) argument: a table's shape is always checked.
         kwargs.pop("validate_shape", None)
+        dynamic = sorted(set(kwargs) & {"dimension", "var_type", "key_type"})
+        if dynamic:
+            raise TypeError(
+                f"sok_keras.Variable '{name}': {dynamic} are arguments of "
+                "SOK's DynamicVariable (hash-table embeddings), which "
+                "sok_keras does not have: give a table of fixed rows, "
+                "`sok.Variable(initializer, shape=(vocabulary_size, "
+                "dimension))`, and map raw keys to ids in [0, "
+                "vocabulary_size) first (keras.layers.Hashing or "
+                "IntegerLookup).")
         if kwargs:
             raise TypeError(
                 f"Unexpected keyword argument(s) for sok_keras.Variable: "
@@ -586,6 +596,11 @@ class Variable(keras.Variable):
         return global_to_local(
             self.vocabulary_size, self._sok_kind, rank, self._sok_num_ranks,
         )
+
+    def read_value(self):
+        """This rank's shard as a tensor (`tf.Variable.read_value`); see
+        `read_global` for the whole table."""
+        return tf.convert_to_tensor(self.value)
 
     def read_global(self):
         """Returns the whole table, in global row order, as a NumPy array.

@@ -10,6 +10,7 @@ import zlib
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import sok_keras as sok
 from sok_keras import checkpoint
@@ -208,6 +209,60 @@ def test_list_of_variables_and_config_mismatches(tmp_path):
     renamed = sok.Variable(np.zeros((10, 4), np.float32), name="u")
     with pytest.raises(sok.CheckpointError, match="tables do not match"):
         sok.load(path, [renamed, w2])
+
+
+@pytest.mark.parametrize("wrap", ["wrapper", "sok_adam", "keras_adam"])
+def test_a_list_of_tables_with_an_optimizer_of_more_variables(tmp_path,
+                                                              wrap):
+    """SOK's `dump(path, tables, optimizer)` with one optimizer over the
+    tables and dense weights: the listed variables' optimizer state is
+    saved and loads, with the same list, into a fresh optimizer (before:
+    "optimizer variables do not match: unexpected ['adam/k_momentum',
+    ...]") or into one built for every variable, whose other slots stay."""
+    def make():
+        opt = {"wrapper": lambda: sok.OptimizerWrapper(
+                   keras.optimizers.Adam(0.1)),
+               "sok_adam": lambda: sok.optimizers.Adam(0.1),
+               "keras_adam": lambda: keras.optimizers.Adam(0.1)}[wrap]()
+        t = sok.Variable(np.ones((10, 2), np.float32), name="t")
+        k = keras.Variable(np.ones((2, 1), np.float32), name="k")
+        return opt, t, k
+
+    def step(opt, t, k, only_table=False):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(sok.lookup_sparse(
+                t, tf.ragged.constant([[1, 2], [2, 5]], tf.int64),
+                combiners="sum") @ tf.convert_to_tensor(k))
+        variables = [t] if only_table else [t, k]
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    def k_slots(opt):
+        return [v.numpy().copy() for v in opt.variables
+                if v.path.rsplit("/", 1)[-1].startswith("k_")]
+
+    opt, t, k = make()
+    step(opt, t, k)
+    step(opt, t, k)
+    path = str(tmp_path / "tables")
+    sok.dump(path, [t], optimizer=opt)
+    fresh, t2, _ = make()
+    sok.load(path, [t2], optimizer=fresh)
+    np.testing.assert_array_equal(t2.numpy(), t.numpy())
+    assert int(fresh.iterations.numpy()) == 2
+    assert k_slots(fresh) == []
+    built, t3, k3 = make()
+    step(built, t3, k3)
+    before = k_slots(built)
+    assert len(before) == 2
+    sok.load(path, [t3], optimizer=built)
+    np.testing.assert_array_equal(t3.numpy(), t.numpy())
+    for a, b in zip(k_slots(built), before):
+        np.testing.assert_array_equal(a, b)
+    # The table's slots came back: the next step of the loaded table is
+    # the original's.
+    step(opt, t, k.numpy(), only_table=True)
+    step(fresh, t2, k.numpy(), only_table=True)
+    np.testing.assert_allclose(t2.numpy(), t.numpy(), rtol=1e-6)
 
 
 def test_missing_shard(trained):

@@ -179,6 +179,61 @@ def test_one_rank_pooled_gradient_stays_sparse_in_tf_function(combiner,
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["ragged", "dense", "sparse",
+                                    "ragged_weights", "unpooled"])
+def test_eager_tape_around_a_traced_lookup(layout):
+    """A tape in eager code around a `tf.function` that looks a table up
+    (one rank), as a custom loop that jits only its forward does: the
+    gradient is traced into a backward function of its own (before: "Node
+    with id 5 is different from the passed in node" for ragged and dense
+    ids), and equals tf.nn.embedding_lookup_sparse's."""
+    rng = np.random.default_rng(4)
+    table = rng.normal(size=(20, 3)).astype(np.float32)
+    v, ref = sok.Variable(table), tf.Variable(table)
+    ragged = tf.ragged.constant([[1, 2, 2], [3], [], [19, 0]], tf.int64)
+    w = tf.ragged.constant([[0.5, 2.0, 1.0], [3.0], [], [1.5, 0.25]])
+    ids = {"dense": ragged.to_tensor(-1), "sparse": ragged.to_sparse(),
+           "unpooled": tf.constant([[1, 2], [2, -1]], tf.int64)}.get(
+               layout, ragged)
+    weights = w if layout == "ragged_weights" else None
+    combiner = None if layout == "unpooled" else "mean"
+
+    if combiner is None:  # the unpooled path of dense -1-padded ids
+        layer = sok.layers.DistributedEmbedding(20, 3, combiner=None,
+                                                weights=table)
+        layer.build()
+        v = layer.embeddings
+
+    def lookup(i):
+        if combiner is None:
+            return layer(i)
+        return sok.lookup_sparse(v, i, weights, combiners=combiner)
+
+    f = tf.function(lookup)
+    for _ in range(2):  # the first call traces under the tape, then not
+        with tf.GradientTape() as tape:
+            out = f(ids)
+            loss = tf.reduce_sum(out * out)
+        g = tape.gradient(loss, v)
+        assert isinstance(g, tf.IndexedSlices)
+        with tf.GradientTape() as tape:
+            if combiner is None:
+                valid = tf.not_equal(ids, -1)
+                want = tf.gather(ref, tf.where(valid, ids, 0)) * tf.cast(
+                    valid, tf.float32)[..., None]
+            else:
+                want = tf.nn.embedding_lookup_sparse(
+                    ref, ragged.to_sparse(),
+                    None if weights is None else w.to_sparse(),
+                    combiner=combiner)
+            loss_ref = tf.reduce_sum(want * want)
+        g_ref = tf.convert_to_tensor(tape.gradient(loss_ref, ref))
+        np.testing.assert_allclose(loss.numpy(), loss_ref.numpy(), rtol=1e-5)
+        dense = tf.math.unsorted_segment_sum(g.values, g.indices, 20)
+        np.testing.assert_allclose(dense.numpy(), g_ref.numpy(), rtol=1e-5,
+                                   atol=1e-6)
+
+
 @pytest.mark.parametrize("combiner", ["sum", None])
 def test_ragged_weights_must_share_the_ids_row_splits(combiner):
     """Weights with other row splits would be applied, in flat order, to

@@ -19,6 +19,7 @@ def test_variable_is_a_keras_variable_holding_the_table():
     assert v.mode == "distributed" and v.target_rank == -1
     assert v.dtype == "float32"
     np.testing.assert_array_equal(v.numpy()[5], [15, 16, 17])
+    np.testing.assert_array_equal(v.read_value().numpy(), v.numpy())
 
 
 def test_shard_rule_matches_sok():
@@ -44,6 +45,10 @@ def test_modes_and_errors():
         sok.Variable("uniform")
     v = sok.Variable("zeros", shape=(4, 3), mode="localized:0")
     assert v.shape == (4, 3) and v.mode == "localized:0"
+    # SOK's DynamicVariable arguments: what to do instead.
+    with pytest.raises(TypeError, match=r"\['dimension'\] are arguments of "
+                       r"SOK's DynamicVariable.*shape=\(vocabulary_size"):
+        sok.Variable(dimension=8, initializer="uniform", name="dyn")
 
 
 def test_filter_variables():
