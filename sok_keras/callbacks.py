@@ -540,6 +540,10 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     number of ranks) and returns that metadata, so a restarted job can skip
     what was done: `ds.skip(meta["batch_in_epoch"])` for the epoch
     `meta["epoch"]`, then `initial_epoch=meta["epoch"] + 1` for the rest.
+    The callback counts that shortened epoch's batches from
+    `batch_in_epoch`, so a job interrupted again resumes right too (an
+    epoch trained whole again, with as many steps as the checkpoint's
+    `steps_in_epoch`, counts from 0).
 
     Put it in `callbacks=[...]` on every rank, with the same arguments.
 
@@ -579,6 +583,8 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         self.every_n_epochs = every_n_epochs
         self.keep = keep
         self._epoch = 0
+        self._offset = 0  # batches of this epoch skipped by a resume
+        self._resumed = None  # metadata of the checkpoint restored
         self._last_saved = None
 
     # -- listing ------------------------------------------------------------
@@ -612,8 +618,10 @@ class ShardedCheckpoint(keras.callbacks.Callback):
         step = self._step()
         if step == self._last_saved:
             return
+        steps = (self.params or {}).get("steps")
         checkpoint.dump(self._path(step), self.model, metadata={
-            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch})
+            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "steps_in_epoch": None if not steps else self._offset + steps})
         self._last_saved = step
         if world.rank() == 0:
             self._prune(step)
@@ -631,7 +639,17 @@ class ShardedCheckpoint(keras.callbacks.Callback):
                 pass
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self._epoch, self._offset = epoch, 0
+        resumed, self._resumed = self._resumed, None
+        if resumed and epoch == resumed.get("epoch") and resumed.get(
+                "batch_in_epoch"):
+            # The first epoch after `restore_latest`: the recipe's `fit(ds.
+            # skip(done), initial_epoch=epoch)` trains only its rest, unless
+            # it has as many steps as the whole epoch had.
+            steps = (self.params or {}).get("steps")
+            whole = resumed.get("steps_in_epoch")
+            if not (steps and whole and steps == whole):
+                self._offset = int(resumed["batch_in_epoch"])
 
     def on_train_batch_end(self, batch, logs=None):
         if self.every_n_steps and self._step() % self.every_n_steps == 0:
@@ -639,7 +657,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             if steps and batch + 1 >= steps:  # the epoch's last step
                 self._save(self._epoch + 1, 0)
             else:
-                self._save(self._epoch, batch + 1)
+                self._save(self._epoch, self._offset + batch + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
@@ -655,8 +673,9 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             model: the model (defaults to the callback's model).
 
         Returns:
-            The checkpoint's metadata (`step`, `epoch`, `batch_in_epoch`),
-            or None if there is no complete checkpoint (nothing is loaded).
+            The checkpoint's metadata (`step`, `epoch`, `batch_in_epoch`,
+            `steps_in_epoch`: the epoch's steps, None if unknown), or None
+            if there is no complete checkpoint (nothing is loaded).
         """
         from sok_keras import checkpoint
 
@@ -674,4 +693,6 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             return None
         manifest = checkpoint.load(self._path(chosen - 1), model)
         self._last_saved = chosen - 1
-        return manifest.get("metadata")
+        meta = manifest.get("metadata")
+        self._resumed = dict(meta) if isinstance(meta, dict) else None
+        return meta

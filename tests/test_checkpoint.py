@@ -560,7 +560,8 @@ def test_sharded_checkpoint_one_rank_keeps_last_k_and_restores(tmp_path):
     meta = sok.callbacks.ShardedCheckpoint(str(tmp_path)).restore_latest(
         fresh)
     # The last step of the epoch: the next thing to do is epoch 1.
-    assert meta == {"step": 6, "epoch": 1, "batch_in_epoch": 0}
+    assert meta == {"step": 6, "epoch": 1, "batch_in_epoch": 0,
+                    "steps_in_epoch": 6}
     _assert_same(saved, _state(fresh))
     empty = sok.callbacks.ShardedCheckpoint(str(tmp_path / "none"))
     assert empty.restore_latest(fresh) is None
@@ -583,6 +584,9 @@ def killed_fits(tmp_path_factory):
         if action == "killed" and os.path.isdir(directory):
             fits["copy"] = str(base / "ckpts-copy")
             shutil.copytree(directory, fits["copy"])
+            # Never resumed from (the tests that resume copy it first).
+            fits["pristine"] = str(base / "ckpts-pristine")
+            shutil.copytree(directory, fits["pristine"])
         if action == "backup-killed" and os.path.isdir(directory):
             fits["backup_files"] = sorted(os.listdir(directory))
     return fits
@@ -620,7 +624,8 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(
     resumed = request.getfixturevalue("resumed_fits")
     uninterrupted = resumed["uninterrupted"]
     r0, r1 = resumed["resume"]
-    assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2}
+    assert r0["meta"] == {"step": 8, "epoch": 1, "batch_in_epoch": 2,
+                          "steps_in_epoch": 6}
     assert r0["iterations"] == 8 and r1["iterations"] == 8
     assert r0["checkpoints"] == [10, 12]
     expected = uninterrupted
@@ -641,6 +646,40 @@ def test_fit_killed_mid_epoch_resumes_to_the_uninterrupted_result(
     for k in expected:
         np.testing.assert_allclose(got3[k], expected[k], rtol=0, atol=1e-6,
                                    err_msg=f"{k} at 3 ranks")
+
+
+def test_a_resumed_fit_killed_again_resumes_to_the_uninterrupted_result(
+        tmp_path, killed_fits, request):
+    """docs/checkpoints.md's recipe, interrupted twice: resumed from step
+    8 (epoch 1, batch 2), rank 1 is killed again at step 11. The
+    checkpoint at step 10 counts the epoch's batches from its start (4;
+    before: 2, the shortened fit's own count, and the second resume then
+    trained batches 2-3 twice, ending at step 14), and the second resume
+    ends with the uninterrupted run's state."""
+    if "pristine" not in killed_fits:
+        pytest.fail(f"the killed fit left no checkpoints: "
+                    f"{killed_fits['killed'][1].output}")
+    directory = str(tmp_path / "ckpts")
+    shutil.copytree(killed_fits["pristine"], directory)
+    out = str(tmp_path)
+    job = launch(FIT_WORKER, 2, args=["resume-killed", directory, out],
+                 timeout=120, env={"SOK_COMM_TIMEOUT": "10"})
+    assert job.returncode != 0, job.output
+    assert job.leftovers == []
+    with open(os.path.join(directory, "ckpt-0000000010",
+                           "manifest.json")) as f:
+        meta = json.load(f)["metadata"]
+    assert meta == {"step": 10, "epoch": 1, "batch_in_epoch": 4,
+                    "steps_in_epoch": 6}, meta
+    r0, _ = run_workers(FIT_WORKER, 2, args=["resume", directory, out],
+                        timeout=240)
+    assert r0["meta"]["step"] == 10 and r0["iterations"] == 10
+    got = _npz(os.path.join(out, "final_resume.npz"))
+    expected = request.getfixturevalue("resumed_fits")["uninterrupted"]
+    assert sorted(got) == sorted(expected)  # the step count among them
+    for k in expected:
+        np.testing.assert_allclose(got[k], expected[k], rtol=0, atol=1e-6,
+                                   err_msg=k)
 
 
 def test_backup_and_restore_resumes_a_killed_fit(killed_fits, request):

@@ -10,6 +10,7 @@ ACTION:
   resume         ShardedCheckpoint(DIR, ...).restore_latest(model), then
                  fit what is left (the rest of the interrupted epoch, then
                  the remaining epochs) with the callback on; OUT/final.npz;
+  resume-killed  `resume`, with rank 1 dying again before global step 11;
   backup-killed  fit with keras.callbacks.BackupAndRestore(DIR) (a backup
                  at each epoch's end, through model.save_weights on every
                  rank); rank 1 dies in the second epoch, as in `killed`;
@@ -61,13 +62,16 @@ def final_state():
 
 
 class Die(keras.callbacks.Callback):
-    """Kills rank 1 before the 4th step of the second epoch."""
+    """Kills rank 1 before global step `step` (10: the 4th step of the
+    second epoch)."""
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
+    def __init__(self, step=10):
+        super().__init__()
+        self.step = step
 
     def on_train_batch_begin(self, batch, logs=None):
-        if RANK == 1 and self.epoch == 1 and batch == 3:
+        done = int(self.model.optimizer.iterations.numpy())
+        if RANK == 1 and done == self.step - 1:
             os._exit(9)  # killed mid-epoch
 
 
@@ -110,16 +114,17 @@ elif action in ("backup-killed", "backup-resume"):
         callbacks.append(Begin())
     fit(epoch_ds, EPOCHS, callbacks)
     result["backup_left"] = os.path.exists(directory)
-elif action == "resume":
+elif action in ("resume", "resume-killed"):
+    callbacks = [ckpt] + ([Die(11)] if action == "resume-killed" else [])
     meta = ckpt.restore_latest(model)
     result["meta"] = meta
     result["iterations"] = int(model.optimizer.iterations.numpy())
     epoch, done = meta["epoch"], meta["batch_in_epoch"]
     if done:  # the rest of the interrupted epoch
-        fit(epoch_ds.skip(done), epoch + 1, [ckpt], initial_epoch=epoch)
+        fit(epoch_ds.skip(done), epoch + 1, callbacks, initial_epoch=epoch)
         epoch += 1
     if epoch < EPOCHS:
-        fit(epoch_ds, EPOCHS, [ckpt], initial_epoch=epoch)
+        fit(epoch_ds, EPOCHS, callbacks, initial_epoch=epoch)
     result["checkpoints"] = ckpt.checkpoints()
 else:
     raise SystemExit(f"unknown action {action!r}")
