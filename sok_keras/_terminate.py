@@ -62,15 +62,46 @@ def on_sigterm_clean_up():
         return
     _DEPTH, _RECEIVED = 1, False
     signal.signal(signal.SIGTERM, _handler)
+    stopped = None
     try:
         yield
+    except _Terminated as e:  # the process ends below
+        stopped = e
     finally:
         _DEPTH = 0
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if _RECEIVED:
-            # Even if Keras swallowed the exception (a bare `except:` falls
-            # back to reading the zip): the signal still ends the process.
-            os.kill(os.getpid(), signal.SIGTERM)
+    if _RECEIVED:
+        # Even if Keras swallowed the exception (a bare `except:` falls back
+        # to reading the zip): the signal still ends the process.
+        _die_of_sigterm(stopped)
+
+
+def _die_of_sigterm(stopped):
+    """Ends the process as SIGTERM would have, once the frames that the
+    exception `stopped` unwound have let go of their locals: a temporary
+    file whose `finally` the signal interrupted (Keras' `NamedTemporaryFile`
+    of the weights, whose copy into the zip it stopped) is removed when its
+    object goes."""
+    import gc
+    import traceback
+
+    seen = set()
+    while stopped is not None and id(stopped) not in seen:
+        seen.add(id(stopped))
+        traceback.clear_frames(stopped.__traceback__)
+        stopped = stopped.__context__
+    gc.collect()
+    try:
+        from sok_keras import divergence
+
+        ch = divergence.channel()
+        if ch is not None:  # the other ranks learn why, not "no word"
+            ch.publish(t="failed", msg=f"rank {ch.rank} received SIGTERM "
+                       "during a model save or load")
+    except Exception:  # noqa: BLE001 - best effort while dying
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # (not reached: SIGTERM's default)
 
 
 def guarded(fn):

@@ -272,11 +272,20 @@ def _write_on_rank_0(model, path, target, rank, n, what, write):
                 f"{count}).")
         if rank == 0:
             _STREAM = stream
+            interrupted = True
             try:
                 write(target)
+                interrupted = False
+            except Exception:
+                interrupted = False
+                raise
             finally:
                 _STREAM = None
-                stream.finish()
+                # A signal (SIGTERM, Ctrl-C) ends this process: no
+                # collective then, the peers may be inside one of the
+                # stream's, and learn that this rank is gone instead.
+                if not interrupted:
+                    stream.finish()
         else:
             stream.serve()
     except Exception as e:  # reported to every rank below
@@ -293,7 +302,7 @@ def _write_on_rank_0(model, path, target, rank, n, what, write):
 def _fail_together(stage, error, what, path, target, rank, n):
     """Every rank raises if `error` happened on any (this rank's error, or
     one naming the rank's failure), once rank 0's temporary file is gone."""
-    failed = _agree(stage, int(error is not None), world.timeout())
+    failed = _failed_ranks(stage, error is not None, rank, n)
     if not failed:
         return
     if rank == 0:
@@ -303,9 +312,23 @@ def _fail_together(stage, error, what, path, target, rank, n):
     if error is not None:
         raise _in_user_terms(error, target, path)
     raise RuntimeError(
-        f"sok_keras: {what}('{path}') failed on another rank "
-        f"({failed} of {n}); its error is in that rank's output. "
-        "The file was not changed.")
+        f"sok_keras: rank {rank}: {what}('{path}') failed on {failed} "
+        f"(of {n} ranks); the error is in that rank's output. The file "
+        "was not changed.")
+
+
+def _failed_ranks(stage, failed_here, rank, n):
+    """Which ranks failed (a sentence fragment, '' if none): one agreement
+    of a bit per rank (a count beyond 62 ranks)."""
+    if n > 62:
+        count = _agree(stage, int(failed_here), world.timeout())
+        return f"{count} other rank(s)" if count else ""
+    mask = _agree(stage, (1 << rank) if failed_here else 0, world.timeout())
+    ranks = [r for r in range(n) if mask >> r & 1]
+    if not ranks:
+        return ""
+    return (f"rank {ranks[0]}" if len(ranks) == 1
+            else f"ranks {ranks}")
 
 
 def _in_user_terms(error, target, path):

@@ -187,12 +187,18 @@ def _float_env(name, default, env):
         out = float(value)
     except ValueError:
         out = -1.0
-    if not out > 0:
+    if not 0 < out <= MAX_SECONDS:
         raise RuntimeError(
             f"sok_keras: environment variable {name} must be a positive "
-            f"number of seconds, got {value!r}."
+            f"number of seconds, at most {MAX_SECONDS:g} (a year), got "
+            f"{value!r}."
         )
     return out
+
+
+# The longest timeout taken (a year): longer ones, `inf` among them, would
+# overflow the clocks and millisecond counts they become.
+MAX_SECONDS = 365 * 86400.0
 
 
 def world_from_env(env=None):
@@ -777,9 +783,10 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             raise TypeError(
                 f"sok_keras.init(): `{arg}` must be a number of seconds. "
                 f"Received: {arg}={value!r}.")
-    if timeout is not None and not timeout > 0:
+    if timeout is not None and not 0 < timeout <= MAX_SECONDS:
         raise ValueError(
-            f"`timeout` must be a positive number of seconds, got {timeout!r}"
+            "`timeout` must be a positive number of seconds, at most "
+            f"{MAX_SECONDS:g} (a year), got {timeout!r}"
         )
     given = f"backend={backend!r}"
     if not backend and os.environ.get("SOK_BACKEND"):
@@ -789,10 +796,11 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
     if backend not in _BACKENDS:
         raise ValueError(
             f"`backend` must be one of {_BACKENDS}. Received: {given}.")
-    if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+    if heartbeat_timeout is not None and not (
+            0 < heartbeat_timeout <= MAX_SECONDS):
         raise ValueError(
-            "`heartbeat_timeout` must be a positive number of seconds, got "
-            f"{heartbeat_timeout!r}"
+            "`heartbeat_timeout` must be a positive number of seconds, at "
+            f"most {MAX_SECONDS:g} (a year), got {heartbeat_timeout!r}"
         )
     _check_later_variables(global_metrics)
     with _LOCK:

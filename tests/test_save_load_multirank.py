@@ -118,7 +118,8 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
     assert 0 < r0["max_received"] <= r0["chunk_bytes"]
     assert "disk full (injected)" in r0["failure"], r0["failure"]
-    assert "failed on another rank" in r1["failure"], r1["failure"]
+    assert "rank 1: model.save(" in r1["failure"], r1["failure"]
+    assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"] and r0["leftovers"] == [] == r1["leftovers"]
     np.testing.assert_allclose(r0["predictions"], r1["predictions"])
     expected = np.load(os.path.join(folder, "expected.npz"))

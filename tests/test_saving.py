@@ -38,7 +38,7 @@ def test_every_rank_saves_one_file_atomically(tmp_path):
     assert r0["checks"] == [True] * 20 and r1["checks"] == [True] * 20
     assert r0["leftovers"] == [] and r0["after"] == []
     assert "disk full (injected)" in r0["failure"]
-    assert "failed on another rank" in r1["failure"]
+    assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"]
     for r in (r0, r1):
         more = r["more"]

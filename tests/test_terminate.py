@@ -47,6 +47,43 @@ def test_sigterm_to_the_writer_of_a_save_on_two_ranks_leaves_no_files(
     assert sorted(os.listdir(tmp_path)) == [], job.output
 
 
+@pytest.mark.parametrize("when", ["stream", "zip"])
+def test_sigterm_to_the_writer_mid_stream_or_mid_copy(tmp_path, when):
+    """"stream": rank 0 is stopped while rank 1 sends it a table's rows;
+    rank 1 learns why at once (before: rank 0's cleanup began another
+    collective, and both waited for SOK_COMM_TIMEOUT). "zip": the signal
+    cuts short Keras' `finally` that copies and closes its temporary
+    weights file (before: left beside the model, a full copy of the
+    weights)."""
+    job = launch(worker_path("terminated_save_load"), 2,
+                 args=[f"save-ranks-{when}", str(tmp_path)], timeout=150,
+                 env={"SOK_COMM_TIMEOUT": "60"})
+    assert job.returncode != 0, job.output
+    assert "during: ['.model.sok-tmp-" in job.output, job.output
+    assert "killed by SIGTERM" in job.output, job.output
+    if when == "stream":
+        assert "rank 0 received SIGTERM during a model save" in (
+            job.output), job.output
+        assert "got no answer" not in job.output, job.output
+    assert job.leftovers == []
+    assert sorted(os.listdir(tmp_path)) == [], job.output
+
+
+def test_ctrl_c_to_the_writer_mid_stream(tmp_path):
+    """SIGINT (Ctrl-C) where the SIGTERM above arrived: the writer raises
+    KeyboardInterrupt without starting another collective, and the other
+    rank fails at once, naming it (before: both waited for
+    SOK_COMM_TIMEOUT)."""
+    job = launch(worker_path("terminated_save_load"), 2,
+                 args=["save-ranks-stream", str(tmp_path)], timeout=150,
+                 env={"SOK_COMM_TIMEOUT": "60", "STOP_SIGNAL": "SIGINT"})
+    assert job.returncode != 0, job.output
+    assert "rank 0 failed: KeyboardInterrupt" in job.output, job.output
+    assert "got no answer" not in job.output, job.output
+    assert job.leftovers == []
+    assert sorted(os.listdir(tmp_path)) == [], job.output
+
+
 def test_a_program_with_its_own_sigterm_handler_keeps_it():
     from sok_keras import _terminate
 

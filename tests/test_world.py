@@ -183,3 +183,21 @@ def test_variables_read_later_are_checked_at_init(monkeypatch, var, value,
     monkeypatch.setenv(var, value)
     with pytest.raises((RuntimeError, ValueError), match=match):
         world.init()
+
+
+@pytest.mark.parametrize("var", ["SOK_COMM_TIMEOUT", "SOK_HEARTBEAT_TIMEOUT"])
+@pytest.mark.parametrize("value", ["inf", "1e12", "nan", "0"])
+def test_timeouts_must_be_finite_and_at_most_a_year(monkeypatch, var, value):
+    """Before: `inf` or 1e12 passed the check, then every rank crashed at
+    init with a bare OverflowError (a millisecond count, a clock)."""
+    monkeypatch.setattr(world, "_WORLD", None)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(RuntimeError, match=f"{var} must be a positive "
+                       r"number of seconds, at most 3.1536e\+07 \(a year\), "
+                       f"got '{value}'"):
+        world.init()
+    monkeypatch.delenv(var)
+    arg = var[4:].lower().replace("comm_", "")  # timeout, heartbeat_timeout
+    with pytest.raises(ValueError, match=f"`{arg}` must be a positive "
+                       "number of seconds, at most"):
+        world.init(**{arg: float(value)})

@@ -2,8 +2,12 @@
 `keras.models.load_model` ("load"), or rank 0 of a job of several in
 the middle of `model.save` ("save-ranks"), sent from inside the layer's own
 save/load of its table, when Keras' temporary weights file (save) or
-extracted weights folder (load) exists. The folder argument holds the
-`.keras` file; the test checks that nothing else is left in it."""
+extracted weights folder (load) exists. "save-ranks-stream": rank 0 gets
+it right after telling the others to send a table's rows (they are inside
+that collective); "save-ranks-zip": while Keras copies its weights file
+into the zip, in a `finally` block that the signal cuts short. The folder
+argument holds the `.keras` file; the test checks that nothing else is
+left in it."""
 
 import os
 import signal
@@ -34,8 +38,37 @@ def terminate(original):
     return hook
 
 
+def stop_rank_0():
+    print("during:", sorted(os.listdir(folder)), flush=True)
+    os.kill(os.getpid(), getattr(signal, os.environ.get("STOP_SIGNAL",
+                                                        "SIGTERM")))
+
+
 cls = sok.layers.DistributedEmbedding
-if mode.startswith("save"):
+if mode == "save-ranks-stream":
+    from sok_keras import saving
+
+    announce = saving._Stream.announce
+
+    def announce_then_stop(self, entry):
+        announce(self, entry)
+        stop_rank_0()
+
+    saving._Stream.announce = announce_then_stop
+    model.save(path)
+elif mode == "save-ranks-zip":
+    import zipfile
+
+    write = zipfile.ZipFile.write
+
+    def stopped_write(self, filename, arcname=None, *args, **kwargs):
+        if sok.rank() == 0 and arcname == "model.weights.h5":
+            stop_rank_0()
+        return write(self, filename, arcname, *args, **kwargs)
+
+    zipfile.ZipFile.write = stopped_write
+    model.save(path)
+elif mode.startswith("save"):
     cls.save_own_variables = terminate(cls.save_own_variables)
     model.save(path)
 else:
