@@ -188,7 +188,17 @@ def test_export_under_a_mixed_policy_sums_before_it_rounds(policy, tmp_path):
         served = loaded.serve({k: tf.constant(v) for k, v in probe.items()})
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    gpu = bool(tf.config.list_physical_devices("GPU"))
     for want, got in zip(expected, served):
         assert got.dtype == want.dtype
-        np.testing.assert_array_equal(np.asarray(got, "float32"),
-                                      np.asarray(want, "float32"))
+        want, got = np.asarray(want, "float32"), np.asarray(got, "float32")
+        if not gpu:
+            np.testing.assert_array_equal(got, want)
+            continue
+        # On a GPU the two float32 sums run in different orders (the
+        # export's segment sum with atomics): a sum near a rounding
+        # boundary may round to the next 16-bit value. Rounding every row
+        # first made 42% of the values differ (GPU run 13).
+        assert np.mean(got != want) < 0.01, np.mean(got != want)
+        ulp = 2.0 ** (-10 if policy == "mixed_float16" else -7)
+        np.testing.assert_allclose(got, want, rtol=ulp, atol=1e-6)
