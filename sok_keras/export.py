@@ -217,6 +217,40 @@ def _replace_dir(tmp, path):
                 os.remove(old)
 
 
+def _target_problem(path):
+    """Why rank 0 must not replace `path` (None if it may): only a new
+    path, an empty folder or an earlier SavedModel is replaced."""
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isdir(path) or os.path.islink(path):
+        return (f"'{path}' exists and is not a folder; export_for_serving "
+                "writes a SavedModel folder there, replacing only an "
+                "earlier export. Give a new path (e.g. '<models>/<name>/1').")
+    names = os.listdir(path)
+    if names and "saved_model.pb" not in names:
+        shown = sorted(names)[:5]
+        return (f"'{path}' is a folder that holds other files ({shown}"
+                f"{', ...' if len(names) > 5 else ''}) and no SavedModel; "
+                "export_for_serving replaces only an earlier export or an "
+                "empty folder. Give a new path (e.g. '<models>/<name>/1').")
+    return None
+
+
+def _check_target(path, n, rank):
+    """Refuses, on every rank, a `path` that rank 0 must not replace."""
+    problem = _target_problem(path) if rank == 0 else None
+    bad = int(problem is not None)
+    if n > 1:
+        bad = world.control_communicator().agree(
+            "export/target", bad, world.timeout())
+    if problem is not None:
+        raise FileExistsError(f"sok_keras.export_for_serving: {problem}")
+    if bad:
+        raise FileExistsError(
+            f"sok_keras.export_for_serving: rank 0 refused '{path}' (its "
+            "error says why); nothing was written.")
+
+
 def export_for_serving(model, path, verbose=False):
     """Writes a TF SavedModel of `model` that serves with plain TF ops.
 
@@ -232,11 +266,15 @@ def export_for_serving(model, path, verbose=False):
         model: a built functional or Sequential `keras.Model` with sok
             layers (`DistributedEmbedding`, `LocalizedEmbedding`,
             `All2AllDenseEmbedding`, `EmbeddingCollection`).
-        path: the SavedModel folder (a local path).
+        path: the SavedModel folder (a local path): a new path, an empty
+            folder, or an earlier export, which is replaced once the new
+            one is complete.
         verbose: passed to Keras' export.
 
     Raises:
         ValueError: for a subclassed or unbuilt model.
+        FileExistsError: if `path` is a file, or a folder holding other
+            files than an earlier export (nothing is written or removed).
         RuntimeError: if another rank failed (its error is in its output);
             the rank that failed raises its own error. `path` is unchanged.
 
@@ -249,6 +287,7 @@ def export_for_serving(model, path, verbose=False):
     _check_exportable(model)
     n, rank = world.num_ranks(), world.rank()
     path = os.fspath(path)
+    _check_target(path, n, rank)
     layers = _sok_layers(model)
     error = None
     tmp = None

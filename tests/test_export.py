@@ -145,6 +145,29 @@ def test_export_replaces_an_existing_export_only_when_complete(tmp_path):
     assert [n for n in os.listdir(tmp_path) if "sok-tmp" in n] == []
 
 
+def test_export_refuses_a_file_or_a_folder_of_other_files(tmp_path):
+    """Only a new path, an empty folder or an earlier export is replaced
+    (before: a file, or a project folder and everything in it, was
+    silently replaced by the SavedModel)."""
+    model = _model()
+    afile = tmp_path / "train.py"
+    afile.write_text("print('mine')\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("keep me")
+    for target, what in ((afile, "is not a folder"),
+                         (project, "holds other files")):
+        with pytest.raises(FileExistsError, match=what):
+            sok.export_for_serving(model, str(target))
+    assert afile.read_text() == "print('mine')\n"
+    assert sorted(os.listdir(project)) == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["project", "train.py"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    sok.export_for_serving(model, str(empty))
+    assert os.path.isfile(empty / "saved_model.pb")
+
+
 def test_export_of_a_subclassed_model_says_why_it_cannot():
     class Ranker(keras.Model):
         def __init__(self):

@@ -393,12 +393,45 @@ def apply_with_tables(opt, grads, variables, apply_dense,
         jit_compile: "auto", True or False: whether `apply_dense` runs as
             one XLA computation (see `compiles_dense_update`).
     """
-    grads = reduce_across_ranks(list(grads), variables)
+    grads = list(grads)
+    _check_gradients(grads, variables)
+    grads = reduce_across_ranks(grads, variables)
     # Nothing is updated (tables, dense weights, step counters) before
     # every lookup of the step has checked its ids: a bad id in one table
     # leaves every variable as it was (`lookup.lookups_before_update`).
     with tf.control_dependencies(lookup.lookups_before_update()):
         _apply_reduced(opt, grads, variables, apply_dense, jit_compile)
+
+
+def _check_gradients(grads, variables):
+    """One gradient per variable, each of its variable's (static) shape:
+    checked before anything is updated, naming the variable (else the
+    tables would be updated and the step fail later, at a dense weight,
+    with TensorFlow's bare shape error)."""
+    variables = list(variables)
+    if len(grads) != len(variables):
+        raise ValueError(
+            f"sok_keras: {len(grads)} gradients for {len(variables)} "
+            "variables; give one gradient (or None) per variable.")
+    for g, v in zip(grads, variables):
+        if g is None:
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        shape = getattr(values, "shape", None)
+        if shape is None or tf.TensorShape(shape).rank is None:
+            continue
+        shape = tf.TensorShape(shape)
+        want = tf.TensorShape(v.shape)
+        if isinstance(g, tf.IndexedSlices):  # rows: [k] + the row shape
+            ok = shape.rank == want.rank and shape[1:].is_compatible_with(
+                want[1:])
+        else:
+            ok = shape.is_compatible_with(want)
+        if not ok:
+            raise ValueError(
+                f"sok_keras: the gradient of '{v.path}' has shape "
+                f"{shape.as_list()}, but the variable has shape "
+                f"{list(v.shape)}; nothing was updated.")
 
 
 def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):

@@ -637,3 +637,31 @@ def test_the_wrapper_by_name_alone_says_it_needs_an_inner_optimizer():
         keras.optimizers.get("sok_keras>OptimizerWrapper")
     assert isinstance(keras.optimizers.get("sok_keras>Adam"),
                       sok.optimizers.Adam)
+
+
+def test_a_gradient_of_the_wrong_shape_updates_nothing():
+    """A dense gradient of another shape, or fewer gradients than
+    variables: an error naming the variable before any update (before: the
+    table and its Adam slots were updated, then TensorFlow's bare
+    "Incompatible shapes" came at the dense weight)."""
+    t = sok.Variable(np.ones((6, 2), "float32"), name="t")
+    d = keras.Variable(np.ones((2,), "float32"), name="d")
+    opt = sok.optimizers.OptimizerWrapper(keras.optimizers.Adam(0.1))
+    g_t = tf.IndexedSlices(tf.ones([2, 2]), tf.constant([1, 2], tf.int64),
+                           tf.constant([6, 2], tf.int64))
+    with pytest.raises(ValueError, match=r"gradient of 'd' has shape \[3\], "
+                       r"but the variable has shape \[2\]; nothing was "
+                       "updated"):
+        opt.apply_gradients([(g_t, t), (tf.ones([3]), d)])
+    np.testing.assert_array_equal(t.numpy(), np.ones((6, 2)))
+    assert all(not np.any(s.numpy()) for s in t.slots.values())
+    assert int(opt.iterations.numpy()) == 0
+    bad_rows = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([1, 2],
+                                                             tf.int64))
+    with pytest.raises(ValueError, match=r"gradient of 't' has shape \[2, 3\]"):
+        opt.apply_gradients([(bad_rows, t)])
+    with pytest.raises(ValueError, match="1 gradients for 2 variables"):
+        opt.apply([tf.ones([2])], [d, t])
+    opt.apply_gradients([(g_t, t), (tf.ones([2]), d)])  # then a good step
+    assert int(opt.iterations.numpy()) == 1
+    assert not np.array_equal(t.numpy()[1], [1.0, 1.0])
