@@ -1037,13 +1037,10 @@ def _bags(ids, weights, name):
 
 def _check_static_weights_shape(w, ids, name):
     """One rank: dense weights whose known shape differs from the ids' (in
-    a graph the gradient's trace would fail first, unnamed); eagerly, a
-    different number of weights than ids (the op's own message would
-    give only the counts)."""
-    if tf.executing_eagerly():
-        wrong = w.shape.num_elements() != ids.shape.num_elements()
-    else:
-        wrong = not w.shape.is_compatible_with(ids.shape)
+    a graph the gradient's trace would fail first, unnamed; eagerly, weights
+    of another shape but as many entries would be taken in flat order,
+    silently, where N ranks refuse them)."""
+    wrong = not w.shape.is_compatible_with(ids.shape)
     if wrong:
         raise ValueError(
             f"sok_keras: table '{name}': the weights must have one entry "

@@ -427,3 +427,28 @@ def test_a_lookup_inside_an_xla_function_names_the_table():
     with pytest.raises(ValueError, match=r"table 't'.*XLA-compiled.*"
                        r"jit_compile"):
         f(tf.constant([[1, 2]], tf.int64))
+
+
+def test_one_rank_refuses_weights_of_another_shape_eagerly():
+    """Weights with as many entries as ids but another shape (transposed,
+    flat, or 3-D ids' weights of another layout): refused eagerly as in a
+    tf.function and on N ranks (before: taken in flat order, silently)."""
+    table = np.arange(20, dtype="float32").reshape(10, 2)
+    emb = sok.layers.DistributedEmbedding(10, 2, combiner="sum",
+                                          weights=table, name="emb")
+    ids = tf.constant([[1, 2, 3], [4, 5, 6]], tf.int64)
+    for w in (tf.ones([3, 2]), tf.ones([6])):
+        with pytest.raises(ValueError, match=r"table 'emb': the weights must "
+                           r"have one entry per id.*ids shape=\(2, 3\)"):
+            emb(ids, w)
+        with pytest.raises(ValueError, match="one entry per id"):
+            sok.lookup_sparse(emb.embeddings, ids, w, combiners="sum")
+    deep = sok.layers.DistributedEmbedding(10, 2, combiner=None,
+                                           weights=table, name="deep")
+    ids3 = tf.constant([[[1, 2, 3], [4, 5, 6]]], tf.int64)
+    for call in (deep, tf.function(deep)):
+        with pytest.raises(ValueError, match=r"Layer 'deep': the weights "
+                           r".*shape=\(1, 3, 2\), ids shape=\(1, 2, 3\)"):
+            call(ids3, tf.ones([1, 3, 2]))
+    np.testing.assert_array_equal(  # the right shape still works
+        deep(ids3, tf.ones([1, 2, 3]))[0, 1, 2], table[6])

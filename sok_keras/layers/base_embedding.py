@@ -282,12 +282,18 @@ class BaseEmbedding(keras.layers.Layer):
         if deep:
             # Unpooled ids of any rank, as `keras.layers.Embedding` takes
             # them: looked up as [batch, n] and given back their shape.
-            shape = tf.shape(inputs)
+            shape, ids_shape = tf.shape(inputs), inputs.shape
             inputs = tf.reshape(inputs, [shape[0], -1])
             if weights is not None and not isinstance(
                     weights, (tf.RaggedTensor, tf.SparseTensor)):
-                weights = tf.reshape(tf.convert_to_tensor(weights),
-                                     [shape[0], -1])
+                weights = tf.convert_to_tensor(weights)
+                if not weights.shape.is_compatible_with(ids_shape):
+                    raise ValueError(
+                        f"Layer '{self.name}': the weights must have one "
+                        "entry per id, with the ids' shape. Received: "
+                        f"weights shape={weights.shape}, ids shape="
+                        f"{ids_shape}.")
+                weights = tf.reshape(weights, [shape[0], -1])
         out = lookup_one(
             self.embeddings, inputs, weights, self.combiner, name=self.name,
             pooling=self.pooling)

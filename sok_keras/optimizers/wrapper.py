@@ -404,18 +404,18 @@ def apply_with_tables(opt, grads, variables, apply_dense,
 
 
 def _check_gradients(grads, variables):
-    """One gradient per variable, each of its variable's (static) shape:
-    checked before anything is updated, naming the variable (else the
-    tables would be updated and the step fail later, at a dense weight,
-    with TensorFlow's bare shape error)."""
+    """One gradient per variable, each dense weight's of its (static)
+    shape: checked before anything is updated, naming the variable (else
+    the tables would be updated and the step fail later, at the dense
+    weight, with TensorFlow's bare shape error)."""
     variables = list(variables)
     if len(grads) != len(variables):
         raise ValueError(
             f"sok_keras: {len(grads)} gradients for {len(variables)} "
             "variables; give one gradient (or None) per variable.")
     for g, v in zip(grads, variables):
-        if g is None:
-            continue
+        if g is None or is_sok_variable(v):
+            continue  # (a table's gradient: `_as_slices` checks it)
         values = g.values if isinstance(g, tf.IndexedSlices) else g
         shape = getattr(values, "shape", None)
         if shape is None or tf.TensorShape(shape).rank is None:

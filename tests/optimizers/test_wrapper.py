@@ -658,8 +658,9 @@ def test_a_gradient_of_the_wrong_shape_updates_nothing():
     assert int(opt.iterations.numpy()) == 0
     bad_rows = tf.IndexedSlices(tf.ones([2, 3]), tf.constant([1, 2],
                                                              tf.int64))
-    with pytest.raises(ValueError, match=r"gradient of 't' has shape \[2, 3\]"):
-        opt.apply_gradients([(bad_rows, t)])
+    with pytest.raises(ValueError, match=r"'t'.*\(2, 3\)"):
+        opt.apply_gradients([(bad_rows, t), (tf.ones([2]), d)])
+    np.testing.assert_array_equal(d.numpy(), np.ones(2))
     with pytest.raises(ValueError, match="1 gradients for 2 variables"):
         opt.apply([tf.ones([2])], [d, t])
     opt.apply_gradients([(g_t, t), (tf.ones([2]), d)])  # then a good step
