@@ -597,12 +597,13 @@ def _agree_counts(comm, tables, deduped, key, extra=None, problems=None):
     header = [tf.concat([d.counts, d.error], 0) for d in deduped]
     if extra is not None:
         header.append(extra)
-    if problems is not None and any(p is not None for p in problems):
+    if problems is not None:
+        # Also when no input here can have a problem (dense ids without
+        # weights): another rank's SparseTensor ids can, and every rank's
+        # header must have the same width (else the all-gather never meets).
         header.append(tf.stack([
             tf.constant(0, tf.int64) if p is None else tf.cast(p, tf.int64)
             for p in problems]))
-    else:
-        problems = None
     gathered = comm.all_gather(tf.concat(header, 0)[None, :],
                                key=key + "/counts")
     if problems is not None:

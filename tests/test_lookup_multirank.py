@@ -15,14 +15,31 @@ def two_ranks():
     """The 2-rank scenarios of this module in one job (one TensorFlow start
     per rank): edge cases, the pooling modes on the batch of many samples,
     and last the bad id (which ends in errors on purpose)."""
-    edge, pooling, double, custom, bad_id, drift = run_sequence(
+    edge, pooling, double, custom, layouts, bad_id, drift = run_sequence(
         [("edge_cases", []), ("pooling_modes", ["many"]),
          ("double_gradient", []), ("custom_step", ["extra"]),
-         ("bad_id", []), ("custom_step", ["drift"])],
+         ("mixed_layouts", []), ("bad_id", []), ("custom_step", ["drift"])],
         2, timeout=480)
     return {"edge_cases": edge, "pooling_modes": pooling,
             "double_gradient": double, "custom_step": custom,
-            "bad_id": bad_id, "drift": drift}
+            "mixed_layouts": layouts, "bad_id": bad_id, "drift": drift}
+
+
+def test_ranks_with_ids_in_different_layouts(two_ranks):
+    """Dense ids on rank 0, the same ids as a SparseTensor or RaggedTensor
+    on rank 1, in every pooling mode (before: dense vs sparse waited for
+    SOK_COMM_TIMEOUT, then every later lookup failed)."""
+    r0, r1 = two_ranks["mixed_layouts"]
+    rows = [[2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]  # table rows 1, 2, 3
+    plain = [[6.0, 8.0], [6.0, 7.0]]
+    weighted = [[0.5 * 2 + 2 * 4, 0.5 * 3 + 2 * 5],
+                [3 * rows[2][0], 3 * rows[2][1]]]
+    keys = [k for k in r0 if "/" in k]  # (and the worker's pid)
+    assert len(keys) == 24 and sorted(keys) == sorted(
+        k for k in r1 if "/" in k), sorted(r0)
+    for key in keys:
+        want = weighted if "/True/" in key else plain
+        assert r0[key] == want and r1[key] == want, (key, r0[key], r1[key])
 
 
 def test_padding_only_rank_empty_batch_and_mixed_precision(two_ranks):
