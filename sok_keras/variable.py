@@ -184,7 +184,7 @@ class Variable(keras.Variable):
                     f"sok_keras.Variable '{name}': an initializer needs "
                     f"`shape=(rows, dim)`. Received: shape={shape}."
                 )
-            global_shape = tuple(int(s) for s in shape)
+            global_shape = _checked_shape(shape, name)
             dtype = dtype or "float32"
             initializer = keras.initializers.get(initial_value)
 
@@ -214,7 +214,7 @@ class Variable(keras.Variable):
                     if np.issubdtype(array.dtype, np.floating)
                     else "float32"
                 )
-            global_shape = array.shape
+            global_shape = _checked_shape(array.shape, name)
 
             def make_values():
                 np_dtype = keras.backend.standardize_dtype(dtype)
@@ -250,7 +250,7 @@ class Variable(keras.Variable):
                 initializer=_placeholder, shape=local, dtype=dtype,
                 trainable=trainable, name=name, autocast=False)
             return
-        values, plan = make_values()
+        values, plan = _made(make_values, name, global_shape, dtype)
         value = self._take_values(values, strategy is not None)
         del values
         super().__init__(
@@ -285,7 +285,8 @@ class Variable(keras.Variable):
         self._sok_make_values = None
         self._initializer = None
         with tf.init_scope():  # as Keras' own deferred variables
-            values, plan = make()
+            values, plan = _made(make, self.name, self._sok_global_shape,
+                                 self.dtype)
             value = self._take_values(values, self._sok_replica_devices
                                       is not None)
             del values
@@ -847,6 +848,39 @@ def _np_dtype(dtype):
 
 def _itemsize(dtype):
     return _np_dtype(dtype).itemsize
+
+
+# The most rows a table may have: ids are int64, and a shard's row count
+# and the row of an id are computed in int64 too.
+MAX_ROWS = 2 ** 62
+
+
+def _checked_shape(shape, name):
+    """`(rows, dim)` as ints: each a positive integer (rows at most
+    `MAX_ROWS`), else a ValueError naming the table and the shape."""
+    shape = tuple(shape)
+    ok = len(shape) == 2 and all(
+        isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+        and s > 0 for s in shape) and shape[0] <= MAX_ROWS
+    if not ok:
+        raise ValueError(
+            f"sok_keras.Variable '{name}': the table's shape must be two "
+            f"positive integers (rows, dim), rows at most 2**62. Received: "
+            f"shape={shape}.")
+    return tuple(int(s) for s in shape)
+
+
+def _made(make_values, name, global_shape, dtype):
+    """`make_values()`, with an allocation failure named."""
+    try:
+        return make_values()
+    except (MemoryError, tf.errors.ResourceExhaustedError) as e:
+        rows, dim = global_shape
+        size = np.dtype(_np_dtype(dtype)).itemsize
+        raise MemoryError(
+            f"sok_keras.Variable '{name}': cannot allocate the table "
+            f"{rows:,} x {dim} {dtype} ({rows * dim * size / 2 ** 30:,.1f} "
+            f"GiB in all, this rank's shard of it): {e}") from e
 
 
 def _check_global_shape(table, expected, where):

@@ -139,3 +139,24 @@ def test_a_table_passed_to_a_tf_function_stays_a_table():
     np.testing.assert_array_equal(step([v2, w], ids)[0].numpy(),
                                   [[0, 0, 0]])
     np.testing.assert_array_equal(v.numpy()[1], [-1, 0, 1])
+
+
+@pytest.mark.parametrize("shape", [(-2, 2), (2.5, 2), (True, 2), ("3", 2),
+                                   (2, -2), (None, 2), (0, 2), (2, 0),
+                                   (2 ** 63 - 1, 2)])
+def test_a_bad_table_shape_is_refused_naming_the_table(shape):
+    """Before: truncated (2.5), taken as 1 row (True) or as 3 ("3"), a
+    local shard of 0 rows (-2, 2**63-1), or a raw TensorFlow / int()
+    error."""
+    with pytest.raises(ValueError, match=r"Variable 'bad': the table's shape "
+                       r"must be two positive integers"):
+        sok.Variable("uniform", shape=shape, name="bad")
+    if all(type(s) is int and 0 <= s < 10 for s in shape):
+        with pytest.raises(ValueError, match="two positive integers"):
+            sok.Variable(np.zeros(shape, "float32"), name="bad")
+
+
+def test_a_table_too_big_to_allocate_names_its_size():
+    with pytest.raises(MemoryError, match=r"Variable 'embeddings': cannot "
+                       r"allocate the table 1,099,511,627,776 x 2 float32"):
+        sok.layers.DistributedEmbedding(2 ** 40, 2).build()
