@@ -450,8 +450,18 @@ class GlobalMetrics(keras.callbacks.Callback):
                 logs[k] = known[k][1]
         average_rank_statistics(self.model)
         check_replicated_weights(self.model, f"after epoch {epoch + 1}")
+        self._last_epoch_logs = dict(logs)
+
+    def on_train_begin(self, logs=None):
+        self._last_epoch_logs = None
 
     def on_train_end(self, logs=None):
+        # Keras hands `on_train_end` its own copy of the last epoch's logs
+        # (each callback hook gets a fresh dict): the global values of
+        # that epoch go in, for the callbacks after this one.
+        last = getattr(self, "_last_epoch_logs", None)
+        if logs is not None and last:
+            logs.update({k: v for k, v in last.items() if k in logs})
         average_rank_statistics(self.model)
 
 

@@ -9,6 +9,8 @@ every `keras.callbacks.TensorBoard` (and subclass) behave as follows:
   logged metrics are already global (`sok_keras.callbacks.GlobalMetrics`
   runs first by default). Rank 0 alone writes `projector_config.pbtxt` and
   runs the profiler (`profile_batch`).
+- `keras.callbacks.CSVLogger` writes from rank 0 only too
+  (`install_csv_logger`): its rows are the global logs.
 - Weight histograms (`histogram_freq`) of sok tables describe the whole
   table, not rank 0's shard: the ranks all-reduce the global min and max on
   the control communicator, count their own rows into the buckets that
@@ -216,3 +218,17 @@ def install():
     cls._configure_embeddings = _rank0_only(cls._configure_embeddings)
     cls._start_profiler = _rank0_only(cls._start_profiler)
     _INSTALLED.append(True)
+
+
+def install_csv_logger():
+    """Makes `keras.callbacks.CSVLogger` write from rank 0 only (its logs
+    are global): with one path for every rank, `append=True` wrote every
+    row, and the header, once per rank (idempotent)."""
+    import keras
+
+    cls = keras.callbacks.CSVLogger
+    for hook in ("on_train_begin", "on_epoch_end", "on_train_end"):
+        method = getattr(cls, hook)
+        if not getattr(method, "_sok_keras", False):
+            setattr(cls, hook, _rank0_only(method))
+

@@ -867,6 +867,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
 
             saving.install()
             tensorboard.install()  # one writer (rank 0), global histograms
+            tensorboard.install_csv_logger()  # rank 0 writes the CSV file
             global_views.install_load_checks()  # loads on some ranks only
             # Fast failure when the ranks diverge, and the first-step
             # comparison of the tables (sok_keras.divergence, .consistency).

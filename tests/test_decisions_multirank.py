@@ -91,6 +91,13 @@ def test_plateau_callbacks_decide_alike_from_global_val_loss(runs):
         np.testing.assert_allclose(x, y, atol=1e-5)
     np.testing.assert_allclose(a["table"], ref["table"], atol=1e-5)
     assert a["wrapped"] == "OptimizerWrapper"
+    # on_train_end gets the last epoch's global logs too (before: the
+    # ranks' own training loss and metrics beside global val_ entries).
+    for r in (a, b):
+        end, last = r["train_end_logs"], r["last_epoch_logs"]
+        assert {"loss", "mae", "val_loss", "val_mae"} <= set(end), end
+        assert {k: last[k] for k in end} == end, (end, last)
+    assert a["train_end_logs"] == b["train_end_logs"]
 
 
 def test_terminate_on_nan_on_one_rank_stops_every_rank(runs):

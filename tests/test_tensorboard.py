@@ -173,6 +173,12 @@ def test_tensorboard_on_two_ranks(tmp_path):
         assert r1["local_shapes"][path] == s1
     events = _events(log_dir)
     assert sorted(events) == ["train", "validation"], events
+    # CSVLogger: the header and one row per epoch, once (before: each row
+    # and the header once per rank).
+    with open(log_dir + ".csv") as f:
+        lines = f.read().splitlines()
+    assert [line.split(",")[0] for line in lines] == ["epoch", "0", "1"], (
+        lines)
     for folder, names in events.items():
         assert len(names) == 1, events
         assert f".{r0['pid']}." in names[0], names

@@ -116,6 +116,10 @@ class Recorder(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if "val_loss" in logs:
             self.record["val_loss"].append(logs["val_loss"])
+        self.record["last_epoch_logs"] = dict(logs)
+
+    def on_train_end(self, logs=None):
+        self.record["train_end_logs"] = dict(logs or {})
 
 
 def plateau():

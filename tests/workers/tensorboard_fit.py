@@ -3,7 +3,8 @@
 and a 7 x 2 table localized on rank 1 (rank 0's shard is empty) fitted
 for 2 epochs, with validation, into one log_dir (argv[1]); every rank
 records the whole tables at each epoch's end, for the test to compare with
-the histograms rank 0 wrote."""
+the histograms rank 0 wrote. A CSVLogger(argv[1] + ".csv", append=True)
+on every rank writes one file."""
 
 import sys
 
@@ -40,8 +41,10 @@ rng = np.random.default_rng(RANK)
 x = rng.integers(0, 40, (32, 3))
 y = rng.normal(size=(32, 2)).astype("float32")
 board = keras.callbacks.TensorBoard(log_dir, histogram_freq=1)
+# One CSV file for every rank, appended to: rank 0 alone writes it.
+csv = keras.callbacks.CSVLogger(log_dir + ".csv", append=True)
 model.fit(x, y, batch_size=8, epochs=2, verbose=0,
-          validation_data=(x[:16], y[:16]), callbacks=[board, Record()])
+          validation_data=(x[:16], y[:16]), callbacks=[board, Record(), csv])
 write_result({
     "tables": tables,
     "local_shapes": {t.path: list(t.shape)
