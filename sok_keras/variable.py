@@ -1,5 +1,6 @@
 """`sok_keras.Variable`: an embedding table sharded across the ranks."""
 
+import os
 import re
 import weakref
 
@@ -186,6 +187,9 @@ class Variable(keras.Variable):
                 )
             global_shape = _checked_shape(shape, name)
             dtype = dtype or "float32"
+            _check_fits(name, global_shape, dtype,
+                        max(shard_rows(global_shape[0], kind, target, r,
+                                       num_ranks) for r in owners))
             initializer = keras.initializers.get(initial_value)
 
             def make_values():
@@ -868,6 +872,27 @@ def _checked_shape(shape, name):
             f"positive integers (rows, dim), rows at most 2**62. Received: "
             f"shape={shape}.")
     return tuple(int(s) for s in shape)
+
+
+def _check_fits(name, global_shape, dtype, local_rows):
+    """A MemoryError naming the table when this rank's shard (its rows and
+    their int64 ids, made while initializing) cannot fit in the machine's
+    memory: where the system overcommits memory, the allocation would
+    succeed and the kernel kill the process while the rows are filled."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    size = np.dtype(_np_dtype(dtype)).itemsize
+    need = local_rows * (global_shape[1] * size + 8)
+    if need > physical:
+        rows, dim = global_shape
+        raise MemoryError(
+            f"sok_keras.Variable '{name}': cannot allocate the table "
+            f"{rows:,} x {dim} {dtype}: this rank's shard ({local_rows:,} "
+            f"rows) needs {need / 2 ** 30:,.1f} GiB, more than this "
+            f"machine's {physical / 2 ** 30:,.1f} GiB of memory. Use more "
+            "ranks or a smaller table.")
 
 
 def _made(make_values, name, global_shape, dtype):
