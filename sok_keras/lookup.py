@@ -1401,6 +1401,13 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
             "lookup_sparse needs one ids tensor per table. Received: "
             f"{len(params)} tables and {len(sp_ids)} ids."
         )
+    if not params:
+        raise ValueError(
+            "lookup_sparse needs at least one table. Received: params=[].")
+    if pooling not in POOLING_MODES:  # (with several tables it is unused)
+        raise ValueError(
+            f"lookup_sparse: `pooling` must be one of {POOLING_MODES}. "
+            f"Received: pooling={pooling!r}.")
     if sp_weights is None:
         sp_weights = [None] * len(params)
     sp_weights = _to_list(sp_weights)

@@ -452,3 +452,16 @@ def test_one_rank_refuses_weights_of_another_shape_eagerly():
             call(ids3, tf.ones([1, 3, 2]))
     np.testing.assert_array_equal(  # the right shape still works
         deep(ids3, tf.ones([1, 2, 3]))[0, 1, 2], table[6])
+
+
+def test_lookup_sparse_argument_checks_with_several_tables():
+    """A bad `pooling` is refused with two tables as with one (before:
+    ignored), and no tables at all is a clear error (before: IndexError)."""
+    v, w = sok.Variable(np.ones((4, 2))), sok.Variable(np.ones((4, 2)))
+    ids = tf.constant([[1, 2]], tf.int64)
+    for params, sp_ids in (([v], [ids]), ([v, w], [ids, ids])):
+        with pytest.raises(ValueError, match=r"`pooling` must be one of.*"
+                           r"Received: pooling='x'"):
+            sok.lookup_sparse(params, sp_ids, pooling="x")
+    with pytest.raises(ValueError, match="at least one table"):
+        sok.lookup_sparse([], [])
