@@ -99,6 +99,12 @@ def shard_batches(dataset, global_batch_size=None):
             f"batch sizes {sorted(dims)} (element_spec {spec})."
         )
     size = dims.pop()
+    if global_batch_size is not None and (
+            isinstance(global_batch_size, bool)
+            or not isinstance(global_batch_size, int)):
+        raise TypeError(
+            "shard_batches: `global_batch_size` must be an int or None. "
+            f"Received: global_batch_size={global_batch_size!r}.")
     if global_batch_size is not None and global_batch_size != size:
         raise ValueError(
             f"shard_batches: global_batch_size={global_batch_size} but the "

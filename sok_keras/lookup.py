@@ -1472,8 +1472,14 @@ def all2all_dense_embedding(param, indices):
     """
     _check_table(param)
     consistency.record_lookup(param, "all2all_dense_embedding")
-    indices = tf.convert_to_tensor(indices)
     name = _table_key(param)
+    if isinstance(indices, (tf.RaggedTensor, tf.SparseTensor)):
+        raise TypeError(
+            f"sok_keras.all2all_dense_embedding: table '{name}': the ids "
+            "must be a dense tensor, every entry a valid id (SOK's "
+            "fixed-shape lookup); for ragged or sparse ids use "
+            f"lookup_sparse. Received: {type(indices).__name__}.")
+    indices = tf.convert_to_tensor(indices)
     _check_int(indices, name)
     flat = tf.reshape(tf.cast(indices, tf.int64), [-1])
     rows, inverse = gather_rows(param, flat, table_name=name)

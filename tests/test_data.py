@@ -71,6 +71,10 @@ def test_errors(as_rank):
     ds = tf.data.Dataset.range(8).batch(4, drop_remainder=True)
     with pytest.raises(ValueError, match="global_batch_size=6 but"):
         data.shard_batches(ds, global_batch_size=6)
+    # Before: "global_batch_size=4 but the dataset's batches have 4 rows".
+    for bad in ("4", 4.0, True):
+        with pytest.raises(TypeError, match="must be an int or None"):
+            data.shard_batches(ds, global_batch_size=bad)
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         data.shard_batches([1, 2])
     # A sparse component made in a map after batching: the message names

@@ -465,3 +465,14 @@ def test_lookup_sparse_argument_checks_with_several_tables():
             sok.lookup_sparse(params, sp_ids, pooling="x")
     with pytest.raises(ValueError, match="at least one table"):
         sok.lookup_sparse([], [])
+
+
+def test_all2all_dense_embedding_names_the_table_for_ragged_or_sparse_ids():
+    """Before: "TypeError: object of type 'RaggedTensor' has no len()" and
+    "Attempt to convert ... SparseTensor", naming no table."""
+    v = sok.Variable(np.ones((6, 2)), name="fixed")
+    ragged = tf.ragged.constant([[1, 2], [3]], tf.int64)
+    for ids in (ragged, ragged.to_sparse()):
+        with pytest.raises(TypeError, match=r"table 'fixed': the ids must be "
+                           r"a dense tensor.*use lookup_sparse"):
+            sok.all2all_dense_embedding(v, ids)
