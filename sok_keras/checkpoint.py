@@ -193,31 +193,34 @@ def _check_unique(names, what, fn):
             "checkpoint keys them by path (give the layers distinct names).")
 
 
-def _given(model_or_variables):
-    """The variables given to `dump` / `load` as a list, else None (a
-    model: all of its variables)."""
-    import keras
-
-    if isinstance(model_or_variables, keras.Model):
-        return None
-    return list(model_or_variables)
+# An optimizer's own step count and learning rate (nobody's slots).
+_STEP_VARIABLES = ("iteration", "learning_rate")
 
 
-def _optimizer_variables(optimizer, given=None):
+def _optimizer_variables(optimizer, other=None):
     """The optimizer's own variables (not a table's slots) to save or load.
-    With `given`, a list of variables (`dump(path, [vars], optimizer)`),
-    the slots of variables it trains that are not in the list are left
-    out, as those variables are: the same list then loads into a fresh
-    optimizer built for it alone."""
+    With `other` (`_others_slots`: `dump(path, [vars], optimizer)`), the
+    slots of variables it trains that are not in the list are left out, as
+    those variables are: the same list then loads into a fresh optimizer
+    built for it alone."""
     if optimizer is None or not optimizer.built:
         return []
     out = [v for v in optimizer.variables if not isinstance(v, Variable)]
-    if given is not None:
-        other = _slot_of_other_variable(optimizer, given)
+    if other is not None:
         out = [v for v in out if not other(v.path)]
     _check_unique([_optimizer_key(optimizer, v.path) for v in out],
                   "optimizer variable", "dump")
     return out
+
+
+def _others_slots(optimizer, model_or_variables):
+    """With a list of variables, `_slot_of_other_variable` for it; None for
+    a model (all of its variables are saved)."""
+    import keras
+
+    if optimizer is None or isinstance(model_or_variables, keras.Model):
+        return None
+    return _slot_of_other_variable(optimizer, list(model_or_variables))
 
 
 def _slot_of_other_variable(optimizer, given):
@@ -236,7 +239,7 @@ def _slot_of_other_variable(optimizer, given):
 
     def other(path):
         leaf = path.rsplit("/", 1)[-1]
-        if leaf in ("iteration", "learning_rate"):
+        if leaf in _STEP_VARIABLES:
             return False
         for prefix, is_kept in prefixes:
             if leaf.startswith(prefix):
@@ -259,8 +262,7 @@ def _table_optimizer_variables(tables):
         seen.add(id(opt))
         for v in opt.variables:
             leaf = v.path.rsplit("/", 1)[-1]
-            if not isinstance(v, Variable) and leaf in ("iteration",
-                                                         "learning_rate"):
+            if not isinstance(v, Variable) and leaf in _STEP_VARIABLES:
                 out.append((f"{t.path}:{leaf}", v))
     return out
 
@@ -424,7 +426,8 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     """
     path = os.fspath(path)
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
-    opt_vars = _optimizer_variables(optimizer, _given(model_or_variables))
+    opt_vars = _optimizer_variables(
+        optimizer, _others_slots(optimizer, model_or_variables))
     table_opt_vars = _table_optimizer_variables(tables)
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -798,7 +801,7 @@ def _fail(mpath, what):
     raise CheckpointError(f"'{mpath}': {what}")
 
 
-def _plan(path, manifest, tables, dense, optimizer, opt_vars, given=None):
+def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
     """Checks the checkpoint against what is being loaded; returns the
     plans (nothing is allocated or read yet)."""
     mpath = _join(path, MANIFEST)
@@ -919,8 +922,7 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, given=None):
                       f"({type(optimizer).__name__}) was given.")
         else:
             saved = manifest["optimizer"]["variables"]
-            if given is not None:  # (an older dump kept them)
-                other = _slot_of_other_variable(optimizer, given)
+            if other is not None:  # (an older dump kept them)
                 saved = [d for d in saved if not other(d["name"])]
             dense_plan("optimizer", opt_vars, saved,
                        lambda path: _optimizer_key(optimizer, path))
@@ -1037,14 +1039,14 @@ def load(path, model_or_variables, optimizer=None):
         else:
             variables = [v for v in model_or_variables if v.trainable]
         build_once(optimizer, variables)  # as Keras' first `apply` does
-    given = _given(model_or_variables)
-    opt_vars = _optimizer_variables(optimizer, given)
+    other = _others_slots(optimizer, model_or_variables)
+    opt_vars = _optimizer_variables(optimizer, other)
     n_new, r_new = world.num_ranks(), world.rank()
     error, plans, readers = None, [], {}
     try:
         manifest = _read_manifest(path)
         plans, readers, root = _plan(path, manifest, tables, dense, optimizer,
-                                     opt_vars, given)
+                                     opt_vars, other)
         for rd in readers.values():  # sizes and headers, before allocating
             rd.check(root)
         for p in plans:

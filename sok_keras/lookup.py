@@ -846,6 +846,14 @@ def _check_combiner(combiner, where):
 POOLING_MODES = ("auto", "home", "owner")
 
 
+def check_pooling(pooling, owner):
+    """Raises a ValueError naming `owner` unless `pooling` is a mode."""
+    if pooling not in POOLING_MODES:
+        raise ValueError(
+            f"{owner}: `pooling` must be one of {POOLING_MODES}. Received: "
+            f"pooling={pooling!r}.")
+
+
 def _owner_pooled(comm, param, feat, combiner, name, key, order,
                   occ_matrix, batches):
     """Pooling on the owner: every occurrence (id, sample, weight) goes to
@@ -1031,16 +1039,17 @@ def _bags(ids, weights, name):
         if isinstance(weights, tf.RaggedTensor):
             return None  # normalize_ids raises the error
         w = tf.convert_to_tensor(weights)
-        _check_static_weights_shape(w, ids, name)
+        check_static_weights_shape(w, ids, name)
         w = tf.reshape(w, [-1])
     return tf.reshape(ids, [-1]), splits, w, bag_width
 
 
-def _check_static_weights_shape(w, ids, name):
-    """One rank: dense weights whose known shape differs from the ids' (in
-    a graph the gradient's trace would fail first, unnamed; eagerly, weights
-    of another shape but as many entries would be taken in flat order,
-    silently, where N ranks refuse them)."""
+def check_static_weights_shape(w, ids, name):
+    """Refuses dense weights whose known shape differs from the ids' (one
+    rank: in a graph the gradient's trace would fail first, unnamed; eagerly,
+    weights of another shape but as many entries would be taken in flat
+    order, silently, where N ranks refuse them; a layer's ids of any rank,
+    before it flattens them)."""
     wrong = not w.shape.is_compatible_with(ids.shape)
     if wrong:
         raise ValueError(
@@ -1132,7 +1141,7 @@ def _unpooled_whole_table(param, ids, weights, name):
         if isinstance(weights, (tf.SparseTensor, tf.RaggedTensor)):
             return None  # normalize_ids raises the error
         _check_weights_dtype(tf.convert_to_tensor(weights), name)
-        _check_static_weights_shape(tf.convert_to_tensor(weights), ids, name)
+        check_static_weights_shape(tf.convert_to_tensor(weights), ids, name)
     flat = tf.reshape(ids, [-1])
     if flat.dtype not in (tf.int32, tf.int64):
         flat = tf.cast(flat, tf.int64)
@@ -1316,10 +1325,7 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
 def _lookup_one(param, ids, weights, combiner, name, pooling):
     name = name or _table_key(param)
     _check_combiner(combiner, name)
-    if pooling not in POOLING_MODES:
-        raise ValueError(
-            f"{name}: `pooling` must be one of {POOLING_MODES}. Received: "
-            f"pooling={pooling!r}.")
+    check_pooling(pooling, name)
     if param.num_ranks == 1:
         _check_no_local_replicas(name)
         if combiner is None:
@@ -1404,10 +1410,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     if not params:
         raise ValueError(
             "lookup_sparse needs at least one table. Received: params=[].")
-    if pooling not in POOLING_MODES:  # (with several tables it is unused)
-        raise ValueError(
-            f"lookup_sparse: `pooling` must be one of {POOLING_MODES}. "
-            f"Received: pooling={pooling!r}.")
+    check_pooling(pooling, "lookup_sparse")  # (unused by several tables)
     if sp_weights is None:
         sp_weights = [None] * len(params)
     sp_weights = _to_list(sp_weights)

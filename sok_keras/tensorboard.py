@@ -231,4 +231,3 @@ def install_csv_logger():
         method = getattr(cls, hook)
         if not getattr(method, "_sok_keras", False):
             setattr(cls, hook, _rank0_only(method))
-

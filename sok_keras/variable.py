@@ -883,16 +883,14 @@ def _check_fits(name, global_shape, dtype, local_rows):
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
-    size = np.dtype(_np_dtype(dtype)).itemsize
-    need = local_rows * (global_shape[1] * size + 8)
+    need = local_rows * (global_shape[1] * _itemsize(dtype) + 8)
     if need > physical:
-        rows, dim = global_shape
-        raise MemoryError(
-            f"sok_keras.Variable '{name}': cannot allocate the table "
-            f"{rows:,} x {dim} {dtype}: this rank's shard ({local_rows:,} "
-            f"rows) needs {need / 2 ** 30:,.1f} GiB, more than this "
-            f"machine's {physical / 2 ** 30:,.1f} GiB of memory. Use more "
-            "ranks or a smaller table.")
+        raise _too_big(
+            name, global_shape, dtype,
+            f"this rank's shard ({local_rows:,} rows) needs "
+            f"{need / 2 ** 30:,.1f} GiB, more than this machine's "
+            f"{physical / 2 ** 30:,.1f} GiB of memory. Use more ranks or a "
+            "smaller table.")
 
 
 def _made(make_values, name, global_shape, dtype):
@@ -901,11 +899,17 @@ def _made(make_values, name, global_shape, dtype):
         return make_values()
     except (MemoryError, tf.errors.ResourceExhaustedError) as e:
         rows, dim = global_shape
-        size = np.dtype(_np_dtype(dtype)).itemsize
-        raise MemoryError(
-            f"sok_keras.Variable '{name}': cannot allocate the table "
-            f"{rows:,} x {dim} {dtype} ({rows * dim * size / 2 ** 30:,.1f} "
-            f"GiB in all, this rank's shard of it): {e}") from e
+        whole = rows * dim * _itemsize(dtype) / 2 ** 30
+        raise _too_big(name, global_shape, dtype,
+                       f"{whole:,.1f} GiB in all, this rank's shard of it: "
+                       f"{e}") from e
+
+
+def _too_big(name, global_shape, dtype, detail):
+    rows, dim = global_shape
+    return MemoryError(
+        f"sok_keras.Variable '{name}': cannot allocate the table {rows:,} x "
+        f"{dim} {dtype}: {detail}")
 
 
 def _check_global_shape(table, expected, where):

@@ -783,11 +783,10 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             raise TypeError(
                 f"sok_keras.init(): `{arg}` must be a number of seconds. "
                 f"Received: {arg}={value!r}.")
-    if timeout is not None and not 0 < timeout <= MAX_SECONDS:
-        raise ValueError(
-            "`timeout` must be a positive number of seconds, at most "
-            f"{MAX_SECONDS:g} (a year), got {timeout!r}"
-        )
+        if value is not None and not 0 < value <= MAX_SECONDS:
+            raise ValueError(
+                f"`{arg}` must be a positive number of seconds, at most "
+                f"{MAX_SECONDS:g} (a year), got {value!r}")
     given = f"backend={backend!r}"
     if not backend and os.environ.get("SOK_BACKEND"):
         backend = os.environ["SOK_BACKEND"]
@@ -796,12 +795,6 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
     if backend not in _BACKENDS:
         raise ValueError(
             f"`backend` must be one of {_BACKENDS}. Received: {given}.")
-    if heartbeat_timeout is not None and not (
-            0 < heartbeat_timeout <= MAX_SECONDS):
-        raise ValueError(
-            "`heartbeat_timeout` must be a positive number of seconds, at "
-            f"most {MAX_SECONDS:g} (a year), got {heartbeat_timeout!r}"
-        )
     _check_later_variables(global_metrics)
     with _LOCK:
         if _WORLD is not None:

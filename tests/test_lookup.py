@@ -447,7 +447,7 @@ def test_one_rank_refuses_weights_of_another_shape_eagerly():
                                            weights=table, name="deep")
     ids3 = tf.constant([[[1, 2, 3], [4, 5, 6]]], tf.int64)
     for call in (deep, tf.function(deep)):
-        with pytest.raises(ValueError, match=r"Layer 'deep': the weights "
+        with pytest.raises(ValueError, match=r"table 'deep': the weights "
                            r".*shape=\(1, 3, 2\), ids shape=\(1, 2, 3\)"):
             call(ids3, tf.ones([1, 3, 2]))
     np.testing.assert_array_equal(  # the right shape still works

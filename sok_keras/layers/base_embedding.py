@@ -222,12 +222,9 @@ class BaseEmbedding(keras.layers.Layer):
             cls, vocabulary_size, embedding_dim, kwargs)
         initial = kwargs.pop("weights", None)
         super().__init__(**kwargs)
-        from sok_keras.lookup import POOLING_MODES
+        from sok_keras.lookup import check_pooling
 
-        if pooling not in POOLING_MODES:
-            raise ValueError(
-                f"{cls}: `pooling` must be one of {POOLING_MODES}. "
-                f"Received: pooling={pooling!r}.")
+        check_pooling(pooling, cls)
         self.pooling = pooling
         # Keras saves this optimizer's own variables (its step count) with
         # the layer, since it is an attribute of the layer.
@@ -282,17 +279,16 @@ class BaseEmbedding(keras.layers.Layer):
         if deep:
             # Unpooled ids of any rank, as `keras.layers.Embedding` takes
             # them: looked up as [batch, n] and given back their shape.
-            shape, ids_shape = tf.shape(inputs), inputs.shape
+            from sok_keras.lookup import check_static_weights_shape
+
+            shape, ids = tf.shape(inputs), inputs
             inputs = tf.reshape(inputs, [shape[0], -1])
             if weights is not None and not isinstance(
                     weights, (tf.RaggedTensor, tf.SparseTensor)):
                 weights = tf.convert_to_tensor(weights)
-                if not weights.shape.is_compatible_with(ids_shape):
-                    raise ValueError(
-                        f"Layer '{self.name}': the weights must have one "
-                        "entry per id, with the ids' shape. Received: "
-                        f"weights shape={weights.shape}, ids shape="
-                        f"{ids_shape}.")
+                # Before flattening: as many weights in another layout would
+                # pass the flat check.
+                check_static_weights_shape(weights, ids, self.name)
                 weights = tf.reshape(weights, [shape[0], -1])
         out = lookup_one(
             self.embeddings, inputs, weights, self.combiner, name=self.name,
