@@ -34,24 +34,41 @@ def parse_mode(mode, num_ranks, name=None):
         `(kind, target_rank)` with `kind` in `("distributed", "localized")`
         and `target_rank` `-1` for distributed tables.
     """
-    where = f" of table '{name}'" if name else ""
-    if mode is None or mode == DISTRIBUTED:
+    target = check_mode_form(mode, name)
+    if target < 0:
         return DISTRIBUTED, -1
-    if isinstance(mode, str):
-        m = _LOCALIZED_RE.match(mode)
-        if m:
-            target = int(m.group(1))
-            if target >= num_ranks:
-                raise ValueError(
-                    f"`mode`{where} places the table on rank {target}, but "
-                    f"there are only {num_ranks} rank(s). Received: "
-                    f"mode={mode!r}."
-                )
-            return LOCALIZED, target
-    raise ValueError(
-        f"`mode`{where} must be 'distributed' or 'localized:<rank>'. "
-        f"Received: mode={mode!r}."
-    )
+    if target >= num_ranks:
+        where = f" of table '{name}'" if name else ""
+        raise ValueError(
+            f"`mode`{where} places the table on rank {target}, but "
+            f"there are only {num_ranks} rank(s). Received: mode={mode!r}."
+        )
+    return LOCALIZED, target
+
+
+def check_mode_form(mode, name=None):
+    """Checks the form of a sharding mode, whatever the number of ranks.
+
+    Args:
+        mode: `None`, `"distributed"` or `"localized:<rank>"`.
+        name: the table's name, for error messages.
+
+    Returns:
+        The target rank of a localized table, `-1` for a distributed one.
+
+    Raises:
+        ValueError: for any other value.
+    """
+    if mode is None or mode == DISTRIBUTED:
+        return -1
+    m = _LOCALIZED_RE.match(mode) if isinstance(mode, str) else None
+    if m is None:
+        where = f" of table '{name}'" if name else ""
+        raise ValueError(
+            f"`mode`{where} must be 'distributed' or 'localized:<rank>'. "
+            f"Received: mode={mode!r}."
+        )
+    return int(m.group(1))
 
 
 def mode_for_world(mode, num_ranks):

@@ -16,6 +16,7 @@ from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import shape_inference_ids
 from sok_keras.variable import NOTHING_SAVED_HINT
 from sok_keras.variable import Variable
+from sok_keras.variable import check_mode_form
 from sok_keras.variable import mode_for_world
 from sok_keras.variable import parse_mode
 from sok_keras._ops import not_converted as _not_converted
@@ -194,12 +195,14 @@ class EmbeddingCollection(keras.layers.Layer):
         for t, spec in tables.items():
             spec = _checked_spec(name, "table", t, spec, _TABLE_KEYS)
             where = f"EmbeddingCollection '{name}', table '{t}'"
+            mode = spec.get("mode", "distributed")
+            check_mode_form(mode, t)  # the rank is checked at build
             self.tables[t] = {
                 "vocabulary_size": check_positive_int(
                     spec.get("vocabulary_size"), "vocabulary_size", where),
                 "embedding_dim": check_positive_int(
                     spec.get("embedding_dim"), "embedding_dim", where),
-                "mode": spec.get("mode", "distributed"),
+                "mode": mode,
                 "initializer": keras.initializers.serialize(
                     keras.initializers.get(spec.get("initializer",
                                                     "uniform"))),

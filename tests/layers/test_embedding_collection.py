@@ -116,6 +116,13 @@ def test_config_round_trip_and_errors():
         sok.layers.EmbeddingCollection(
             {"t": {"vocabulary_size": -1, "embedding_dim": 2}},
             {"f": {"table": "t"}})
+    # A misspelt mode is refused when the layer is made, not at its first
+    # call (a localized rank is checked at build, against the world then).
+    with pytest.raises(ValueError, match="table 't' must be 'distributed'.*"
+                       "'localised:0'"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "embedding_dim": 2,
+                   "mode": "localised:0"}}, {"f": {"table": "t"}})
     with pytest.raises(ValueError, match=r"no ids for features \['history'"):
         sok.layers.EmbeddingCollection(TABLES, FEATURES)(
             {"user_id": np.array([1]), "clicked": np.array([[1]])})
