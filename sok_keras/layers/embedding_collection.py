@@ -333,7 +333,7 @@ class EmbeddingCollection(keras.layers.Layer):
         params = [self.embeddings[self.features[f]["table"]] for f in names]
         rows = lookup.gather_rows_fused(
             params, [x.values for x in feats],
-            [f"{self.name}/{self.features[f]['table']}" for f in names],
+            [self._table_label(f) for f in names],
             [x.problem for x in feats])
         out = {}
         for f, feat, (r, inverse) in zip(names, feats, rows):
@@ -344,6 +344,14 @@ class EmbeddingCollection(keras.layers.Layer):
                 value = lookup.pool(r, inverse, feat, combiner)
             out[f] = tf.cast(value, self.compute_dtype)
         return out
+
+    def _table_label(self, f):
+        """The table of feature `f` in messages, with the feature where
+        their names differ (several features may share a table)."""
+        t = self.features[f]["table"]
+        label = self._feature_label(f)
+        return f"{self.name}/{t}" + (
+            f" (feature {label})" if label != t else "")
 
     def _feature_label(self, f):
         """The feature in messages: its key, or, for a lone keras-rs

@@ -138,6 +138,10 @@ def test_config_round_trip_and_errors():
         coll({**ids, "views": np.array([[1]])})
     with pytest.raises(TypeError, match="`inputs` must be a dict"):
         coll([ids["user_id"]])
+    # A bad id names the feature as well as the table it shares.
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"table 'typo/item \(feature history\)': id 50"):
+        coll({**ids, "history": np.array([[2, 50, 3]])})
 
 
 def test_functional_model_fit_and_save(tmp_path):
