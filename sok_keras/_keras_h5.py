@@ -105,7 +105,9 @@ def _keep_optimizer_state_whole():
             for name in set(t._sok_pending_slots) - before[id(t)]:
                 del t._sok_pending_slots[name]
                 dropped.append(f"{t.path}:{name}")
-        if dropped:
+        if dropped and optimizer is not None:
+            # (With no optimizer, an uncompiled model, Keras skips its
+            # variables silently, and so do the tables' slots.)
             logging.getLogger("sok_keras").warning(
                 "sok_keras: load_weights: the model's optimizer is not "
                 "built, so (as Keras skips its variables) the tables' "

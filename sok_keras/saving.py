@@ -33,6 +33,7 @@ fails when Keras changes under it (`tests/test_saving.py`).
 import contextlib
 import functools
 import os
+import shutil
 
 import numpy as np
 import tensorflow as tf
@@ -136,6 +137,49 @@ def _temporary_path(path):
                         f".{stem}.sok-tmp-{os.getpid()}{dot}{rest}")
 
 
+class _Staging:
+    """Where rank 0 writes before the result is moved into place.
+
+    One file (`model.save`, `save_weights`): a hidden file beside `path`,
+    renamed onto it. Sharded weights (`save_weights(max_shard_size=...)`:
+    Keras writes `<name>.weights.json` and `<name>_00000.weights.h5`, ...,
+    which the json names): a hidden folder beside `path`, written under
+    the final names, whose shards are moved into place before the json.
+    """
+
+    def __init__(self, path, sharded):
+        self.folder = None
+        if sharded:
+            self.folder = _temporary_path(path) + ".d"
+            self.target = os.path.join(self.folder, os.path.basename(path))
+        else:
+            self.target = _temporary_path(path)
+        self.path = path
+
+    def prepare(self):
+        if self.folder is not None:
+            os.makedirs(self.folder, exist_ok=True)
+
+    def publish(self):
+        if self.folder is None:
+            os.replace(self.target, self.path)
+            return
+        into = os.path.dirname(os.path.abspath(self.path))
+        names = sorted(os.listdir(self.folder),
+                       key=lambda n: (n.endswith(".json"), n))
+        for name in names:  # the json (which names the shards) last
+            os.replace(os.path.join(self.folder, name),
+                       os.path.join(into, name))
+        os.rmdir(self.folder)
+
+    def remove(self):
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        with contextlib.suppress(OSError):
+            os.remove(self.target)
+
+
 def save_model(model, filepath, overwrite=True, **kwargs):
     """Saves `model` from every rank into one file written by rank 0.
 
@@ -191,13 +235,17 @@ def save_weights(model, filepath, overwrite=True, **kwargs):
                                    model, target, overwrite=True, **kwargs),
                                lambda: original(model, filepath,
                                                 overwrite=overwrite,
-                                                **kwargs))
+                                                **kwargs),
+                               sharded=kwargs.get("max_shard_size")
+                               is not None)
 
 
-def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
+def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
+                        sharded=False):
     """One writer (rank 0, `write(temporary_path)`), the others serving
     their rows; atomic rename; the same outcome on every rank. `plain()`
-    is Keras' own save, for one rank or a model without sok tables."""
+    is Keras' own save, for one rank or a model without sok tables;
+    `sharded`: Keras writes several files (`_Staging`)."""
     n = world.num_ranks()
     if n == 1 or not _has_sok_tables(model):
         return plain()
@@ -209,15 +257,14 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain):
     if not overwrite and _agree("save/exists", exists, world.timeout()):
         raise FileExistsError(
             f"sok_keras: '{path}' exists and overwrite=False.")
-    target = _temporary_path(path)
+    staging = _Staging(path, sharded)
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
     with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:
-            _write_on_rank_0(model, path, target, rank, n, what, write)
+            _write_on_rank_0(model, path, staging, rank, n, what, write)
         finally:
             if rank == 0:
-                with contextlib.suppress(OSError):
-                    os.remove(target)
+                staging.remove()
     return None
 
 
@@ -257,9 +304,9 @@ def _keras_skipsets_made_together():
         saving_lib.get_attr_skipset = original
 
 
-def _write_on_rank_0(model, path, target, rank, n, what, write):
-    """Rank 0 writes `target`, which the others serve rows to, then
-    renames it into place; every rank raises if any failed."""
+def _write_on_rank_0(model, path, staging, rank, n, what, write):
+    """Rank 0 writes `staging.target`, which the others serve rows to,
+    then moves it into place; every rank raises if any failed."""
     global _STREAM
     error = None
     try:
@@ -274,7 +321,8 @@ def _write_on_rank_0(model, path, target, rank, n, what, write):
             _STREAM = stream
             interrupted = True
             try:
-                write(target)
+                staging.prepare()
+                write(staging.target)
                 interrupted = False
             except Exception:
                 interrupted = False
@@ -290,27 +338,26 @@ def _write_on_rank_0(model, path, target, rank, n, what, write):
             stream.serve()
     except Exception as e:  # reported to every rank below
         error = e
-    _fail_together("save/done", error, what, path, target, rank, n)
+    _fail_together("save/done", error, what, path, staging, rank, n)
     if rank == 0:
         try:
-            os.replace(target, path)
+            staging.publish()
         except OSError as e:  # (a folder at `path`, say)
             error = e
-    _fail_together("save/renamed", error, what, path, target, rank, n)
+    _fail_together("save/renamed", error, what, path, staging, rank, n)
 
 
-def _fail_together(stage, error, what, path, target, rank, n):
+def _fail_together(stage, error, what, path, staging, rank, n):
     """Every rank raises if `error` happened on any (this rank's error, or
     one naming the rank's failure), once rank 0's temporary file is gone."""
     failed = _failed_ranks(stage, error is not None, rank, n)
     if not failed:
         return
     if rank == 0:
-        with contextlib.suppress(OSError):
-            os.remove(target)
+        staging.remove()
     _agree(f"{stage}/cleaned", 1, world.timeout())
     if error is not None:
-        raise _in_user_terms(error, target, path)
+        raise _in_user_terms(error, staging.target, path)
     raise RuntimeError(
         f"sok_keras: rank {rank}: {what}('{path}') failed on {failed} "
         f"(of {n} ranks); the error is in that rank's output. The file "

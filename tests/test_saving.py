@@ -30,13 +30,20 @@ def test_keras_still_has_the_saves_we_wrap():
 def test_every_rank_saves_one_file_atomically(tmp_path):
     """The README's pattern, 20 saves on 2 ranks: every file is a valid zip
     holding the trained table, loaded back on every rank (before: Bad
-    CRC-32 in 5 of 6 runs). A save whose writer fails half-way raises on
-    both ranks and leaves the file as it was."""
+    CRC-32 in 5 of 6 runs). Sharded weights (`max_shard_size`) load back.
+    A save whose writer fails half-way raises on both ranks and leaves the
+    file as it was."""
     r0, r1 = run_workers(worker_path("save_every_rank"), 2,
                          args=["all", str(tmp_path)], timeout=300,
                          env={"SAVES": "20"})
     assert r0["checks"] == [True] * 20 and r1["checks"] == [True] * 20
     assert r0["leftovers"] == [] and r0["after"] == []
+    for r in (r0, r1):  # save_weights(max_shard_size=...): loads back
+        files = r["sharded"]["files"]
+        assert r["sharded"]["loaded"], r["sharded"]
+        assert files == ["w.weights.json"] + [
+            f"w_{i:05d}.weights.h5" for i in range(len(files) - 1)], files
+        assert len(files) > 2, files  # the table and Adam's slots: 3 MB
     assert "disk full (injected)" in r0["failure"]
     assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"]

@@ -247,19 +247,21 @@ class BaseEmbedding(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
+        # Keras' `weights=` (each rank keeps its rows of the whole table)
+        # is the table's initial value, not an assignment after it is
+        # made: a table built while Keras infers shapes (a subclassed
+        # model's first call) is only made when that scope exits, and an
+        # assignment before then would be lost.
+        initial = self._initial_table
         self.embeddings = Variable(
-            self.embeddings_initializer,
+            self.embeddings_initializer if initial is None else initial,
             shape=(self.vocabulary_size, self.embedding_dim),
             mode=self._table_mode(),
             dtype=self.variable_dtype,
             name="embeddings",
         )
+        self._initial_table = None
         self.embeddings.optimizer = self.table_optimizer
-        if self._initial_table is not None:
-            # Keras' `weights=`: each rank keeps its rows of the whole table.
-            self.embeddings.assign_global(self._initial_table,
-                                          f"{self.name}/embeddings")
-            self._initial_table = None
         if not self.trainable:
             # As Keras' add_weight does: the table stays among the layer's
             # trainable variables (so that `layer.trainable = True` thaws
@@ -330,6 +332,10 @@ class BaseEmbedding(keras.layers.Layer):
         save_table(store, "embeddings", "slot.", self.embeddings)
 
     def load_own_variables(self, store):
+        if not self.built:
+            # A subclassed model whose `build()` does not build its layers
+            # (Keras loads weights into layers it never called).
+            self.build()
         consistency.check_table(self.embeddings, "load")
         load_table(store, "embeddings", "slot.", self.embeddings,
                    f"Layer '{self.name}'")

@@ -525,6 +525,8 @@ class EmbeddingCollection(keras.layers.Layer):
                        self.embeddings[t])
 
     def load_own_variables(self, store):
+        if not self.built:  # as BaseEmbedding.load_own_variables
+            self.build()
         keys = list(store.keys())
         for t in sorted(self.embeddings):
             if f"table.{t}" not in keys:

@@ -172,6 +172,61 @@ def test_keras_embedding_weights_argument():
         sok.layers.DistributedEmbedding(15, 4, weights=[table, table])
 
 
+def test_weights_argument_in_a_subclassed_model():
+    """`weights=` in a layer that Keras builds while it infers shapes (a
+    subclassed model's first call, through fit or eagerly) is the initial
+    table (before: the initializer's table, silently)."""
+
+    class Model(keras.Model):
+        def __init__(self, layer):
+            super().__init__()
+            self.emb = layer
+
+        def call(self, x):
+            return self.emb(x)
+
+    table = np.arange(40, dtype="float32").reshape(10, 4)
+    ids = np.array([[1, 2], [3, 9]])
+    for make in (sok.layers.DistributedEmbedding,
+                 sok.layers.LocalizedEmbedding):
+        model = Model(make(10, 4, combiner=None, weights=table))
+        np.testing.assert_array_equal(model(ids), table[ids])
+        np.testing.assert_array_equal(model.emb.get_weights()[0], table)
+    model = Model(sok.layers.DistributedEmbedding(
+        10, 4, combiner="sum", weights=table))
+    model.compile(optimizer="sgd", loss="mse")
+    np.testing.assert_array_equal(model.predict(ids, verbose=0),
+                                  table[ids].sum(axis=1))
+
+
+def test_a_subclassed_model_whose_build_skips_its_layers_loads(tmp_path):
+    """A subclassed model whose `build()` only calls `super().build()`:
+    Keras loads weights into sok layers it never built; they build then
+    and load the saved table (before: "'DistributedEmbedding' object has
+    no attribute 'embeddings'")."""
+
+    @keras.saving.register_keras_serializable("sok_test")
+    class Skips(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = sok.layers.DistributedEmbedding(12, 3, combiner="sum")
+
+        def build(self, input_shape):
+            super().build(input_shape)
+
+        def call(self, x):
+            return self.emb(x)
+
+    model = Skips()
+    ids = np.array([[1, 11], [4, 4]])
+    want = model(ids)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(loaded.emb.get_weights()[0],
+                                  model.emb.get_weights()[0])
+    np.testing.assert_array_equal(loaded(ids), want)
+
+
 def test_config_round_trip_with_non_defaults():
     layer = sok.layers.DistributedEmbedding(
         123, 7, combiner="sqrtn",

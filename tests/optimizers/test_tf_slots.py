@@ -165,11 +165,14 @@ def test_get_slot_of_a_dense_variable_is_a_clear_type_error():
     assert model.optimizer.get_slot_names() == ["m", "v"]
 
 
-def test_load_weights_restores_the_optimizer_whole_or_not_at_all(tmp_path):
+def test_load_weights_restores_the_optimizer_whole_or_not_at_all(
+        tmp_path, caplog):
     """`load_weights` into a model whose optimizer is not built: Keras skips
     the optimizer's state, and the tables' slots are skipped with it
     (before: they alone were restored, a mixed state that matched neither a
-    fresh nor the saved optimizer). Built first, everything is restored."""
+    fresh nor the saved optimizer), with a warning. Built first,
+    everything is restored. An uncompiled model (no optimizer) loads its
+    weights without the warning, whose advice it could not follow."""
     x, y = _data()
     model = _compiled("wrapper_adam")
     model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
@@ -177,8 +180,18 @@ def test_load_weights_restores_the_optimizer_whole_or_not_at_all(tmp_path):
     model.save_weights(path)
     saved = _state(model)
 
+    uncompiled = _model()
+    with caplog.at_level("WARNING", logger="sok_keras"):
+        uncompiled.load_weights(path)
+    assert "not restored" not in caplog.text
+    _assert_same({k: v for k, v in _state(uncompiled).items()
+                  if "." not in k},
+                 {k: v for k, v in saved.items() if "." not in k})
+
     unbuilt = _compiled("wrapper_adam")
-    unbuilt.load_weights(path)
+    with caplog.at_level("WARNING", logger="sok_keras"):
+        unbuilt.load_weights(path)
+    assert "slots in the file are not restored" in caplog.text
     unbuilt.optimizer.build(unbuilt.trainable_variables)
     table = unbuilt.get_layer("a").embeddings
     assert int(unbuilt.optimizer.iterations.numpy()) == 0

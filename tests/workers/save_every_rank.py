@@ -99,6 +99,21 @@ for i in range(int(os.environ.get("SAVES", "10"))):
         np.array_equal(got, table[RANK::sok.num_ranks()])))
 leftovers = [n for n in os.listdir(folder) if "sok-tmp" in n]
 
+# Keras' sharded weights (`max_shard_size`, in GB): a json naming shard
+# files, all written under their final names (before: the json named
+# rank 0's temporary shards, which were never moved into place).
+shards = os.path.join(folder, "shards")
+os.makedirs(shards, exist_ok=True)
+saved = emb.embeddings.read_global()
+model.save_weights(os.path.join(shards, "w.weights.json"),
+                   max_shard_size=0.002)  # GB: one table a shard
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+model.load_weights(os.path.join(shards, "w.weights.json"))
+sharded = {
+    "files": sorted(os.listdir(shards)),
+    "loaded": bool(np.array_equal(emb.embeddings.read_global(), saved)),
+}
+
 # A failing save: the writer (rank 0) fails half-way; nothing may change.
 before = open(path, "rb").read() if RANK == 0 else None
 from sok_keras import saving  # noqa: E402
@@ -154,5 +169,6 @@ more = {
     "then": outcome(lambda: model.save(path)),
 }
 write_result({"checks": checks, "leftovers": leftovers, "failure": failure,
+              "sharded": sharded,
               "unchanged": unchanged, "more": more,
               "after": [n for n in os.listdir(folder) if "sok-tmp" in n]})
