@@ -473,6 +473,42 @@ class _Channel:
             self.abort(reason)
             raise RankDivergedError(self.failure)
 
+    def check_steps(self, loop, steps, per_execution):
+        """Before the first step of `loop` with `steps_per_execution` > 1:
+        every rank must have the same number of steps per epoch (`steps`,
+        None where the data's length is unknown).
+
+        Keras reports one step per execution then, so the step at which
+        a rank's data runs out (inside an execution) is not seen here, and
+        a rank with more steps would wait in that step's collectives for
+        `SOK_COMM_TIMEOUT`. Where every rank knows its count, the ranks
+        compare them now (three agreements) and all raise alike.
+        """
+        if per_execution <= 1 or self.n == 1:
+            return
+        from sok_keras import world
+
+        agree = world.control_communicator().agree
+        timeout = world.timeout()
+        what = f"divergence/{loop.lid}/steps"
+        known = steps is not None and steps > 0
+        if agree(f"{what}/known", int(known), timeout) != self.n:
+            return  # (some rank's data has no known length)
+        total = agree(f"{what}/sum", steps, timeout)
+        squares = agree(f"{what}/squares", steps * steps, timeout)
+        if self.n * squares == total * total:  # all equal
+            return
+        others = (f"rank {1 - self.rank} has {total - steps}" if self.n == 2
+                  else f"the {self.n} ranks have {total} in all")
+        reason = (f"{loop.kind} diverged before its first step: rank "
+                  f"{self.rank} has {steps} steps per epoch, {others} "
+                  f"(with steps_per_execution={per_execution} the ranks "
+                  f"compare their counts first){_SAME_STEPS}")
+        with self.lock:
+            self.reason = reason
+            self.failure = f"sok_keras: rank {self.rank}: {reason}"
+        raise RankDivergedError(self.failure)
+
     def step_done(self, loop, step):
         """This rank's `step` (1-based) of `loop` ran to its end."""
         with self.lock:
@@ -702,6 +738,17 @@ class _Tracker(keras.callbacks.Callback):
     def _current(self):
         return self._inner[-1] if self._inner else self._top
 
+    def _check_steps(self):
+        per_execution = getattr(self.model, "steps_per_execution", 1) or 1
+        self._ch.check_steps(self._top, (self.params or {}).get("steps"),
+                             int(per_execution))
+
+    def on_train_begin(self, logs=None):
+        self._check_steps()
+
+    def on_predict_begin(self, logs=None):
+        self._check_steps()
+
     def on_epoch_begin(self, epoch, logs=None):
         self._ch.begin_epoch(self._top, epoch)
 
@@ -727,6 +774,8 @@ class _Tracker(keras.callbacks.Callback):
             self._ch.end_epoch(self._top)
 
     def on_test_begin(self, logs=None):
+        if self._top.kind == "evaluate":
+            self._check_steps()
         self._nested_begin("evaluate")
 
     def on_test_batch_begin(self, batch, logs=None):

@@ -127,6 +127,8 @@ def gather_predictions(predictions, batch_size=None, strided=False):
             `x` (the README's NumPy recipe): the rows come back in the
             order of `x`, row `i` of rank `r` as row `i * N + r`. Rank `r`
             must hold `ceil((len(x) - r) / N)` rows. Not with `batch_size`.
+            (`predict` itself must run as many steps on every rank: pick
+            its `batch_size` so that the slices make as many batches.)
 
     Returns:
         The same structure of NumPy arrays holding every rank's rows in

@@ -23,6 +23,8 @@ _SHARED = {
     (5, 4, "metrics", 1): ((5, 5, "save", 1), (5, 4, "metrics", 1)),
     (5, 5, "validate", 2): ((5, 5, "validate", 2), (4, 5, "metrics", 1)),
     (4, 5, "metrics", 1): ((5, 5, "validate", 2), (4, 5, "metrics", 1)),
+    (5, 5, "spe", 2): ((5, 5, "spe", 2), (5, 4, "spe", 1)),
+    (5, 4, "spe", 1): ((5, 5, "spe", 2), (5, 4, "spe", 1)),
 }
 _shared_jobs = {}
 
@@ -116,6 +118,24 @@ def test_fewer_batches_of_unknown_length_on_one_rank():
     job, detail = _job(5, 4, "unknown")
     _both_diverged(job, detail,
                    "rank 1 finished after step 4; rank 0 is at step 5")
+    assert max(r["elapsed"] for r in job.results.values()) < 60, detail
+
+
+def test_fewer_batches_with_several_steps_per_execution():
+    """With `steps_per_execution` > 1 Keras reports one step per
+    execution, so a rank whose data ends inside one is not seen: the ranks
+    compare their steps per epoch before the first, and fail at once
+    (before: rank 0's last step waited for SOK_COMM_TIMEOUT). Ranks with
+    equal steps train as before."""
+    job, detail = _job(5, 5, "spe", 2)
+    assert job.returncode == 0, detail
+    for r in (0, 1):
+        assert job.results[r]["error"] is None, detail
+        assert len(job.results[r]["losses"]) == 2, detail
+    job, detail = _job(5, 4, "spe")
+    _both_diverged(job, detail, "diverged before its first step")
+    assert "rank 0 has 5 steps per epoch, rank 1 has 4" in (
+        job.results[0]["error"]), detail
     assert max(r["elapsed"] for r in job.results.values()) < 60, detail
 
 

@@ -7,7 +7,8 @@ in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 "raise_uncaught" (as "raise", and rank 1 lets the error end the program);
 "stop" (rank 1 stops training after its first epoch); "unknown" (data and
 validation data of unknown length, through `.filter`, and GlobalMetrics:
-Keras then begins one more step per epoch, which finds the data empty).
+Keras then begins one more step per epoch, which finds the data empty);
+"spe" (steps_per_execution=3: Keras reports one step per execution).
 Each rank writes what fit (and save) raised.
 """
 
@@ -57,7 +58,8 @@ inputs = keras.Input(shape=(2,), dtype="int64")
 emb = sok.layers.DistributedEmbedding(32, 4, name="emb")(inputs)
 model = keras.Model(inputs, keras.layers.Dense(1, name="head")(emb))
 model.compile(optimizer=sok.optimizers.OptimizerWrapper(
-    keras.optimizers.SGD(0.1)), loss="mse")
+    keras.optimizers.SGD(0.1)), loss="mse",
+    steps_per_execution=3 if EXTRA == "spe" else 1)
 callbacks = [Trouble()]
 if EXTRA in ("metrics", "validate", "unknown"):
     callbacks.append(sok.callbacks.GlobalMetrics())
