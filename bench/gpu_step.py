@@ -12,9 +12,16 @@ same run, on the same ids):
    each call synchronized;
 3. a training step (`train_on_batch`: forward, backward, update) of
    B x F x H pooled features -> Dense(1): `keras.layers.Embedding` + Keras
-   Adam vs `sok.layers.DistributedEmbedding` + `OptimizerWrapper(Adam)`;
+   Adam (XLA, Keras' default on a GPU, and op by op) vs
+   `sok.layers.DistributedEmbedding` + `OptimizerWrapper(Adam)`, and the
+   peer's step (torch `EmbeddingBag(sparse=True)` + `SparseAdam`, in the
+   torch subprocess);
 4. the unpooled model: B x F one-id features -> Flatten -> Dense(256, relu)
-   -> Dense(1), Keras Embedding + Adam vs sok + OptimizerWrapper(Adam).
+   -> Dense(1), Keras Embedding + Adam vs sok + OptimizerWrapper(Adam);
+5. for both, a lower bound of any step's memory traffic (distinct rows
+   read, rows and Adam's slots read and written, output and its gradient
+   once) over the copy bandwidth: Keras' step over it is the largest
+   speed-up over Keras that any implementation could reach here.
 
 Usage (on the GPU machine): `python bench/gpu_step.py --out FILE`
 (`--small` for a quick check anywhere). Writes a JSON record and prints a
@@ -84,6 +91,43 @@ for _ in range(30):
 walls.sort()
 out["torch_embedding_bag_wall_ms"] = walls[len(walls) // 2]
 out["torch_version"] = torch.__version__
+if cfg.get("step"):
+    # The peer's pooled training step on the same ids: EmbeddingBag(sum,
+    # sparse gradient) + SparseAdam (lazy: only the rows of the batch),
+    # Linear(F*D, 1) + Adam, MSE; `loss.item()` ends each step, as
+    # `train_on_batch` returns its loss.
+    B, F = cfg["batch"], cfg["features"]
+    emb = torch.nn.EmbeddingBag(cfg["vocab"], cfg["dim"], mode="sum",
+                                sparse=True).to(dev)
+    with torch.no_grad():
+        emb.weight.copy_(table)
+    del table
+    lin = torch.nn.Linear(F * cfg["dim"], 1).to(dev)
+    opts = [torch.optim.SparseAdam(emb.parameters(), lr=1e-3),
+            torch.optim.Adam(lin.parameters(), lr=1e-3)]
+    target = (torch.arange(B, device=dev) % 2).float()[:, None]
+
+    def step():
+        pred = lin(emb(bags).view(B, F * cfg["dim"]))
+        loss = torch.nn.functional.mse_loss(pred, target)
+        for o in opts:
+            o.zero_grad()
+        loss.backward()
+        for o in opts:
+            o.step()
+        return loss.item()
+
+    for _ in range(3):
+        step()
+    per = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(cfg["steps"]):
+            step()
+        per.append((time.perf_counter() - t0) / cfg["steps"] * 1000.0)
+    per.sort()
+    out["torch_pooled_sparse_adam_step_ms"] = per[1]
+    out["torch_pooled_sparse_adam_rounds"] = per
 print(json.dumps(out))
 """
 
@@ -140,7 +184,9 @@ def _time(fn, sync, steps, rounds=3):
 def build_step_model(kind, pooled, vocab, dim, features, hotness):
     """The benchmark's model, compiled with Adam(1e-3) and MSE.
 
-    kind: "keras" (`keras.layers.Embedding` + Keras Adam), "sok"
+    kind: "keras" (`keras.layers.Embedding` + Keras Adam, Keras' default
+    `jit_compile="auto"`: XLA on a GPU), "keras_nojit" (the same with
+    `jit_compile=False`), "sok"
     (`DistributedEmbedding` + `OptimizerWrapper(Adam)`, its defaults) or
     "sok_opbyop" (the same with `jit_compile=False`: the dense weights'
     update op by op, as Keras runs it once XLA is off). pooled: inputs
@@ -173,7 +219,7 @@ def build_step_model(kind, pooled, vocab, dim, features, hotness):
             return keras.ops.reshape(out, (-1, F * D))
 
     keras.utils.clear_session()
-    if kind == "keras":
+    if kind.startswith("keras"):
         emb = keras.layers.Embedding(vocab, D, embeddings_initializer=init)
         opt = keras.optimizers.Adam(1e-3)
     else:
@@ -192,7 +238,8 @@ def build_step_model(kind, pooled, vocab, dim, features, hotness):
         h = keras.layers.Dense(256, activation="relu")(h)
     out = keras.layers.Dense(1)(h)
     model = keras.Model(inp, out)
-    model.compile(optimizer=opt, loss="mse")
+    model.compile(optimizer=opt, loss="mse",
+                  jit_compile=False if kind == "keras_nojit" else "auto")
     return model
 
 
@@ -228,7 +275,9 @@ def main():
     np.save(ids_path, ids)
     if not args.no_torch:  # first, in its own process: TF takes the memory
         cfg = {"ids": ids_path, "vocab": args.vocab, "dim": args.dim,
-               "hotness": args.hotness}
+               "hotness": args.hotness, "batch": args.batch,
+               "features": args.features, "steps": args.steps,
+               "step": not args.forward_only}
         run = subprocess.run([sys.executable, "-c", TORCH, json.dumps(cfg)],
                              capture_output=True, text=True)
         if run.returncode != 0:
@@ -347,7 +396,7 @@ def main():
                             ("unpooled", False, x3[:, :, 0])):
         xt = tf.constant(x)
         yt = tf.constant(y)
-        for kind in ("keras", "sok", "sok_opbyop"):
+        for kind in ("keras", "keras_nojit", "sok", "sok_opbyop"):
             model = step_model(kind, pooled)
             # Keras' "auto": XLA for the Keras model on a GPU; off for the
             # sok ones (the op library has no XLA kernels).
@@ -359,7 +408,7 @@ def main():
             copies0 = _ops.build_info()["variable_copy_bytes"]
             ms, rounds = _time(lambda: model.train_on_batch(xt, yt),
                                lambda r: float(r), args.steps)
-            if kind != "keras":  # copy-on-write of a table: should be 0
+            if not kind.startswith("keras"):  # copy-on-write of a table: should be 0
                 result[f"{name}_sok_variable_copy_bytes"] = (
                     _ops.build_info()["variable_copy_bytes"] - copies0)
             result[f"{name}_{kind}_step_ms"] = ms
@@ -386,7 +435,30 @@ def main():
         result["forward_wall_vs_torch"] = round(
             result["torch_embedding_bag_wall_ms"] / result["sok_forward_ms"],
             2)
+    if copy:
+        # A lower bound of any pooled or unpooled step's memory traffic: each
+        # distinct row read once by the forward, and read and written with
+        # Adam's two slots by the update (7 row reads or writes), the
+        # lookup's output (B x F rows) written once and its gradient read
+        # once; no cache reuse beyond that, no dense layers, no host time.
+        # Keras' step over this time is the largest speed-up over Keras that
+        # any implementation could reach on this GPU.
+        distinct = {"pooled": result["ids"]["unique"],
+                    "unpooled": int(np.unique(x3[:, :, 0]).size)}
+        for name, u in distinct.items():
+            lower = (7 * u + 2 * B * F) * D * 4 / (copy * 1e9) * 1000.0
+            result[f"{name}_distinct_ids"] = u
+            result[f"{name}_step_memory_lower_bound_ms"] = round(lower, 3)
+            result[f"{name}_keras_over_lower_bound"] = round(
+                result[f"{name}_keras_step_ms"] / lower, 2)
+    if "torch_pooled_sparse_adam_step_ms" in result:
+        result["pooled_torch_sparse_adam_speedup_vs_keras"] = round(
+            result["pooled_keras_step_ms"]
+            / result["torch_pooled_sparse_adam_step_ms"], 2)
     for name in ("pooled", "unpooled"):
+        result[f"{name}_nojit_keras_over_sok"] = round(
+            result[f"{name}_keras_nojit_step_ms"]
+            / result[f"{name}_sok_step_ms"], 2)
         result[f"{name}_speedup_vs_keras"] = round(
             result[f"{name}_keras_step_ms"] / result[f"{name}_sok_step_ms"], 2)
         result[f"{name}_opbyop_speedup_vs_keras"] = round(
@@ -403,11 +475,19 @@ def main():
             "sok_sparse_adam_ms", "sparse_adam_variable_copy_bytes",
             "pooled_sok_variable_copy_bytes",
             "unpooled_sok_variable_copy_bytes",
-            "pooled_keras_step_ms",
+            "pooled_keras_step_ms", "pooled_keras_nojit_step_ms",
             "pooled_sok_step_ms", "pooled_speedup_vs_keras",
+            "pooled_nojit_keras_over_sok",
+            "torch_pooled_sparse_adam_step_ms",
+            "pooled_torch_sparse_adam_speedup_vs_keras",
+            "pooled_distinct_ids", "pooled_step_memory_lower_bound_ms",
+            "pooled_keras_over_lower_bound",
             "pooled_sok_opbyop_step_ms", "pooled_opbyop_speedup_vs_keras",
-            "unpooled_keras_step_ms", "unpooled_sok_step_ms",
-            "unpooled_speedup_vs_keras", "unpooled_sok_opbyop_step_ms",
+            "unpooled_keras_step_ms", "unpooled_keras_nojit_step_ms",
+            "unpooled_sok_step_ms", "unpooled_speedup_vs_keras",
+            "unpooled_nojit_keras_over_sok",
+            "unpooled_distinct_ids", "unpooled_step_memory_lower_bound_ms",
+            "unpooled_keras_over_lower_bound", "unpooled_sok_opbyop_step_ms",
             "unpooled_opbyop_speedup_vs_keras",
             "unpooled_keras_model_jit_compile",
             "unpooled_sok_model_jit_compile"]
