@@ -254,6 +254,7 @@ class Variable(keras.Variable):
         self._sok_global_shape = tuple(int(s) for s in global_shape)
         self._sok_slots = {}
         self._sok_pending_slots = {}
+        self._sok_slot_owner = None  # a weakref to the slots' optimizer
         self._sok_optimizer = None
         self._sok_make_values = None
         if in_stateless_scope():
@@ -594,6 +595,22 @@ class Variable(keras.Variable):
         """The slot names that saving this table writes, in name order:
         the optimizer's slots and those restored but not created yet."""
         return sorted(set(self._sok_slots) | set(self._sok_pending_slots))
+
+    def claim_slots(self, optimizer):
+        """Makes `optimizer` (the one whose rule updates this table) the
+        owner of its slots. Slots that another optimizer made are dropped
+        first, so that a new optimizer starts from its initial state, as a
+        new Keras optimizer does (`model.compile` with another optimizer);
+        slots restored but not created yet are kept for it (`add_slot`)."""
+        if not self.slots_owned_by(optimizer) and (
+                self._sok_slot_owner is not None):
+            self._sok_slots = {}
+        self._sok_slot_owner = weakref.ref(optimizer)
+
+    def slots_owned_by(self, optimizer):
+        """Whether this table's slots are `optimizer`'s (it made them)."""
+        owner = self._sok_slot_owner
+        return owner is not None and owner() is optimizer
 
     def add_slot(self, name, slot):
         """Registers `slot` (a `Variable` shaped like this table) as `name`."""

@@ -156,13 +156,17 @@ def rule_for(optimizer):
 
 
 def ensure_slots(rule, optimizer, table):
-    """Creates (once) the slot tables `rule` needs beside `table`.
+    """Creates (once) the slot tables `rule` needs beside `table`, for
+    `optimizer`: a table's slots belong to the last optimizer that made
+    them (`Variable.claim_slots`).
 
     Returns:
         A dict `{slot_name: sok_keras.Variable}`.
     """
     from sok_keras.variable import Variable
 
+    # Another optimizer's slots are dropped: a new one starts afresh.
+    table.claim_slots(optimizer)
     have = table.slots
     with tf.init_scope():
         for slot, initial in rule.slots(optimizer):

@@ -56,7 +56,8 @@ class TableSlots:
     def _create_or_restore_slot_variable(self, slot_variable_position,
                                          slot_name, variable, **kwargs):
         del kwargs
-        return _create_or_restore(slot_variable_position, slot_name, variable)
+        return _create_or_restore(getattr(self, "inner_optimizer", self),
+                                  slot_variable_position, slot_name, variable)
 
 
 def _table_slot(owner, var, slot_name):
@@ -73,13 +74,19 @@ def _table_slot(owner, var, slot_name):
     return var.slots[slot_name]
 
 
-def _create_or_restore(slot_variable_position, slot_name, variable):
+def _create_or_restore(rule_of, slot_variable_position, slot_name,
+                       variable):
     """`_create_or_restore_slot_variable` for tables: the slot variable for
     TensorFlow to restore, or None once its rows are kept on the table for
-    when the optimizer creates it."""
+    when the optimizer (`rule_of`'s rule for this table) creates it. A slot
+    of another optimizer (the model compiled again) is not restored into:
+    it is dropped when this one makes its own."""
+    from sok_keras.optimizers.wrapper import table_optimizer
+
     if not is_sok_variable(variable):
         return None
-    if slot_name in variable.slots:
+    if slot_name in variable.slots and variable.slots_owned_by(
+            table_optimizer(rule_of, variable)):
         return variable.slots[slot_name]
     variable.restore_slot_shard(
         slot_name, slot_variable_position.value_tensors())

@@ -114,6 +114,29 @@ def test_a_checkpoint_restored_before_the_first_step_continues_training(
     _assert_same(_state(fresh), expected)
 
 
+def test_a_checkpoint_restored_into_a_new_optimizer_of_a_trained_model(
+        tmp_path):
+    """The model compiled again with a new optimizer, then restored from a
+    checkpoint before its first step: the checkpoint's slots go to the new
+    optimizer (not into the old one's, which it drops when it makes its
+    own), so training goes on as from a fresh model restored alike."""
+    x, y = _data()
+    model = _compiled("wrapper_adam")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ck"))
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    model.compile(optimizer=OPTIMIZERS["wrapper_adam"](), loss="mse")
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(path)
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+
+    keras.utils.clear_session()
+    fresh = _compiled("wrapper_adam")
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(path)
+    fresh.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    _assert_same(_state(model), _state(fresh))
+
+
 def test_a_checkpoint_manager_and_saved_model_take_the_model(tmp_path):
     x, y = _data()
     model = _compiled("wrapper_adam")

@@ -102,6 +102,80 @@ def test_dense_layer_beside_a_table_gets_exactly_keras_update():
 
 
 # ---------------------------------------------------------------------------
+# Compiling again: a new optimizer starts afresh, the same one goes on.
+
+_V, _NID, _B = 48, 3, 16  # each batch looks every row up once
+
+
+def _twin(kind):
+    """A table (sok or Keras), Flatten, Dense(1): the same initial values."""
+    rng = np.random.default_rng(1)
+    w0 = rng.normal(0, 0.5, size=(_V, 4)).astype(np.float32)
+    ids = keras.Input(shape=(_NID,), dtype="int64")
+    emb = (sok.layers.DistributedEmbedding(_V, 4, combiner=None, name="emb")
+           if kind == "sok" else keras.layers.Embedding(_V, 4, name="emb"))
+    x = keras.layers.Flatten()(emb(ids))
+    dense = keras.layers.Dense(1, name="dense")
+    model = keras.Model(ids, dense(x))
+    emb.embeddings.assign(w0)
+    dense.set_weights([rng.normal(0, 0.3, size=(_NID * 4, 1)).astype(
+        np.float32), np.full([1], 0.1, np.float32)])
+    return model
+
+
+def _two_phases(kind, first, second, same_object):
+    """Fits 2 steps with `first()`, compiles again (with the same optimizer
+    object or with `second()`), fits 2 more: the table and dense weights."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.permutation(_V).reshape(_B, _NID)
+                        for _ in range(4)]).astype(np.int64)
+    y = rng.normal(size=(4 * _B, 1)).astype(np.float32)
+    model = _twin(kind)
+    opt = first()
+    wrap = Wrapper if kind == "sok" else (lambda o: o)
+    model.compile(optimizer=wrap(opt), loss="mse")
+    model.fit(x[:2 * _B], y[:2 * _B], batch_size=_B, shuffle=False,
+              verbose=0)
+    model.compile(optimizer=wrap(opt if same_object else second()),
+                  loss="mse")
+    model.fit(x[2 * _B:], y[2 * _B:], batch_size=_B, shuffle=False,
+              verbose=0)
+    return [_np(w) for w in model.weights]
+
+
+@pytest.mark.parametrize("first,second", [
+    ("adam", "adam"), ("adagrad", "adagrad"), ("adagrad", "ftrl"),
+    ("momentum", "rmsprop")])
+def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
+                                                               second):
+    """As a new Keras optimizer does: its slots start at their initial
+    values (before: the table kept the old optimizer's moments, and a new
+    Ftrl took over Adagrad's accumulator of the same name)."""
+    make = {
+        "adam": lambda: keras.optimizers.Adam(0.05),
+        "adagrad": lambda: keras.optimizers.Adagrad(
+            0.3, initial_accumulator_value=0.1),
+        "ftrl": lambda: keras.optimizers.Ftrl(0.2),
+        "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "rmsprop": lambda: keras.optimizers.RMSprop(0.05, momentum=0.5),
+    }
+    ours = _two_phases("sok", make[first], make[second], False)
+    ref = _two_phases("keras", make[first], make[second], False)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiling_again_with_the_same_optimizer_keeps_its_state():
+    make = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+    ours = _two_phases("sok", make, None, True)
+    ref = _two_phases("keras", make, None, True)
+    fresh = _two_phases("keras", make, make, False)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.abs(ours[0] - fresh[0]).max() > 1e-3  # the two cases differ
+
+
+# ---------------------------------------------------------------------------
 # Hyperparameters, learning rate schedule, iterations.
 
 
