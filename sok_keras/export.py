@@ -98,6 +98,7 @@ class ServingEmbedding(keras.layers.Layer):
 
     def __init__(self, table, combiner="sum", fixed_shape=False, **kwargs):
         super().__init__(**kwargs)
+        self.autocast = False  # ids as the sok layer takes them
         self.combiner = combiner
         self.fixed_shape = fixed_shape
         # autocast=False: under a mixed policy Keras would round every row
@@ -118,7 +119,10 @@ class ServingEmbedding(keras.layers.Layer):
         return keras.ops.not_equal(inputs, -1)
 
     def call(self, inputs, weights=None):
+        from sok_keras.layers.base_embedding import as_int_ids
+
         table = tf.convert_to_tensor(self.table)
+        inputs = as_int_ids(inputs, self.table.shape[0])
         if self.fixed_shape:
             ids = tf.convert_to_tensor(inputs)
             out = tf.gather(table, tf.cast(ids, tf.int64))
@@ -139,6 +143,7 @@ class ServingEmbeddingCollection(keras.layers.Layer):
 
     def __init__(self, tables, features, **kwargs):
         super().__init__(**kwargs)
+        self.autocast = False  # ids as the sok layer takes them
         self.features = {f: dict(s) for f, s in features.items()}
         self.tables = {}
         for t, value in tables.items():
@@ -150,11 +155,14 @@ class ServingEmbeddingCollection(keras.layers.Layer):
             self.tables[t] = var
 
     def call(self, inputs, weights=None):
+        from sok_keras.layers.base_embedding import as_int_ids
+
         weights = weights or {}
         out = {}
         for f, spec in self.features.items():
             table = tf.convert_to_tensor(self.tables[spec["table"]])
-            value = _plain_lookup(table, inputs[f], weights.get(f),
+            ids = as_int_ids(inputs[f], self.tables[spec["table"]].shape[0])
+            value = _plain_lookup(table, ids, weights.get(f),
                                   spec["combiner"], f"{self.name}/{f}")
             out[f] = tf.cast(value, self.compute_dtype)
         return out

@@ -205,6 +205,11 @@ INPUTS = {
     "ids_float": (
         lambda kind, bad: (tf.cast(_good(kind), tf.float32), None),
         ("raise", (TypeError,), ["{name}", "float32"]), True),
+    # float16 holds ids exactly only up to 2048: refused by every entry
+    # point (float32 ids: the layers take them, `expectation`).
+    "ids_float16": (
+        lambda kind, bad: (tf.cast(_good(kind), tf.float16), None),
+        ("raise", (TypeError,), ["{name}", "float16"]), True),
     "ids_string": (
         lambda kind, bad: (tf.strings.as_string(_good(kind)), None),
         ("raise", (TypeError,), ["{name}", "string"]), True),
@@ -315,10 +320,21 @@ _PADDED_ONLY = {
 _POOLED_ONLY = {"empty_ragged_batch"}
 
 
+# The Keras layers, which take float32 ids as `keras.layers.Embedding` does
+# (Keras makes inputs float32 unless told otherwise) where the table's rows
+# are at most 2**24; the lookup functions, as TensorFlow's, refuse them.
+LAYERS = ("DistributedEmbedding", "DistributedEmbedding_unpooled",
+          "LocalizedEmbedding", "All2AllDenseEmbedding",
+          "EmbeddingCollection")
+
+
 def expectation(input_name, entry):
     """The expectation of a cell, with the entry point's own rules."""
     kind = ENTRIES[entry][2]
     exp = INPUTS[input_name][1]
+    if input_name == "ids_float" and entry in LAYERS:
+        return ("works", lambda kind, entry, bad=True: reference(
+            kind, _good(kind).numpy()))
     if kind == "rows_nopad" and input_name in ("ids_scalar", "ids_3d"):
         # all2all_dense_embedding takes ids of any shape.
         return ("works", lambda kind, entry, bad=True: reference(

@@ -26,7 +26,10 @@ data = np.load(inputs)
 probe = {k[len("probe_"):]: data[k] for k in data.files
          if k.startswith("probe_")}
 served = tf.saved_model.load(saved_model)
-predictions = np.asarray(served.serve(probe))
+# A lone unnamed input (key "") is given as a tensor, as a single-input
+# Sequential's `serve` takes it.
+predictions = np.asarray(served.serve(probe[""] if list(probe) == [""]
+                                      else probe))
 with open("/proc/self/maps") as f:
     loaded = [line.split()[-1] for line in f if "_sok_" in line]
 if loaded:

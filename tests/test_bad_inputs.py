@@ -147,12 +147,40 @@ def test_fit_int32_ids_near_the_limit():
     assert _unchanged(model, state)
 
 
-def test_fit_float_ids_raise_a_type_error():
-    model, _, _ = _model(ids_dtype="float32")
-    state = _state(model)
-    with pytest.raises(TypeError, match=r"(?s)emb.*float32"):
-        _fit(model, _good_ids().astype(np.float32), Y)
-    assert _unchanged(model, state)
+def _sequential(first):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential(first + [
+        sok.layers.DistributedEmbedding(cases.V, cases.D, name="emb"),
+        keras.layers.Dense(1)])
+
+
+def test_a_sequential_with_no_input_trains_as_with_int_ids():
+    """Keras makes such a model's input float32 (as `keras.Input` without
+    `dtype`): the layers take float32 ids as `keras.layers.Embedding` does,
+    where the table's rows (at most 2**24) are all exact in float32."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-1, cases.V, size=(16, 2))
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    weights = []
+    for first in ([], [keras.Input((2,), dtype="int64")]):
+        model = _sequential(first)
+        model.compile(optimizer=sok.OptimizerWrapper(
+            keras.optimizers.Adagrad(0.1)), loss="mse")
+        model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+        weights.append([w.numpy() for w in model.weights])
+    assert model.inputs[0].dtype == "int64"
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("rows,dtype", [(cases.V, "float16"),
+                                        (2 ** 24 + 1, "float32")])
+def test_float_ids_that_may_not_be_exact_raise_a_type_error(rows, dtype):
+    """float16 ids (exact up to 2048), or float32 ids of a table of more
+    than 2**24 rows: refused, naming the layer, before any lookup."""
+    emb = sok.layers.DistributedEmbedding(rows, 1, name="emb")
+    with pytest.raises(TypeError, match=rf"(?s)emb.*{dtype}.*2\*\*24"):
+        emb(tf.constant([[1, 2]], dtype))
 
 
 def test_fit_3d_ids_raise_a_value_error():

@@ -168,6 +168,24 @@ def test_export_refuses_a_file_or_a_folder_of_other_files(tmp_path):
     assert os.path.isfile(empty / "saved_model.pb")
 
 
+def test_export_of_a_sequential_with_no_input(tmp_path):
+    """Its input is float32 (Keras' default): the serving model takes the
+    float ids as the sok layer does, and serves without sok_keras."""
+    rng = np.random.default_rng(4)
+    x = rng.integers(-1, 30, size=(16, 3))
+    model = keras.Sequential([
+        sok.layers.DistributedEmbedding(30, 4, combiner=None, name="emb"),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, rng.normal(size=(16, 1)), verbose=0)
+    assert model.inputs[0].dtype == "float32"
+    path = str(tmp_path / "served")
+    sok.export_for_serving(model, path)
+    served = serve_without_sok(path, {"": x.astype(np.float32)}, tmp_path)
+    np.testing.assert_allclose(served, model.predict(x, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_export_of_a_subclassed_model_says_why_it_cannot():
     class Ranker(keras.Model):
         def __init__(self):

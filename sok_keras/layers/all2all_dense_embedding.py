@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from sok_keras import replicas
 from sok_keras.layers.base_embedding import BaseEmbedding
+from sok_keras.layers.base_embedding import as_int_ids
 from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras._ops import not_converted as _not_converted
 
@@ -111,7 +112,8 @@ class All2AllDenseEmbedding(BaseEmbedding):
                 "ragged or sparse ids, or -1 padding, use "
                 "DistributedEmbedding. Received: "
                 f"{type(inputs).__name__}.")
-        inputs = tf.convert_to_tensor(inputs)
+        inputs = as_int_ids(tf.convert_to_tensor(inputs),
+                            self.vocabulary_size)
         if inputs.shape.rank != 3 or (
             inputs.shape[1] is not None and inputs.shape[1] != self.slot_num
         ) or (

@@ -179,22 +179,38 @@ def _initial_table(weights, shape, where):
     return weights
 
 
-def shape_inference_ids(ids):
-    """`ids` as int64 while Keras infers shapes without data (its
-    `SymbolicScope`), else as they are.
+# The largest table whose every id a float type holds exactly.
+_EXACT_FLOAT_IDS = {tf.float32: 2 ** 24, tf.float64: 2 ** 53}
 
-    Keras builds a subclassed model, or a layer with no `build()`, by
-    running its `call` on float32 placeholders of the recorded input
-    shapes (`load_model`, a first call on a `keras.Input`). No id value
-    exists there to be truncated; a real float id still raises the
-    lookup's TypeError.
+
+def as_int_ids(ids, rows):
+    """`ids`, with float ids cast to int64 where that is exact, as
+    `keras.layers.Embedding` casts them:
+
+    - while Keras infers shapes without data (its `SymbolicScope`): it
+      builds a subclassed model, or a layer with no `build()`, by running
+      its `call` on float32 placeholders of the recorded input shapes
+      (`load_model`, a first call on a `keras.Input`); no id value exists
+      there to be truncated;
+    - float32 ids into tables of at most 2**24 rows (float64: 2**53), which
+      hold every id exactly: Keras makes a model's inputs float32 unless
+      told otherwise (a Sequential with no `keras.Input`, `keras.Input`
+      without `dtype`).
+
+    Other float ids are left to the lookup, which refuses them (naming the
+    layer and what to declare instead). `rows`: the number of rows of the
+    table the ids are looked up in; None casts in Keras' shape inference
+    only (a structure that holds weights too).
     """
-    if not in_symbolic_scope():
-        return ids
+    symbolic = in_symbolic_scope()
 
     def cast(t):  # dense, ragged and sparse tensors alike
         dtype = getattr(t, "dtype", None)
-        if dtype is not None and tf.as_dtype(dtype).is_floating:
+        if dtype is None:
+            return t
+        dtype = tf.as_dtype(dtype)
+        if dtype.is_floating and (symbolic or (
+                rows is not None and rows <= _EXACT_FLOAT_IDS.get(dtype, 0))):
             return tf.cast(t, tf.int64)
         return t
 
@@ -240,6 +256,10 @@ class BaseEmbedding(keras.layers.Layer):
             initial, (self.vocabulary_size, self.embedding_dim),
             f"{self.name}/embeddings")
         self.supports_jit = False  # custom ops have no XLA kernels
+        # Ids are never cast to the compute dtype (float64 ids would become
+        # float32, float32 ones float16 under a mixed policy): `as_int_ids`
+        # decides, as `keras.layers.Embedding` does not cast them either.
+        self.autocast = False
 
     def _table_mode(self):
         raise NotImplementedError
@@ -274,7 +294,7 @@ class BaseEmbedding(keras.layers.Layer):
     def call(self, inputs, weights=None):
         from sok_keras.lookup import lookup_one
 
-        inputs = shape_inference_ids(inputs)
+        inputs = as_int_ids(inputs, self.vocabulary_size)
         deep = (self.combiner is None and tf.is_tensor(inputs)
                 and not isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor))
                 and inputs.shape.rank is not None and inputs.shape.rank > 2)

@@ -13,7 +13,7 @@ from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
-from sok_keras.layers.base_embedding import shape_inference_ids
+from sok_keras.layers.base_embedding import as_int_ids
 from sok_keras.variable import NOTHING_SAVED_HINT
 from sok_keras.variable import Variable
 from sok_keras.variable import check_mode_form
@@ -163,6 +163,9 @@ class EmbeddingCollection(keras.layers.Layer):
                 "DistributedEmbedding for TPUs only. Give each table its "
                 "optimizer in `TableConfig.optimizer`.")
         super().__init__(**kwargs)
+        # Ids are never cast to the compute dtype (`as_int_ids`), as
+        # `keras.layers.Embedding` does not cast them.
+        self.autocast = False
         name = self.name
         if feature_configs is None and features is None and (
                 tables is not None):
@@ -294,7 +297,7 @@ class EmbeddingCollection(keras.layers.Layer):
     @_not_converted
     def call(self, inputs, weights=None, training=None):
         del training
-        inputs = shape_inference_ids(inputs)
+        inputs = as_int_ids(inputs, None)  # (Keras' shape inference)
         if self._keras_rs is None:
             where = f"EmbeddingCollection '{self.name}'"
             for what, value in (("inputs", inputs), ("weights", weights)):
@@ -326,8 +329,10 @@ class EmbeddingCollection(keras.layers.Layer):
     def _lookup(self, inputs, weights):
         names = list(self.features)
         feats = [
-            lookup.normalize_ids(inputs[f], weights.get(f),
-                                 f"{self.name}/{self._feature_label(f)}")
+            lookup.normalize_ids(
+                as_int_ids(inputs[f], self.tables[self.features[f]["table"]][
+                    "vocabulary_size"]),
+                weights.get(f), f"{self.name}/{self._feature_label(f)}")
             for f in names
         ]
         params = [self.embeddings[self.features[f]["table"]] for f in names]

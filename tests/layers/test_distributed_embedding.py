@@ -80,7 +80,7 @@ def test_bad_ids_raise_and_name_the_layer():
                        match=r"user_table.*id -5\b"):
         layer(np.array([[-5, 1]]))
     with pytest.raises(TypeError, match="integer"):
-        layer(np.array([[1.0, 2.0]], np.float32))
+        layer(np.array([[1.0, 2.0]], np.float16))
 
 
 def test_failed_fit_step_leaves_table_untouched():
@@ -387,9 +387,11 @@ def test_a_custom_layer_without_build_makes_its_table_on_a_keras_input():
 
 
 def test_a_sequential_without_an_int_input_names_the_fix():
-    """Keras gives a Sequential with no Input float32 inputs: the error
-    names the layer and says how to declare int ids."""
-    model = keras.Sequential([sok.layers.DistributedEmbedding(10, 2,
+    """Keras gives a Sequential with no Input float32 inputs, which the
+    layers take where they are exact (tables of at most 2**24 rows,
+    tests/test_bad_inputs.py); for a larger table the error names the
+    layer and says how to declare int ids."""
+    model = keras.Sequential([sok.layers.DistributedEmbedding(2 ** 24 + 1, 1,
                                                               name="emb"),
                               keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")

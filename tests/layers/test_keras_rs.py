@@ -124,7 +124,7 @@ def test_one_feature_config_not_nested():
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
     # Errors name the lone feature by its name (its path is empty).
     with pytest.raises(TypeError, match=r"/f: ids must be an integer"):
-        layer(x.astype("float32"))
+        layer(x.astype("float16"))
     with pytest.raises(ValueError, match=r"at '<top>' it holds a dict with "
                        r"keys \['f'\], where one feature's tensor belongs"):
         layer({"f": x})
