@@ -83,6 +83,12 @@ from sok_keras import _keras_h5 as _keras_h5  # noqa: E402
 
 _keras_h5.install()
 
+# tf.saved_model.save of a model whose optimizer has made tables' slots
+# writes them as plain variables, which tf.saved_model.load can read.
+from sok_keras.optimizers import tf_slots as _tf_slots  # noqa: E402
+
+_tf_slots.install()
+
 # SOK names sok_keras does not have, and what to use instead: a ported
 # script gets this, not a bare AttributeError.
 _NOT_IN_SOK_KERAS = {

@@ -11,6 +11,9 @@ step) is kept on the table and applied when the optimizer creates it.
 `TableSlots` gives sok's optimizers these three methods.
 """
 
+import functools
+import threading
+
 from sok_keras.optimizers import sparse_rules
 from sok_keras.variable import is_sok_variable
 
@@ -35,13 +38,34 @@ class TableSlots:
     def get_slot_names(self):
         """SOK's: the names of the slots kept beside tables (`["m", "v"]`
         for Adam; `[]` for plain SGD), with those of tables that have their
-        own optimizer."""
+        own optimizer. (None while a SavedModel is written: see
+        `_trackable_children`.)"""
+        if _saving_a_saved_model():
+            return []
         rule_of = getattr(self, "inner_optimizer", self)
         names = {n for n, _ in sparse_rules.rule_for(rule_of).slots(rule_of)}
-        for table in getattr(self, "_trainable_variables", None) or []:
-            if is_sok_variable(table):
-                names.update(table.slots)
+        for table in self._tables():
+            names.update(table.slots)
         return sorted(names)
+
+    def _tables(self):
+        return [v for v in getattr(self, "_trainable_variables", None) or []
+                if is_sok_variable(v)]
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """A SavedModel's loader makes slot variables with the optimizer's
+        `add_slot`, which a Keras optimizer revived without its class (a
+        plain object) lacks, so `tf.saved_model.load` failed. In a
+        SavedModel the tables' slots are this optimizer's plain children
+        instead (loaded as variables); checkpoints keep them as slot
+        variables, beside their tables."""
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel" and _saving_a_saved_model():
+            for table in self._tables():
+                for name, slot in sorted(table.slots.items()):
+                    key = f"sok_slot.{table.path.replace('/', '.')}.{name}"
+                    children[key] = slot
+        return children
 
     def get_slot(self, var, slot_name):
         """SOK's: the slot `slot_name` of table `var`, a `sok.Variable` with
@@ -91,3 +115,35 @@ def _create_or_restore(rule_of, slot_variable_position, slot_name,
     variable.restore_slot_shard(
         slot_name, slot_variable_position.value_tensors())
     return None
+
+
+# SavedModels being written on this thread (`tf.saved_model.save`, Keras'
+# `model.export`): their object graph, and the checkpoint written from it
+# outside TensorFlow's save context, must both see the tables' slots as plain
+# children, never as slot variables.
+_SAVED_MODEL = threading.local()
+
+
+def _saving_a_saved_model():
+    return getattr(_SAVED_MODEL, "depth", 0) > 0
+
+
+def install():
+    """Marks every SavedModel write (TensorFlow's `save_and_return_nodes`,
+    which `tf.saved_model.save` calls) for `_saving_a_saved_model`."""
+    from tensorflow.python.saved_model import save as tf_save
+
+    original = tf_save.save_and_return_nodes
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def save_and_return_nodes(*args, **kwargs):
+        _SAVED_MODEL.depth = getattr(_SAVED_MODEL, "depth", 0) + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _SAVED_MODEL.depth -= 1
+
+    save_and_return_nodes._sok_keras = True
+    tf_save.save_and_return_nodes = save_and_return_nodes

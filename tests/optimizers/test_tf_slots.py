@@ -150,7 +150,22 @@ def test_a_checkpoint_manager_and_saved_model_take_the_model(tmp_path):
     manager.checkpoint.restore(manager.latest_checkpoint).assert_consumed()
     _assert_same(_state(model), saved)
     tf.saved_model.save(model, str(tmp_path / "sm"))
-    assert (tmp_path / "sm" / "saved_model.pb").exists()
+    # It loads (before: the loader made the slots through the optimizer's
+    # `add_slot`, which the revived optimizer lacks), serves, and holds the
+    # tables' slots as plain variables.
+    loaded = tf.saved_model.load(str(tmp_path / "sm"))
+    served = loaded.signatures["serving_default"](tf.constant(x[:5]))
+    np.testing.assert_allclose(list(served.values())[0].numpy(),
+                               model.predict(x[:5], verbose=0), rtol=1e-6)
+    names = [k for k, _ in tf.train.list_variables(
+        str(tmp_path / "sm" / "variables" / "variables"))]
+    assert sum("sok_slot." in k and "VARIABLE_VALUE" in k
+               for k in names) == 4, names  # 2 tables x (m, v)
+    # A checkpoint after it still saves them as slot variables.
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "after"))
+    assert sum(".OPTIMIZER_SLOT" in k and "VARIABLE_VALUE" in k
+               for k, _ in tf.train.list_variables(path)) == 4
 
 
 def test_a_slot_of_another_shape_is_refused_and_nothing_changes(tmp_path):
