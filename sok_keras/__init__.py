@@ -89,6 +89,12 @@ from sok_keras.optimizers import tf_slots as _tf_slots  # noqa: E402
 
 _tf_slots.install()
 
+# model.export of a model with sok tables writes export_for_serving's
+# SavedModel, which serves without sok_keras.
+from sok_keras import export as _export  # noqa: E402
+
+_export.install()
+
 # SOK names sok_keras does not have, and what to use instead: a ported
 # script gets this, not a bare AttributeError.
 _NOT_IN_SOK_KERAS = {

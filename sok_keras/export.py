@@ -259,7 +259,8 @@ def _check_target(path, n, rank):
             "error says why); nothing was written.")
 
 
-def export_for_serving(model, path, verbose=False):
+def export_for_serving(model, path, verbose=False, input_signature=None,
+                       **kwargs):
     """Writes a TF SavedModel of `model` that serves with plain TF ops.
 
     Every rank must call it (the tables are gathered onto rank 0, in
@@ -278,6 +279,10 @@ def export_for_serving(model, path, verbose=False):
             folder, or an earlier export, which is replaced once the new
             one is complete.
         verbose: passed to Keras' export.
+        input_signature: passed to Keras' export (`model.export`): the
+            serving endpoint's input specs; by default the model's inputs.
+        **kwargs: other arguments of Keras' `model.export` for
+            `format="tf_saved_model"`, passed to it.
 
     Raises:
         ValueError: for a subclassed or unbuilt model.
@@ -334,7 +339,8 @@ def export_for_serving(model, path, verbose=False):
             finally:
                 model.compiled = compiled
             del tables
-            clone.export(tmp, format="tf_saved_model", verbose=verbose)
+            clone.export(tmp, format="tf_saved_model", verbose=verbose,
+                         input_signature=input_signature, **kwargs)
     except Exception as e:  # reported to every rank below
         error = e
     control = world.control_communicator()
@@ -356,3 +362,41 @@ def export_for_serving(model, path, verbose=False):
     finally:
         if rank == 0 and tmp is not None and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def install():
+    """`model.export(path)` of a model with sok tables writes
+    `export_for_serving`'s SavedModel: Keras' own would hold sok's ops (it
+    would not load without sok_keras) and, on several ranks, their
+    collectives (its `serve` would wait for peers for ever)."""
+    original = keras.Model.export
+    if getattr(original, "_sok_keras", False):
+        return
+
+    import functools
+
+    @functools.wraps(original)
+    def export(self, filepath, format="tf_saved_model", verbose=None,
+               input_signature=None, **kwargs):
+        from sok_keras.optimizers.auto_wrap import has_sok_layers
+
+        if not has_sok_layers(self):
+            return original(self, filepath, format=format, verbose=verbose,
+                            input_signature=input_signature, **kwargs)
+        if format != "tf_saved_model":
+            raise ValueError(
+                f"sok_keras: model '{self.name}' holds sok embedding "
+                "tables, which export only as a TF SavedModel of plain "
+                "lookups (`format=\"tf_saved_model\"`, "
+                f"`sok.export_for_serving`). Received: format={format!r}.")
+        import logging
+
+        logging.getLogger("sok_keras").info(
+            "sok_keras: model.export of '%s' writes sok.export_for_serving's "
+            "SavedModel (plain TF lookups of the whole tables: it serves in "
+            "one process, without sok_keras).", self.name)
+        return export_for_serving(self, filepath, verbose=bool(verbose),
+                                  input_signature=input_signature, **kwargs)
+
+    export._sok_keras = True
+    keras.Model.export = export

@@ -186,6 +186,22 @@ def test_export_of_a_sequential_with_no_input(tmp_path):
                                rtol=1e-6, atol=1e-6)
 
 
+def test_keras_model_export_writes_the_serving_export(tmp_path):
+    """Keras' own `model.export` of a model with sok tables writes
+    `export_for_serving`'s SavedModel (before: one of sok's ops, which
+    failed to load without sok_keras); other formats are refused."""
+    model = _model()
+    probe = _data(5, 8)
+    path = str(tmp_path / "keras_export")
+    model.export(path, verbose=False)
+    served = serve_without_sok(path, probe, tmp_path)
+    np.testing.assert_allclose(served, model.predict(probe, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"(?s)sok embedding tables.*onnx"):
+        model.export(str(tmp_path / "onnx"), format="onnx")
+    assert not os.path.exists(tmp_path / "onnx")
+
+
 def test_export_of_a_subclassed_model_says_why_it_cannot():
     class Ranker(keras.Model):
         def __init__(self):

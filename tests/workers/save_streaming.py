@@ -191,6 +191,9 @@ if action == "save":
     expected = model.predict(probe, verbose=0)
     stage("predicted")
     sok.export_for_serving(model, os.path.join(folder, "serving"))
+    # Keras' own export writes the same (it ran sok's ops and collectives,
+    # and its `serve` waited for peers for ever).
+    model.export(os.path.join(folder, "serving_keras"), verbose=False)
     stage("exported")
     if RANK == 0:
         np.savez(os.path.join(folder, "expected.npz"), predictions=expected,
