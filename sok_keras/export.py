@@ -59,12 +59,19 @@ def _whole_table(table):
 
 def _plain_lookup(table, ids, weights, combiner, name):
     """A sok lookup of `ids` in the whole `table`, in plain TF ops."""
+    from sok_keras.layers.base_embedding import flatten_deep_ids
     from sok_keras.lookup import normalize_ids
     from sok_keras.lookup import unpooled
 
+    shape = None
+    if combiner is None:  # ids of any rank, as the sok layer takes them
+        ids, weights, shape = flatten_deep_ids(ids, weights, name)
     feat = normalize_ids(ids, weights, name)
     if combiner is None:
-        return unpooled(table, feat.values, feat)
+        out = unpooled(table, feat.values, feat)
+        if shape is not None:
+            out = tf.reshape(out, tf.concat([shape, tf.shape(table)[1:]], 0))
+        return out
     compute = tf.float32 if table.dtype in (tf.float16, tf.bfloat16) else (
         table.dtype)
     rows = tf.cast(tf.gather(table, feat.values), compute)
@@ -82,6 +89,17 @@ def _plain_lookup(table, ids, weights, combiner, name):
     if den is not None:
         total = tf.math.divide_no_nan(total, den[:, None])
     return tf.cast(total, table.dtype)
+
+
+def _unpooled_mask(ids, combiner):
+    """The sok layers' mask: `ids != -1` for unpooled dense ids of rank >=
+    2; None otherwise."""
+    if combiner is not None or isinstance(
+            ids, (tf.RaggedTensor, tf.SparseTensor)):
+        return None
+    if len(getattr(ids, "shape", ())) < 2:
+        return None
+    return keras.ops.not_equal(ids, -1)
 
 
 class ServingEmbedding(keras.layers.Layer):
@@ -111,12 +129,9 @@ class ServingEmbedding(keras.layers.Layer):
 
     def compute_mask(self, inputs, mask=None):
         """As the sok layer's: `ids != -1` for unpooled dense ids."""
-        if self.fixed_shape or self.combiner is not None or isinstance(
-                inputs, (tf.RaggedTensor, tf.SparseTensor)):
+        if self.fixed_shape:
             return None
-        if len(getattr(inputs, "shape", ())) != 2:
-            return None
-        return keras.ops.not_equal(inputs, -1)
+        return _unpooled_mask(inputs, self.combiner)
 
     def call(self, inputs, weights=None):
         from sok_keras.layers.base_embedding import as_int_ids
@@ -153,6 +168,16 @@ class ServingEmbeddingCollection(keras.layers.Layer):
                 name=t)
             var.assign(value)
             self.tables[t] = var
+
+    def compute_mask(self, inputs, mask=None):
+        """As the sok layer's: `ids != -1` for each unpooled feature's
+        dense ids; None when no feature is unpooled."""
+        if not isinstance(inputs, dict) or all(
+                spec["combiner"] is not None
+                for spec in self.features.values()):
+            return None
+        return {f: _unpooled_mask(inputs.get(f), spec["combiner"])
+                for f, spec in self.features.items()}
 
     def call(self, inputs, weights=None):
         from sok_keras.layers.base_embedding import as_int_ids
@@ -332,10 +357,10 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
                     model, clone_function=clone_function)
             except ValueError as e:
                 raise ValueError(
-                    f"export_for_serving: model '{model.name}' cannot be "
-                    "cloned (only functional and Sequential models can be "
-                    "exported: their sok layers are swapped for plain-TF "
-                    f"serving layers). Keras says: {e}") from e
+                    f"export_for_serving: model '{model.name}' could not be "
+                    "cloned with its sok layers swapped for plain-TF "
+                    "serving layers (only functional and Sequential models "
+                    f"can be exported). Keras says: {e}") from e
             finally:
                 model.compiled = compiled
             del tables

@@ -186,6 +186,29 @@ def test_export_of_a_sequential_with_no_input(tmp_path):
                                rtol=1e-6, atol=1e-6)
 
 
+def test_export_of_unpooled_ids_of_rank_3(tmp_path):
+    """Unpooled [batch, 2, 3] ids (`DistributedEmbedding` and an
+    `EmbeddingCollection` feature): the export serves them (before: it
+    refused the ids, saying the model could not be cloned)."""
+    ids = keras.Input((2, 3), dtype="int64", name="ids")
+    one = sok.layers.DistributedEmbedding(30, 4, combiner=None, name="one")
+    col = sok.layers.EmbeddingCollection(
+        {"t": {"vocabulary_size": 30, "embedding_dim": 4}},
+        {"g": {"table": "t", "combiner": None}}, name="col")
+    pooled = [keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Reshape((6, 4))(x))
+        for x in (one(ids), col({"g": ids})["g"])]
+    model = keras.Model(
+        {"ids": ids}, keras.layers.Dense(1)(keras.layers.Concatenate()(
+            [keras.layers.Flatten()(one(ids))] + pooled)))
+    probe = {"ids": np.random.default_rng(6).integers(-1, 30, (8, 2, 3))}
+    path = str(tmp_path / "rank3")
+    sok.export_for_serving(model, path)
+    served = serve_without_sok(path, probe, tmp_path)
+    np.testing.assert_allclose(served, model.predict(probe, verbose=0),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_keras_model_export_writes_the_serving_export(tmp_path):
     """Keras' own `model.export` of a model with sok tables writes
     `export_for_serving`'s SavedModel (before: one of sok's ops, which

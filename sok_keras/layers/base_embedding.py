@@ -217,6 +217,28 @@ def as_int_ids(ids, rows):
     return tf.nest.map_structure(cast, ids)
 
 
+def flatten_deep_ids(ids, weights, where):
+    """Unpooled dense ids of rank > 2, as `keras.layers.Embedding` takes
+    them: `(ids as [batch, n], weights alike, the ids' shape)`, to look
+    them up as [batch, n] and give the rows back that shape (+ [dim]);
+    `(ids, weights, None)` for other ids."""
+    if (not tf.is_tensor(ids)
+            or isinstance(ids, (tf.RaggedTensor, tf.SparseTensor))
+            or ids.shape.rank is None or ids.shape.rank <= 2):
+        return ids, weights, None
+    from sok_keras.lookup import check_static_weights_shape
+
+    shape = tf.shape(ids)
+    if weights is not None and not isinstance(
+            weights, (tf.RaggedTensor, tf.SparseTensor)):
+        weights = tf.convert_to_tensor(weights)
+        # Before flattening: as many weights in another layout would pass
+        # the flat check.
+        check_static_weights_shape(weights, ids, where)
+        weights = tf.reshape(weights, [shape[0], -1])
+    return tf.reshape(ids, [shape[0], -1]), weights, shape
+
+
 class BaseEmbedding(keras.layers.Layer):
     """Base class: one sharded table, looked up with a combiner.
 
@@ -295,27 +317,14 @@ class BaseEmbedding(keras.layers.Layer):
         from sok_keras.lookup import lookup_one
 
         inputs = as_int_ids(inputs, self.vocabulary_size)
-        deep = (self.combiner is None and tf.is_tensor(inputs)
-                and not isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor))
-                and inputs.shape.rank is not None and inputs.shape.rank > 2)
-        if deep:
-            # Unpooled ids of any rank, as `keras.layers.Embedding` takes
-            # them: looked up as [batch, n] and given back their shape.
-            from sok_keras.lookup import check_static_weights_shape
-
-            shape, ids = tf.shape(inputs), inputs
-            inputs = tf.reshape(inputs, [shape[0], -1])
-            if weights is not None and not isinstance(
-                    weights, (tf.RaggedTensor, tf.SparseTensor)):
-                weights = tf.convert_to_tensor(weights)
-                # Before flattening: as many weights in another layout would
-                # pass the flat check.
-                check_static_weights_shape(weights, ids, self.name)
-                weights = tf.reshape(weights, [shape[0], -1])
+        shape = None
+        if self.combiner is None:
+            inputs, weights, shape = flatten_deep_ids(inputs, weights,
+                                                      self.name)
         out = lookup_one(
             self.embeddings, inputs, weights, self.combiner, name=self.name,
             pooling=self.pooling)
-        if deep:
+        if shape is not None:
             out = tf.reshape(out, tf.concat(
                 [shape, [self.embedding_dim]], axis=0))
         return tf.cast(out, self.compute_dtype)

@@ -14,6 +14,7 @@ from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import as_int_ids
+from sok_keras.layers.base_embedding import flatten_deep_ids
 from sok_keras.variable import NOTHING_SAVED_HINT
 from sok_keras.variable import Variable
 from sok_keras.variable import check_mode_form
@@ -328,13 +329,15 @@ class EmbeddingCollection(keras.layers.Layer):
 
     def _lookup(self, inputs, weights):
         names = list(self.features)
-        feats = [
-            lookup.normalize_ids(
-                as_int_ids(inputs[f], self.tables[self.features[f]["table"]][
-                    "vocabulary_size"]),
-                weights.get(f), f"{self.name}/{self._feature_label(f)}")
-            for f in names
-        ]
+        feats, shapes = [], {}
+        for f in names:
+            table = self.tables[self.features[f]["table"]]
+            label = f"{self.name}/{self._feature_label(f)}"
+            ids = as_int_ids(inputs[f], table["vocabulary_size"])
+            w = weights.get(f)
+            if self.features[f]["combiner"] is None:
+                ids, w, shapes[f] = flatten_deep_ids(ids, w, label)
+            feats.append(lookup.normalize_ids(ids, w, label))
         params = [self.embeddings[self.features[f]["table"]] for f in names]
         rows = lookup.gather_rows_fused(
             params, [x.values for x in feats],
@@ -345,6 +348,10 @@ class EmbeddingCollection(keras.layers.Layer):
             combiner = self.features[f]["combiner"]
             if combiner is None:
                 value = lookup.unpooled(r, inverse, feat)
+                if shapes[f] is not None:  # ids of rank > 2
+                    value = tf.reshape(value, tf.concat([shapes[f], [
+                        self.tables[self.features[f]["table"]][
+                            "embedding_dim"]]], 0))
             else:
                 value = lookup.pool(r, inverse, feat, combiner)
             out[f] = tf.cast(value, self.compute_dtype)
@@ -473,7 +480,8 @@ class EmbeddingCollection(keras.layers.Layer):
 
     def compute_mask(self, inputs, mask=None):
         """Like the single-table layers: each unpooled feature with dense
-        2-D ids gets `ids != -1`, so that mask-aware layers skip padding;
+        ids of rank >= 2 gets `ids != -1`, so that mask-aware layers skip
+        padding;
         pooled features (all of keras-rs' form), and ragged or sparse ids,
         get None. Returns a dict by feature, or None when nothing is
         masked."""
@@ -487,7 +495,7 @@ class EmbeddingCollection(keras.layers.Layer):
             ids = inputs.get(f) if isinstance(inputs, dict) else None
             if (ids is None or self.features[f]["combiner"] is not None
                     or isinstance(ids, (tf.RaggedTensor, tf.SparseTensor))
-                    or len(getattr(ids, "shape", ())) != 2):
+                    or len(getattr(ids, "shape", ())) < 2):
                 return None
             return keras.ops.not_equal(ids, -1)
 

@@ -79,6 +79,39 @@ def test_unpooled_features_mask_padding_for_mask_aware_layers():
     assert pooled_only.compute_mask({"clicked": tf.constant(hist)}) is None
 
 
+def test_unpooled_ids_of_any_rank_as_distributed_embedding():
+    """[batch, 2, 3] ids of an unpooled feature: rows [batch, 2, 3, dim]
+    and the mask `ids != -1`, as `DistributedEmbedding(combiner=None)`
+    gives (before: the model built, then the lookup refused the ids)."""
+    rng = np.random.default_rng(5)
+    table = rng.normal(size=(40, 4)).astype(np.float32)
+    ids = rng.integers(-1, 40, size=(6, 2, 3))
+    w = rng.random((6, 2, 3)).astype(np.float32)
+    col = sok.layers.EmbeddingCollection(
+        {"t": {"vocabulary_size": 40, "embedding_dim": 4}},
+        {"g": {"table": "t", "combiner": None}})
+    col.build(None)
+    col.embeddings["t"].assign(table)
+    single = sok.layers.DistributedEmbedding(40, 4, combiner=None)
+    single.build((None, 2, 3))
+    single.embeddings.assign(table)
+    want = np.where((ids >= 0)[..., None], table[np.maximum(ids, 0)], 0)
+    for weights in (None, w):
+        got = col({"g": ids}, None if weights is None else {"g": weights})
+        ref = single(ids, weights)
+        np.testing.assert_array_equal(got["g"].numpy(), ref.numpy())
+    np.testing.assert_array_equal(col({"g": ids})["g"].numpy(), want)
+    np.testing.assert_array_equal(
+        col.compute_mask({"g": tf.constant(ids)})["g"].numpy(), ids != -1)
+    inp = keras.Input((2, 3), dtype="int64")
+    out = keras.layers.Flatten()(col({"g": inp})["g"])
+    model = keras.Model(inp, keras.layers.Dense(1)(out))
+    model.compile(optimizer=sok.OptimizerWrapper(
+        keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(ids, rng.normal(size=(6, 1)), verbose=0)  # trains
+    assert not np.array_equal(col.embeddings["t"].numpy(), table)
+
+
 def test_gradients_reach_each_table_once_per_distinct_id():
     layer = sok.layers.EmbeddingCollection(TABLES, FEATURES)
     x = {"user_id": np.array([1, 1, 2]),
