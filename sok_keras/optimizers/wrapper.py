@@ -492,7 +492,12 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
       rows), with the inner optimizer's hyperparameters and learning rate
       schedule, on the rank that owns the rows. Slots live beside the table
       rows (`table.slots`) and are saved with the table;
-    - hands every other variable to the inner optimizer unchanged;
+    - hands every other variable to the inner optimizer, with its dense
+      gradient (an `IndexedSlices` gradient, such as a plain
+      `keras.layers.Embedding`'s, is summed per row first: the update is
+      the dense gradient's on any number of ranks, where Keras alone
+      applies Adam, Adagrad, RMSprop, Ftrl and norm clipping entry by
+      entry, which moves a row repeated in a batch differently);
     - with several ranks, averages dense gradients across ranks (one packed
       all-reduce per dtype) and starts dense weights identical on every
       rank (broadcast from rank 0 when built); table gradients are never
