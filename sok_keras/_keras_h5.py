@@ -68,10 +68,48 @@ def install():
     # folder these paths make before the process dies (`_terminate`).
     from sok_keras._terminate import guarded
 
-    lib.save_model = guarded(lib.save_model)
-    lib.load_model = guarded(lib.load_model)
+    lib.save_model = guarded(_model_optimizer_state(lib.save_model))
+    lib.save_weights_only = _model_optimizer_state(lib.save_weights_only)
+    lib.load_model = guarded(_no_optimizer_state_without_compile(
+        lib.load_model))
     _keep_optimizer_state_whole()
     _INSTALLED = True
+
+
+def _model_optimizer_state(original):
+    """Keras' `save_model` / `save_weights_only` writing the tables' slots
+    of the model's optimizer (`saving._model_optimizer_slots`)."""
+
+    @functools.wraps(original)
+    def save(model, *args, **kwargs):
+        from sok_keras.saving import _model_optimizer_slots
+
+        _model_optimizer_slots(model)
+        return original(model, *args, **kwargs)
+
+    return save
+
+
+def _no_optimizer_state_without_compile(original):
+    """`load_model(..., compile=False)`: Keras restores no optimizer
+    state, and a new optimizer starts fresh; the tables' slots, which the
+    layers load with their tables and keep for the first optimizer to make
+    them, are dropped too."""
+
+    @functools.wraps(original)
+    def load_model(filepath, custom_objects=None, compile=True,
+                   *args, **kwargs):
+        import keras
+
+        model = original(filepath, custom_objects, compile, *args, **kwargs)
+        if not compile and isinstance(model, keras.Model):
+            from sok_keras.saving import _tables
+
+            for table in _tables(model):
+                table._sok_pending_slots.clear()
+        return model
+
+    return load_model
 
 
 def _keep_optimizer_state_whole():
@@ -92,10 +130,15 @@ def _keep_optimizer_state_whole():
 
     @functools.wraps(original)
     def load_weights(self, filepath, *args, **kwargs):
+        from sok_keras.saving import _model_optimizer_slots
+        from sok_keras.saving import _tables
+
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and getattr(optimizer, "built", False):
+            # Into the model's optimizer's slots (another optimizer may
+            # have trained a table last: a layer shared by two models).
+            _model_optimizer_slots(self)
             return original(self, filepath, *args, **kwargs)
-        from sok_keras.saving import _tables
 
         tables = _tables(self)
         before = {id(t): set(t._sok_pending_slots) for t in tables}

@@ -307,10 +307,14 @@ def _match_names(saved, current):
 
 
 def _slots_of(table, optimizer):
-    """The table's slots, by name (none when there is no optimizer)."""
+    """`optimizer`'s slots of the table, by name (none when there is no
+    optimizer)."""
     if optimizer is None:
         return {}
-    return {k: table.slots[k] for k in sorted(table.slots)}
+    from sok_keras.optimizers.sparse_rules import slot_owner
+
+    slots = table.slots_of(slot_owner(optimizer, table))
+    return {k: slots[k] for k in sorted(slots)}
 
 
 # -- writing ----------------------------------------------------------------

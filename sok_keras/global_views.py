@@ -292,8 +292,10 @@ def _optimizer_and_slots(model):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or not getattr(optimizer, "built", False):
         return None
+    from sok_keras.optimizers.sparse_rules import slot_owner
+
     slots = [s for t in _tables_of(model)
-             for _, s in sorted(getattr(t, "slots", {}).items())]
+             for _, s in sorted(t.slots_of(slot_owner(optimizer, t)).items())]
     if not slots:
         return None
     return frozenset(id(v) for v in optimizer.variables), slots

@@ -119,6 +119,22 @@ def _tables(model):
     return [t for t in tables if id(t) not in slots]
 
 
+def _model_optimizer_slots(model):
+    """Makes the slots of `model.optimizer` its tables' current ones, which
+    the layers save, as Keras saves the model's optimizer's state: not
+    those of another optimizer that trained a table last (an earlier
+    compile, a model sharing the layer), nor those of one that made none
+    (a frozen table). A model without an optimizer saves what its tables
+    hold (a custom loop's optimizer)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return
+    from sok_keras.optimizers.sparse_rules import slot_owner
+
+    for table in _tables(model):
+        table.claim_slots(slot_owner(optimizer, table))
+
+
 def _has_sok_tables(model):
     return bool(_tables(model))
 
@@ -246,6 +262,7 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
     their rows; atomic rename; the same outcome on every rank. `plain()`
     is Keras' own save, for one rank or a model without sok tables;
     `sharded`: Keras writes several files (`_Staging`)."""
+    _model_optimizer_slots(model)
     n = world.num_ranks()
     if n == 1 or not _has_sok_tables(model):
         return plain()

@@ -254,7 +254,11 @@ class Variable(keras.Variable):
         self._sok_global_shape = tuple(int(s) for s in global_shape)
         self._sok_slots = {}
         self._sok_pending_slots = {}
-        self._sok_slot_owner = None  # a weakref to the slots' optimizer
+        # `_sok_slots` are the optimizer `_sok_slot_owner` (a weakref)
+        # made; other live optimizers' slots wait in `_sok_other_slots`
+        # (`claim_slots`).
+        self._sok_slot_owner = None
+        self._sok_other_slots = {}
         self._sok_optimizer = None
         self._sok_make_values = None
         if in_stateless_scope():
@@ -597,20 +601,43 @@ class Variable(keras.Variable):
         return sorted(set(self._sok_slots) | set(self._sok_pending_slots))
 
     def claim_slots(self, optimizer):
-        """Makes `optimizer` (the one whose rule updates this table) the
-        owner of its slots. Slots that another optimizer made are dropped
-        first, so that a new optimizer starts from its initial state, as a
-        new Keras optimizer does (`model.compile` with another optimizer);
-        slots restored but not created yet are kept for it (`add_slot`)."""
-        if not self.slots_owned_by(optimizer) and (
-                self._sok_slot_owner is not None):
-            self._sok_slots = {}
+        """Makes `optimizer`'s slots this table's current ones (`slots`,
+        what updates and saving use), as each Keras optimizer keeps its
+        own slots: a new optimizer starts from its initial state (it makes
+        its slots; slots restored but not made yet are kept for it,
+        `add_slot`), and one that made slots before gets them back (a
+        model compiled A, B, then A again; two models sharing a layer,
+        each with its optimizer). The slots of optimizers that no longer
+        exist are dropped."""
+        if self.slots_owned_by(optimizer):
+            return
+        owner = self._slot_owner()
+        others = {k: (ref, slots)
+                  for k, (ref, slots) in self._sok_other_slots.items()
+                  if ref() is not None}
+        if owner is not None and self._sok_slots:
+            others[id(owner)] = (self._sok_slot_owner, self._sok_slots)
+        ref, slots = others.pop(id(optimizer), (None, {}))
+        self._sok_other_slots = others
+        self._sok_slots = slots if ref is not None and (
+            ref() is optimizer) else {}
         self._sok_slot_owner = weakref.ref(optimizer)
 
+    def _slot_owner(self):
+        ref = self._sok_slot_owner
+        return None if ref is None else ref()
+
     def slots_owned_by(self, optimizer):
-        """Whether this table's slots are `optimizer`'s (it made them)."""
-        owner = self._sok_slot_owner
-        return owner is not None and owner() is optimizer
+        """Whether this table's current slots are `optimizer`'s."""
+        return self._slot_owner() is optimizer is not None
+
+    def slots_of(self, optimizer):
+        """`optimizer`'s slots of this table, by name (empty if it made
+        none), whether or not they are the current ones."""
+        if self.slots_owned_by(optimizer):
+            return self._sok_slots
+        ref, slots = self._sok_other_slots.get(id(optimizer), (None, {}))
+        return slots if ref is not None and ref() is optimizer else {}
 
     def add_slot(self, name, slot):
         """Registers `slot` (a `Variable` shaped like this table) as `name`."""

@@ -155,6 +155,18 @@ def rule_for(optimizer):
     return rule
 
 
+def slot_owner(optimizer, table):
+    """The optimizer whose slots of `table` a step of `optimizer` updates:
+    the table's own optimizer (a layer's `optimizer=`) if it has one, else
+    the innermost of `optimizer`'s wrappers (`LossScaleOptimizer`,
+    `OptimizerWrapper`): the one whose rule `ensure_slots` is given."""
+    if table.optimizer is not None:
+        return table.optimizer
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
 def ensure_slots(rule, optimizer, table):
     """Creates (once) the slot tables `rule` needs beside `table`, for
     `optimizer`: a table's slots belong to the last optimizer that made

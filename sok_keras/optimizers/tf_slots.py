@@ -45,8 +45,12 @@ class TableSlots:
         rule_of = getattr(self, "inner_optimizer", self)
         names = {n for n, _ in sparse_rules.rule_for(rule_of).slots(rule_of)}
         for table in self._tables():
-            names.update(table.slots)
+            names.update(self._slots_of(table))
         return sorted(names)
+
+    def _slots_of(self, table):
+        """This optimizer's slots of `table` (those its rule made)."""
+        return table.slots_of(sparse_rules.slot_owner(self, table))
 
     def _tables(self):
         return [v for v in getattr(self, "_trainable_variables", None) or []
@@ -62,7 +66,7 @@ class TableSlots:
         children = super()._trackable_children(save_type, **kwargs)
         if save_type == "savedmodel" and _saving_a_saved_model():
             for table in self._tables():
-                for name, slot in sorted(table.slots.items()):
+                for name, slot in sorted(self._slots_of(table).items()):
                     key = f"sok_slot.{table.path.replace('/', '.')}.{name}"
                     children[key] = slot
         return children
@@ -75,43 +79,43 @@ class TableSlots:
             TypeError: if `var` is not a table.
             KeyError: naming the table's slots, if it has no such slot.
         """
-        return _table_slot(type(self).__name__, var, slot_name)
+        return _table_slot(self, var, slot_name)
 
     def _create_or_restore_slot_variable(self, slot_variable_position,
                                          slot_name, variable, **kwargs):
         del kwargs
-        return _create_or_restore(getattr(self, "inner_optimizer", self),
-                                  slot_variable_position, slot_name, variable)
+        return _create_or_restore(self, slot_variable_position, slot_name,
+                                  variable)
 
 
-def _table_slot(owner, var, slot_name):
-    """Slot `slot_name` of table `var`, or a clear error (see module doc)."""
+def _table_slot(optimizer, var, slot_name):
+    """`optimizer`'s slot `slot_name` of table `var`, or a clear error (see
+    module doc)."""
     if not is_sok_variable(var):
         raise NotATableError(
-            f"{owner}.get_slot takes a table (sok.Variable); a dense "
-            "variable's state is in the optimizer's `variables`. "
-            f"Received: {type(var).__name__} {getattr(var, 'name', '')!r}.")
-    if slot_name not in var.slots:
+            f"{type(optimizer).__name__}.get_slot takes a table "
+            "(sok.Variable); a dense variable's state is in the optimizer's "
+            f"`variables`. Received: {type(var).__name__} "
+            f"{getattr(var, 'name', '')!r}.")
+    slots = optimizer._slots_of(var)
+    if slot_name not in slots:
         raise KeyError(
-            f"Table '{var.path}' has no slot {slot_name!r}; its slots: "
-            f"{sorted(var.slots)} (made when the optimizer is built).")
-    return var.slots[slot_name]
+            f"Table '{var.path}' has no slot {slot_name!r} of this "
+            f"optimizer; its slots: {sorted(slots)} (made when the "
+            "optimizer is built).")
+    return slots[slot_name]
 
 
-def _create_or_restore(rule_of, slot_variable_position, slot_name,
+def _create_or_restore(optimizer, slot_variable_position, slot_name,
                        variable):
-    """`_create_or_restore_slot_variable` for tables: the slot variable for
-    TensorFlow to restore, or None once its rows are kept on the table for
-    when the optimizer (`rule_of`'s rule for this table) creates it. A slot
-    of another optimizer (the model compiled again) is not restored into:
-    it is dropped when this one makes its own."""
-    from sok_keras.optimizers.wrapper import table_optimizer
-
+    """`_create_or_restore_slot_variable` for tables: `optimizer`'s slot
+    variable for TensorFlow to restore, or None once its rows are kept on
+    the table for when the optimizer makes it (`Variable.add_slot`)."""
     if not is_sok_variable(variable):
         return None
-    if slot_name in variable.slots and variable.slots_owned_by(
-            table_optimizer(rule_of, variable)):
-        return variable.slots[slot_name]
+    slots = optimizer._slots_of(variable)
+    if slot_name in slots:
+        return slots[slot_name]
     variable.restore_slot_shard(
         slot_name, slot_variable_position.value_tensors())
     return None

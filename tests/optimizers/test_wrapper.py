@@ -165,6 +165,111 @@ def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_compiling_a_b_then_a_again_resumes_a():
+    """As Keras: each optimizer keeps its own slots of a table, so the
+    first one, compiled again, goes on from its own momentum."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.permutation(_V).reshape(_B, _NID)
+                        for _ in range(3)]).astype(np.int64)
+    y = rng.normal(size=(3 * _B, 1)).astype(np.float32)
+    weights = []
+    for kind in ("sok", "keras"):
+        model = _twin(kind)
+        a, b = (keras.optimizers.SGD(0.1, momentum=0.9) for _ in range(2))
+        for i, opt in enumerate((a, b, a)):
+            model.compile(optimizer=opt, loss="mse")
+            model.fit(x[i * _B:(i + 1) * _B], y[i * _B:(i + 1) * _B],
+                      batch_size=_B, shuffle=False, verbose=0)
+        weights.append([_np(w) for w in model.weights])
+    for ours, ref in zip(*weights):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def _towers(kind):
+    """Two models sharing one table and one Dense: `two` looks up two ids,
+    `one` the first of them."""
+    keras.utils.set_random_seed(1)
+    a = keras.Input((1,), dtype="int64")
+    b = keras.Input((1,), dtype="int64")
+    if kind == "sok":
+        emb = sok.layers.DistributedEmbedding(8, 4, combiner="sum",
+                                              name="emb")
+        ea, eb = emb(a), emb(b)
+    else:
+        emb, flat = keras.layers.Embedding(8, 4, name="emb"), (
+            keras.layers.Flatten())
+        ea, eb = flat(emb(a)), flat(emb(b))
+    head = keras.layers.Dense(1, name="dense")
+    two = keras.Model([a, b], keras.layers.Add()([head(ea), head(eb)]))
+    return two, keras.Model(a, head(ea))
+
+
+@pytest.mark.parametrize("run_eagerly", [True, False])
+def test_two_models_sharing_a_table_keep_their_optimizers(run_eagerly,
+                                                          tmp_path):
+    """Fits alternating between the two models (each its own momentum
+    SGD), then saves and loads `two`: its file holds its optimizer's slots
+    (before: each switch reset the momentum eagerly, and the file held
+    whichever optimizer had trained the table last)."""
+    rng = np.random.default_rng(0)
+    xa, xb = (np.concatenate([rng.permutation(8) for _ in range(4)])[
+        :, None] for _ in range(2))
+    y = rng.normal(size=(32, 1)).astype(np.float32)
+    state = {}
+    for kind in ("sok", "keras"):
+        two, one = _towers(kind)
+        if kind == "keras":
+            two.set_weights(state["sok_initial"])
+        else:
+            state["sok_initial"] = two.get_weights()
+        for m in (two, one):
+            m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss="mse", run_eagerly=run_eagerly)
+        for _ in range(2):
+            two.fit([xa, xb], y, batch_size=8, shuffle=False, verbose=0)
+            one.fit(xa, y, batch_size=8, shuffle=False, verbose=0)
+        path = str(tmp_path / f"{kind}.keras")
+        two.save(path)
+        loaded = keras.models.load_model(path)
+        for m in (two, loaded):
+            m.fit([xa, xb], y, batch_size=8, shuffle=False, verbose=0)
+        state[kind] = [_np(w) for w in two.weights]
+        state[f"{kind}_loaded"] = [_np(w) for w in loaded.weights]
+    for key in ("sok", "sok_loaded", "keras_loaded"):
+        for ours, ref in zip(state[key], state["keras"]):
+            np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
+
+
+def test_a_frozen_table_saves_no_stale_slots(tmp_path):
+    """Trained with Adam, frozen, compiled with a new Adam (built for the
+    dense weights only): the file holds no table slots, as Keras' holds
+    none for a frozen Embedding, so a loaded model unfrozen with another
+    new Adam trains as the in-memory one (before: it took the first
+    Adam's moments from the file)."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.permutation(_V).reshape(_B, _NID)
+                        for _ in range(2)]).astype(np.int64)
+    y = rng.normal(size=(2 * _B, 1)).astype(np.float32)
+    model = _twin("sok")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=_B, verbose=0)
+    model.get_layer("emb").trainable = False
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, batch_size=_B, verbose=0)
+    path = str(tmp_path / "frozen.keras")
+    model.save(path)
+    assert sorted(saved_table_entries(path)) == ["embeddings"]
+    loaded = keras.models.load_model(path)
+    for m in (model, loaded):
+        m.get_layer("emb").trainable = True
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        m.fit(x, y, batch_size=_B, shuffle=False, verbose=0)
+    for ours, ref in zip(loaded.weights, model.weights):
+        np.testing.assert_allclose(_np(ours), _np(ref), rtol=1e-6,
+                                   atol=1e-7)
+
+
 def test_compiling_again_with_the_same_optimizer_keeps_its_state():
     make = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
     ours = _two_phases("sok", make, None, True)
