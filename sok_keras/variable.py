@@ -548,7 +548,9 @@ class Variable(keras.Variable):
 
     @property
     def slots(self):
-        """Optimizer slot tables kept beside this table, by slot name.
+        """Optimizer slot tables kept beside this table, by slot name: the
+        current optimizer's (the last to update it, or the model's being
+        saved or loaded; `claim_slots`; other optimizers' are `slots_of`).
 
         Each slot is a `Variable` with this table's sharding; the layer that
         owns the table saves and restores them with it.
