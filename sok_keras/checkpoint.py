@@ -173,7 +173,7 @@ def _collect(model_or_variables, optimizer, fn):
         seen.add(id(v))
         (tables if isinstance(v, Variable) else dense).append(v)
     _check_unique([t.path for t in tables], "table", fn)
-    _check_unique([v.path for v in dense], "variable", fn)
+    _check_unique([_name(v) for v in dense], "variable", fn)
     for t in tables:
         if t.replica_shards is not None:
             raise NotImplementedError(
@@ -183,6 +183,25 @@ def _collect(model_or_variables, optimizer, fn):
                 "`model.save` / `keras.models.load_model` (or "
                 "`save_weights` / `load_weights`) under the strategy.")
     return tables, dense, optimizer
+
+
+def _name(v):
+    """A variable's name in a checkpoint: a Keras variable's path, a plain
+    `tf.Variable`'s name (less `:0`)."""
+    path = getattr(v, "path", None)
+    if path is not None:
+        return path
+    name = v.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _slot_prefix(v):
+    """The start of the names Keras gives `v`'s optimizer slots
+    (`add_variable_from_reference`)."""
+    path = getattr(v, "path", None)
+    if path is not None:
+        return path.replace("/", "_") + "_"
+    return str(v.name).replace("/", "_").replace(":", "_") + "_"
 
 
 def _check_unique(names, what, fn):
@@ -234,8 +253,8 @@ def _slot_of_other_variable(optimizer, given):
     for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         refs += list(getattr(opt, "_trainable_variables", None) or [])
     kept = {id(v) for v in given}
-    prefixes = sorted(((v.path.replace("/", "_") + "_", id(v) in kept)
-                       for v in refs), key=lambda p: -len(p[0]))
+    prefixes = sorted(((_slot_prefix(v), id(v) in kept) for v in refs),
+                      key=lambda p: -len(p[0]))
 
     def other(path):
         leaf = path.rsplit("/", 1)[-1]
@@ -376,7 +395,9 @@ def _write_shard_file(path, variables):
     w = _BlockWriter(path, offset, BLOCK_BYTES)
     try:
         for name, var in variables:
-            value = var.value if hasattr(var, "value") else var
+            # (A Keras variable's `value` is a property, a tf.Variable's a
+            # method; the tf.Variable slices itself.)
+            value = var if isinstance(var, tf.Variable) else var.value
             shape = entries[name]["shape"]
             if len(shape) >= 1 and shape[0] > 0:
                 row_bytes = entries[name]["nbytes"] // shape[0]
@@ -466,7 +487,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
             record["files"][name] = _write_shard_file(
                 _join(data_dir, name), entries)
         if rank == 0 and (dense or opt_vars or table_opt_vars):
-            entries = [(f"model/{v.path}", v) for v in dense]
+            entries = [(f"model/{_name(v)}", v) for v in dense]
             entries += [(f"optimizer/{_optimizer_key(optimizer, v.path)}", v)
                         for v in opt_vars]
             entries += [(f"table_optimizer/{k}", v)
@@ -537,7 +558,7 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
             "files": [f"t{i}-r{r}.bin" if f"t{i}-r{r}.bin" in files else None
                       for r in range(n)],
         } for i, t in enumerate(tables)],
-        "dense": [{"name": v.path, "shape": [int(s) for s in v.shape],
+        "dense": [{"name": _name(v), "shape": [int(s) for s in v.shape],
                    "dtype": _std_dtype(v)} for v in dense],
         "optimizer": None if not opt_vars else {
             "class": type(optimizer).__name__,
@@ -894,7 +915,7 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
         saved = [key(d["name"]) for d in have]
         have = dict(zip(saved, have))
         if names is None:
-            names = [key(v.path) for v in want]
+            names = [key(_name(v)) for v in want]
         saved_of = _match_names(saved, names)
         if saved_of is None:
             missing = [nm for nm in names if nm not in have]
@@ -915,7 +936,8 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
                 _fail(mpath, f"'dense.bin' has no entry {ename!r} of "
                       f"{d['dtype']}{shape}.")
             p = _Plan(v, ename, _dtype(d["dtype"], mpath),
-                      [(reader("dense.bin", v.path), e, None, 0)], None, None)
+                      [(reader("dense.bin", _name(v)), e, None, 0)], None,
+                      None)
             plans.append(p)
 
     dense_plan("model", dense, manifest["dense"])
@@ -971,7 +993,7 @@ def _stage(plan, r_new, n_new):
                 filled += len(dst)
     if filled != plan.rows:
         raise CheckpointError(
-            f"table '{plan.var.path}' ({plan.entry}): found {filled} of the "
+            f"table '{_name(plan.var)}' ({plan.entry}): found {filled} of the "
             f"{plan.rows} rows this rank owns in the checkpoint.")
     plan.staged = out
 

@@ -97,3 +97,21 @@ def test_rank_crash_mid_training_stops_the_job():
     assert "[1]" in job.output
     assert job.elapsed < 90, job.output  # nobody waited for the timeout
     assert job.leftovers == []
+
+
+def test_a_custom_loop_with_a_tf_variable_on_two_ranks_equals_one(tmp_path):
+    """A plain `tf.Variable` as the dense weight (TensorFlow's, not
+    Keras'): OptimizerWrapper trains it on 2 ranks as on 1 process (before:
+    its broadcast read `tf.Variable.value`, a method, and failed), and
+    `sok.dump` / `sok.load` take it (before: it had no `path`)."""
+    out = {}
+    for n in (1, 2):
+        results = run_workers(worker_path("tf_variable_loop"), n,
+                              args=[str(tmp_path / f"ck{n}")])
+        for r in results:
+            np.testing.assert_allclose(r["final"][1], results[0]["final"][1])
+            for a, b in zip(r["resumed"], r["final"]):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        out[n] = results[0]["final"]
+    for a, b in zip(out[2], out[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -70,9 +70,10 @@ def broadcast_variables(variables, root=0, key="broadcast_variables"):
         for i, v in enumerate(variables):
             if is_sok_variable(v):
                 continue
-            value = comm.broadcast(
-                tf.convert_to_tensor(v.value if hasattr(v, "value") else v),
-                key=f"{key}/{i}", root=root)
+            # (A Keras variable's `value` is a property, a tf.Variable's a
+            # method: convert_to_tensor reads either.)
+            value = comm.broadcast(tf.convert_to_tensor(v),
+                                   key=f"{key}/{i}", root=root)
             v.assign(value)
 
 
@@ -255,6 +256,15 @@ def _clipping_off(opt):
         opt.clipnorm, opt.global_clipnorm, opt.clipvalue = saved
 
 
+_INSTEAD = {
+    "gradient_accumulation_steps": " Accumulate the gradients in a custom "
+    "loop and apply them every k steps (docs/recipes.md, \"Gradient "
+    "accumulation\").",
+    "loss_scale_factor": " Wrap the optimizer in "
+    "`keras.optimizers.LossScaleOptimizer` instead.",
+}
+
+
 def _check_supported(opt):
     for arg in ("use_ema", "gradient_accumulation_steps",
                 "loss_scale_factor"):
@@ -262,7 +272,7 @@ def _check_supported(opt):
             raise ValueError(
                 f"sok_keras: `{arg}` on {type(opt).__name__} is not supported "
                 f"with sharded tables. Received: {arg}="
-                f"{getattr(opt, arg)!r}."
+                f"{getattr(opt, arg)!r}.{_INSTEAD.get(arg, '')}"
             )
 
 

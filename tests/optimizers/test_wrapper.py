@@ -165,6 +165,42 @@ def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_gradient_accumulation_recipe():
+    """docs/recipes.md: two micro-batches' gradients, the tables'
+    IndexedSlices concatenated, applied once, equal one step on the whole
+    batch (ids repeat across the micro-batches)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 10, size=(8, _NID)).astype(np.int64)
+    y = rng.normal(size=(8, 1)).astype(np.float32)
+
+    def add(total, g):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.concat([total.values, g.values], 0),
+                                    tf.concat([total.indices, g.indices], 0),
+                                    g.dense_shape)
+        return total + g
+
+    weights = []
+    for k in (1, 2):
+        model = _twin("sok")
+        opt = Wrapper(keras.optimizers.Adam(0.05))
+        total = None
+        for part in np.split(np.arange(8), k):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(
+                    (model(x[part]) - y[part]) ** 2) / k
+            grads = tape.gradient(loss, model.trainable_variables)
+            total = grads if total is None else [
+                add(t, g) for t, g in zip(total, grads)]
+        opt.apply_gradients(zip(total, model.trainable_variables))
+        weights.append([_np(w) for w in model.weights])
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Gradient accumulation"):
+        Wrapper(keras.optimizers.Adam(gradient_accumulation_steps=2)).build(
+            model.trainable_variables)
+
+
 def test_compiling_a_b_then_a_again_resumes_a():
     """As Keras: each optimizer keeps its own slots of a table, so the
     first one, compiled again, goes on from its own momentum."""
