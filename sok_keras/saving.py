@@ -262,6 +262,8 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
     their rows; atomic rename; the same outcome on every rank. `plain()`
     is Keras' own save, for one rank or a model without sok tables;
     `sharded`: Keras writes several files (`_Staging`)."""
+    # On every rank: the others serve rank 0 the rows of the slots it
+    # writes (Keras' save, on rank 0, claims them too: _keras_h5).
     _model_optimizer_slots(model)
     n = world.num_ranks()
     if n == 1 or not _has_sok_tables(model):

@@ -169,15 +169,14 @@ def slot_owner(optimizer, table):
 
 def ensure_slots(rule, optimizer, table):
     """Creates (once) the slot tables `rule` needs beside `table`, for
-    `optimizer`: a table's slots belong to the last optimizer that made
-    them (`Variable.claim_slots`).
+    `optimizer`: each optimizer has its own slots of a table, and those of
+    the one updating it are the current ones (`Variable.claim_slots`).
 
     Returns:
         A dict `{slot_name: sok_keras.Variable}`.
     """
     from sok_keras.variable import Variable
 
-    # Another optimizer's slots are dropped: a new one starts afresh.
     table.claim_slots(optimizer)
     have = table.slots
     with tf.init_scope():
