@@ -31,6 +31,7 @@ from sok_keras.checkpoint import load
 from sok_keras.consistency import InconsistentRanksError
 from sok_keras.divergence import RankDivergedError
 from sok_keras.export import export_for_serving
+from sok_keras.global_views import RankMismatchError
 from sok_keras.global_views import gather_predictions
 from sok_keras.data import shard_batches
 from sok_keras.layers import All2AllDenseEmbedding
@@ -137,7 +138,7 @@ __all__ = [
     "EmbeddingCollection", "InconsistentRanksError",
     "Init",
     "LocalizedEmbedding", "OptimizerScope", "OptimizerWrapper",
-    "RankDivergedError", "Variable",
+    "RankDivergedError", "RankMismatchError", "Variable",
     "all2all_dense_embedding", "callbacks", "checkpoint", "data", "dump",
     "export_for_serving",
     "filter_variables", "gather_predictions",

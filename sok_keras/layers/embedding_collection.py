@@ -267,6 +267,11 @@ class EmbeddingCollection(keras.layers.Layer):
             path: {"table": f["table"],
                    "combiner": tabs[f["table"]]["combiner"]}
             for path, f in feats.items()}
+        # Tables left at keras-rs' default optimizer, "adam", which keras-rs'
+        # own layer ignores on CPU and GPU (`build` says so once).
+        self._default_adam_tables = sorted(
+            t for t, spec in tabs.items()
+            if use_table_optimizers and spec["optimizer"] == "adam")
 
     def build(self, input_shape=None):
         if self.built:
@@ -275,6 +280,15 @@ class EmbeddingCollection(keras.layers.Layer):
 
         self.embeddings = {}
         n = replicas.table_ranks()
+        default_adam = getattr(self, "_default_adam_tables", None)
+        if default_adam and not getattr(self, "_from_saved_config", False):
+            _LOG.warning(
+                "sok_keras: EmbeddingCollection '%s': tables %s train with "
+                "their TableConfig.optimizer, keras-rs' default 'adam' "
+                "(learning rate 0.001), as keras-rs does on TPU; keras-rs' "
+                "own layer on CPU and GPU trains them with the model's "
+                "optimizer: pass use_table_optimizers=False for that.",
+                self.name, default_adam)
         for t, spec in self.tables.items():
             if getattr(self, "_from_saved_config", False):
                 mode = mode_for_world(spec["mode"], n)

@@ -483,3 +483,31 @@ def test_models_on_two_ranks_match_keras_rs(references, tmp_path):
             other = results[1][kind]["local_rows"][table]
             whole = references[kind][0][f"table/{table}"].shape[0]
             assert rows + other == whole and abs(rows - other) <= 1
+
+
+def test_tables_left_at_keras_rs_default_adam_say_so_once(caplog):
+    """keras-rs' layer on CPU/GPU trains tables with the model's optimizer;
+    here a table left at `TableConfig.optimizer="adam"` (the default)
+    trains with that Adam, and building the layer says so, naming the
+    tables (not t3, which sets its own; nothing with
+    `use_table_optimizers=False`, nor for a layer loaded from a config)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="sok_keras"):
+        layer = sok.layers.EmbeddingCollection(_feature_configs(), name="e")
+        layer.build()
+    said = [r.getMessage() for r in caplog.records
+            if "use_table_optimizers=False" in r.getMessage()]
+    assert len(said) == 1 and "['t1', 't2']" in said[0], said
+    assert layer.embeddings["t1"].optimizer is not None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sok_keras"):
+        off = sok.layers.EmbeddingCollection(
+            _feature_configs(), use_table_optimizers=False)
+        off.build()
+        again = sok.layers.EmbeddingCollection.from_config(
+            layer.get_config())
+        again.build()
+    assert off.embeddings["t1"].optimizer is None
+    assert not [r for r in caplog.records
+                if "use_table_optimizers" in r.getMessage()]
