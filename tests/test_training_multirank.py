@@ -115,3 +115,17 @@ def test_a_custom_loop_with_a_tf_variable_on_two_ranks_equals_one(tmp_path):
         out[n] = results[0]["final"]
     for a, b in zip(out[2], out[1]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_a_sequential_with_no_input_on_two_ranks_equals_one(dtype):
+    """Keras builds such a model, and its optimizer, inside the first
+    traced step; on 2 ranks the optimizer's broadcast of the dense weights
+    there read variables with no value yet, and every rank failed. It is
+    built from the first batch now, before the step."""
+    out = {n: run_workers(worker_path("sequential_no_input"), n,
+                          args=[dtype]) for n in (1, 2)}
+    for r in out[2]:
+        for key in ("table", "kernel"):
+            np.testing.assert_allclose(r[key], out[1][0][key], rtol=1e-5,
+                                       atol=1e-6, err_msg=key)

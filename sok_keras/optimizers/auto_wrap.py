@@ -189,3 +189,31 @@ def install_loop_hooks():
 
         functools.update_wrapper(hook, original)
         setattr(owner, kind, hook)
+    _build_before_the_first_step()
+
+
+def _build_before_the_first_step():
+    """Keras' TensorFlow trainer builds a model that is not built yet (a
+    Sequential with no `keras.Input`, a subclassed model not called yet)
+    and its optimizer inside the first traced step, when no strategy is
+    set. There the optimizer's broadcast of the dense weights read
+    variables made in that same trace, which have no value yet, and every
+    rank failed at the first step. With sok tables on several ranks such a
+    model is built eagerly from the first batch, as Keras does under a
+    strategy (`_symbolic_build`)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original = TensorFlowTrainer._maybe_symbolic_build
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if (self._distribute_strategy is None and not self.built
+                and has_sok_layers(self)):
+            return self._symbolic_build(iterator=iterator,
+                                        data_batch=data_batch)
+        return original(self, iterator=iterator, data_batch=data_batch)
+
+    _maybe_symbolic_build._sok_keras = True
+    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
