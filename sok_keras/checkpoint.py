@@ -295,9 +295,11 @@ def _optimizer_key(optimizer, path):
     (`load_model`), so the same model would otherwise key them two ways."""
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
-        prefix = f"{optimizer.name}/{inner.name}/"
-        if path.startswith(prefix):
-            return path[len(optimizer.name) + 1:]
+        # Under any wrapper's name: the optimizer compiled again is wrapped
+        # anew (`optimizer_wrapper_2`), its slots keep the first's.
+        parts = path.split("/")
+        if len(parts) > 2 and parts[1] == inner.name:
+            return "/".join(parts[1:])
     return path
 
 

@@ -259,6 +259,12 @@ class Variable(keras.Variable):
         # (`claim_slots`).
         self._sok_slot_owner = None
         self._sok_other_slots = {}
+        # Slots restored for a given optimizer before it made them (a TF
+        # checkpoint restored before its first step): id -> (weakref,
+        # {name: rows}); `_sok_pending_slots` are those of no optimizer in
+        # particular (a file loaded with the model), for the first to make
+        # them.
+        self._sok_pending_for = {}
         self._sok_optimizer = None
         self._sok_make_values = None
         if in_stateless_scope():
@@ -515,12 +521,13 @@ class Variable(keras.Variable):
                 "of ranks, or use sok.dump / sok.load (or model.save), "
                 "which write one checkpoint for any number of ranks.")
 
-    def restore_slot_shard(self, name, restored_tensors):
-        """Restores slot `name`, which the optimizer has not created yet,
+    def restore_slot_shard(self, name, restored_tensors, optimizer):
+        """Restores `optimizer`'s slot `name`, which it has not created yet,
         from a TF checkpoint's tensors of it (this rank's shard, as
         `tf.train.Checkpoint` saved the slot variable): the rows are kept
-        and applied when it does (`add_slot`). (A slot that exists is
-        restored by TensorFlow itself: `tf_slots`.)"""
+        and applied when it does (`add_slot`), not when another optimizer
+        makes a slot of that name. (A slot that exists is restored by
+        TensorFlow itself: `tf_slots`.)"""
         restored = dict(restored_tensors)
         self._check_saved_shard(restored.pop(self._SHARD_KEY, None),
                                 f" (slot {name!r})")
@@ -539,7 +546,18 @@ class Variable(keras.Variable):
                 f"sok_keras.Variable '{self.path}': the TF checkpoint's "
                 f"slot {name!r} has shape {tuple(value.shape)}, but this "
                 f"rank's shard of the table has shape {local}.")
-        self._sok_pending_slots[name] = value
+        ref, pending = self._sok_pending_for.get(id(optimizer), (None, None))
+        if ref is None or ref() is not optimizer:
+            pending = {}
+            self._sok_pending_for[id(optimizer)] = (weakref.ref(optimizer),
+                                                    pending)
+        pending[name] = value
+
+    def _pending_of_owner(self):
+        """The current optimizer's restored slots not made yet."""
+        owner = self._slot_owner()
+        ref, pending = self._sok_pending_for.get(id(owner), (None, {}))
+        return pending if ref is not None and ref() is owner else {}
 
     @property
     def vocabulary_size(self):
@@ -549,8 +567,9 @@ class Variable(keras.Variable):
     @property
     def slots(self):
         """Optimizer slot tables kept beside this table, by slot name: the
-        current optimizer's (the last to update it, or the model's being
-        saved or loaded; `claim_slots`; other optimizers' are `slots_of`).
+        current optimizer's (the last to build or trace an update of it, or
+        the model's being saved or loaded: `claim_slots`; a given
+        optimizer's are `slots_of(optimizer)`).
 
         Each slot is a `Variable` with this table's sharding; the layer that
         owns the table saves and restores them with it.
@@ -600,7 +619,8 @@ class Variable(keras.Variable):
     def saved_slot_names(self):
         """The slot names that saving this table writes, in name order:
         the optimizer's slots and those restored but not created yet."""
-        return sorted(set(self._sok_slots) | set(self._sok_pending_slots))
+        return sorted(set(self._sok_slots) | set(self._sok_pending_slots)
+                      | set(self._pending_of_owner()))
 
     def claim_slots(self, optimizer):
         """Makes `optimizer`'s slots this table's current ones (`slots`,
@@ -617,6 +637,10 @@ class Variable(keras.Variable):
         others = {k: (ref, slots)
                   for k, (ref, slots) in self._sok_other_slots.items()
                   if ref() is not None}
+        self._sok_pending_for = {
+            k: (ref, pending)
+            for k, (ref, pending) in self._sok_pending_for.items()
+            if ref() is not None}
         if owner is not None and self._sok_slots:
             others[id(owner)] = (self._sok_slot_owner, self._sok_slots)
         ref, slots = others.pop(id(optimizer), (None, {}))
@@ -649,7 +673,9 @@ class Variable(keras.Variable):
                 f"{self._sok_global_shape}. Received: {slot.global_shape}."
             )
         self._sok_slots[name] = slot
-        pending = self._sok_pending_slots.pop(name, None)
+        pending = self._pending_of_owner().pop(name, None)
+        if pending is None:
+            pending = self._sok_pending_slots.pop(name, None)
         if pending is not None and self._sok_shards:  # the whole slot
             slot.assign_global(pending)
         elif pending is not None:  # this rank's rows, restored from a file
@@ -1063,6 +1089,8 @@ class SavedEntry:
             source = table
         elif slot in table._sok_slots:
             source = table._sok_slots[slot]
+        elif slot in table._pending_of_owner():
+            source = table._pending_of_owner()[slot]
         elif slot in table._sok_pending_slots:
             source = table._sok_pending_slots[slot]
         else:

@@ -117,7 +117,8 @@ def _create_or_restore(optimizer, slot_variable_position, slot_name,
     if slot_name in slots:
         return slots[slot_name]
     variable.restore_slot_shard(
-        slot_name, slot_variable_position.value_tensors())
+        slot_name, slot_variable_position.value_tensors(),
+        sparse_rules.slot_owner(optimizer, variable))
     return None
 
 

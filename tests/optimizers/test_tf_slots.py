@@ -137,6 +137,35 @@ def test_a_checkpoint_restored_into_a_new_optimizer_of_a_trained_model(
     _assert_same(_state(model), _state(fresh))
 
 
+def test_slots_restored_for_one_optimizer_wait_for_that_optimizer(
+        tmp_path):
+    """A checkpoint restored into an optimizer before its first step, then
+    the model compiled with a new optimizer: the new one starts from fresh
+    slots, as in Keras (before: it took the restored ones, which waited on
+    the table under their name only); the first, compiled again, gets
+    them."""
+    x, y = _data()
+    model = _compiled("wrapper_adam")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    saved = _state(model)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ck"))
+    keras.utils.clear_session()
+    fresh = _compiled("wrapper_adam")
+    first = fresh.optimizer
+    tf.train.Checkpoint(model=fresh, optimizer=first).restore(path)
+    table = fresh.get_layer("a").embeddings
+    fresh.compile(optimizer=OPTIMIZERS["wrapper_adam"](), loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    for name in ("m", "v"):
+        np.testing.assert_array_equal(table.slots[name].numpy(), 0.0)
+    fresh.compile(optimizer=first, loss="mse")
+    first.build(fresh.trainable_variables)
+    for name in ("m", "v"):
+        np.testing.assert_array_equal(table.slots[name].numpy(),
+                                      saved[f"a.{name}"])
+
+
 def test_a_checkpoint_manager_and_saved_model_take_the_model(tmp_path):
     x, y = _data()
     model = _compiled("wrapper_adam")

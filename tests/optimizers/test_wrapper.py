@@ -277,6 +277,39 @@ def test_two_models_sharing_a_table_keep_their_optimizers(run_eagerly,
                                        err_msg=key)
 
 
+def test_two_models_sharing_a_table_restore_their_own_checkpoints(
+        tmp_path):
+    """Each model's `tf.train.Checkpoint` (model and optimizer), restored
+    into new models before their first step: each optimizer gets its own
+    slots back (before: the restored slots waited on the table by name,
+    and the first optimizer to make them took them)."""
+    rng = np.random.default_rng(1)
+    xa, xb = (np.concatenate([rng.permutation(8) for _ in range(2)])[
+        :, None] for _ in range(2))
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    result = []
+    for restored in (False, True):
+        keras.utils.clear_session()
+        two, one = _towers("sok")
+        for m in (two, one):
+            m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss="mse")
+        if restored:
+            for m, name in ((two, "two"), (one, "one")):
+                tf.train.Checkpoint(model=m, optimizer=m.optimizer).restore(
+                    str(tmp_path / f"{name}-1")).expect_partial()
+        else:
+            two.fit([xa, xb], y, batch_size=8, shuffle=False, verbose=0)
+            one.fit(xb, y, batch_size=8, shuffle=False, verbose=0)
+            for m, name in ((two, "two"), (one, "one")):
+                tf.train.Checkpoint(model=m, optimizer=m.optimizer).save(
+                    str(tmp_path / name))
+        two.fit([xa, xb], y, batch_size=8, shuffle=False, verbose=0)
+        result.append([_np(w) for w in two.weights])
+    for a, b in zip(*result):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_a_frozen_table_saves_no_stale_slots(tmp_path):
     """Trained with Adam, frozen, compiled with a new Adam (built for the
     dense weights only): the file holds no table slots, as Keras' holds
