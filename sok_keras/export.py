@@ -77,8 +77,10 @@ def _plain_lookup(table, ids, weights, combiner, name):
     rows = tf.cast(tf.gather(table, feat.values), compute)
     segs = tf.cast(feat.segment_ids, tf.int64)
     n = tf.cast(feat.batch_size, tf.int64)
+    # Weights in the table's dtype first, as the sok layer takes them
+    # (`lookup.pool`): a 16-bit table's are rounded to 16 bits.
     w = (tf.ones_like(rows[:, 0]) if feat.weights is None
-         else tf.cast(feat.weights, compute))
+         else tf.cast(tf.cast(feat.weights, table.dtype), compute))
     total = tf.math.unsorted_segment_sum(rows * w[:, None], segs, n)
     if combiner == "mean":
         den = tf.math.unsorted_segment_sum(w, segs, n)

@@ -152,8 +152,10 @@ def _check_int(t, what):
             hint = (" Declare the ids' input as integers, e.g. "
                     "`keras.Input(shape=(n,), dtype=\"int64\")` as the "
                     "first layer of a Sequential: Keras makes inputs "
-                    "float32 by default, which holds ids exactly only up "
-                    "to 2**24.")
+                    "float32 by default (a Sequential with no Input under "
+                    "a mixed precision policy: its 16-bit compute dtype), "
+                    "which holds ids exactly only up to 2**24 (16 bits: "
+                    "2048 or 256).")
         raise TypeError(
             f"{what}: ids must be an integer tensor (int32 or int64). "
             f"Received: dtype={t.dtype.name}.{hint}"
