@@ -148,8 +148,12 @@ def _collect(model_or_variables, optimizer, fn):
 
     if isinstance(model_or_variables, keras.Model):
         variables = list(model_or_variables.variables)
-        if optimizer is None:
-            optimizer = getattr(model_or_variables, "optimizer", None)
+        compiled = getattr(model_or_variables, "optimizer", None)
+        if optimizer is None or optimizer is getattr(
+                compiled, "inner_optimizer", None):
+            # The plain optimizer `compile` wrapped stands for its wrapper,
+            # which holds the model's optimizer state.
+            optimizer = compiled
     elif isinstance(model_or_variables, (list, tuple)):
         variables = list(model_or_variables)
     else:
@@ -435,7 +439,9 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
         model_or_variables: a `keras.Model` (its sok tables, their slots and
             its other variables) or a list of variables.
         optimizer: the optimizer whose state to save. Defaults to
-            `model.optimizer` for a model; optimizer state is saved only if
+            `model.optimizer` for a model (the plain optimizer given to
+            `compile`, which wrapped it, stands for `model.optimizer` too);
+            optimizer state is saved only if
             the optimizer is built. With a list of variables, the state
             saved is the listed variables' (and the step count): the slots
             of other variables the optimizer trains are left out, as
@@ -1036,7 +1042,8 @@ def load(path, model_or_variables, optimizer=None):
         model_or_variables: a `keras.Model` or a list of variables, as given
             to `dump` (same table paths, shapes and dtypes).
         optimizer: the optimizer to restore. Defaults to `model.optimizer`
-            for a model. An optimizer that is not built yet is built first
+            for a model (the plain optimizer given to `compile` stands for
+            it). An optimizer that is not built yet is built first
             (for the model's trainable variables, or the listed ones), so
             its slots exist; with a list, the slots of variables not in it
             are left as they are.

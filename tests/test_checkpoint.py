@@ -166,6 +166,28 @@ def test_a_plain_optimizer_compiled_again_loads_its_own_dump(tmp_path):
     _assert_same(unnumbered(_state(model)), unnumbered(saved))
 
 
+def test_the_plain_optimizer_compile_wrapped_stands_for_its_wrapper(
+        tmp_path):
+    """`sok.dump(path, model, optimizer=plain)` / `sok.load(...)` with the
+    plain Keras optimizer given to `compile` (which wrapped it) save and
+    restore the model's optimizer state, as with the default
+    `model.optimizer` (before: the plain optimizer's variables matched none
+    of the wrapper's and the load failed)."""
+    model, (x, y) = _dlrm(steps=2)
+    plain = keras.optimizers.Adam(0.01)
+    model.compile(optimizer=plain, loss="binary_crossentropy")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    saved = _state(model)
+    for dump_with, load_with in ((plain, None), (None, plain),
+                                 (plain, plain)):
+        path = str(tmp_path / f"c{id(dump_with)}{id(load_with)}")
+        sok.dump(path, model, optimizer=dump_with)
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+        assert _state(model).keys() == saved.keys()
+        sok.load(path, model, optimizer=load_with)
+        _assert_same(_state(model), saved)
+
+
 def test_a_loaded_model_and_a_built_one_read_each_others_checkpoints(
         tmp_path):
     """`load_model` restores the wrapped optimizer's slots under the inner
