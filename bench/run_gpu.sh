@@ -36,7 +36,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
       tests/test_gpu.py tests/test_gpu_blocks.py tests/test_ops_loading.py
   step gpu_single timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_bad_inputs.py tests/test_properties.py tests/layers/test_keras_rs.py \
-      tests/test_callbacks.py tests/test_export.py tests/layers/test_embedding_collection.py \
+      tests/test_callbacks.py tests/test_serving.py tests/layers/test_embedding_collection.py \
       tests/test_pooled_lookup_grad.py tests/optimizers/test_sparse_unique.py \
       tests/optimizers/test_wrapper.py
   step multirank_shared_gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \

@@ -30,7 +30,7 @@ from sok_keras.checkpoint import dump
 from sok_keras.checkpoint import load
 from sok_keras.consistency import InconsistentRanksError
 from sok_keras.divergence import RankDivergedError
-from sok_keras.export import export_for_serving
+from sok_keras.serving import export_for_serving
 from sok_keras.global_views import RankMismatchError
 from sok_keras.global_views import gather_predictions
 from sok_keras.data import shard_batches
@@ -92,9 +92,9 @@ _tf_slots.install()
 
 # model.export of a model with sok tables writes export_for_serving's
 # SavedModel, which serves without sok_keras.
-from sok_keras import export as _export  # noqa: E402
+from sok_keras import serving as _serving  # noqa: E402
 
-_export.install()
+_serving.install()
 
 # SOK names sok_keras does not have, and what to use instead: a ported
 # script gets this, not a bare AttributeError.
@@ -112,6 +112,11 @@ _NOT_IN_SOK_KERAS = {
     "assign": "use table.assign(value) (the local shard) or "
               "table.assign_global(whole_table)",
     "sparse_read_and_evict": "dynamic tables are not supported",
+    "export": "SOK's export(var) reads a dynamic table's keys and values, "
+              "and dynamic tables are not supported: a table's whole "
+              "value is table.read_global() (every rank calls it), this "
+              "rank's shard table.numpy(); for serving, "
+              "sok.export_for_serving(model, path)",
     "incremental_model_dump": "use sok.dump / sok.load (sharded "
                               "checkpoints) or model.save",
     "set_comm_tool": "sok_keras picks its communicator at sok.init("
@@ -125,6 +130,11 @@ _NOT_IN_SOK_KERAS = {
 
 
 def __getattr__(name):
+    if name == "tf_version":  # SOK's: `if sok.tf_version[0] == 2: ...`
+        import tensorflow as tf
+
+        return [int(v) for v in tf.__version__.split("+")[0].split(".")[:3]
+                if v.isdigit()]
     if name in _NOT_IN_SOK_KERAS:
         raise AttributeError(
             f"sok_keras has no {name!r} (a SparseOperationKit name): "

@@ -220,15 +220,20 @@ def _check_unique(names, what, fn):
 _STEP_VARIABLES = ("iteration", "learning_rate")
 
 
-def _optimizer_variables(optimizer, other=None):
+def _optimizer_variables(optimizer, other=None, unbuilt=False):
     """The optimizer's own variables (not a table's slots) to save or load.
     With `other` (`_others_slots`: `dump(path, [vars], optimizer)`), the
     slots of variables it trains that are not in the list are left out, as
     those variables are: the same list then loads into a fresh optimizer
-    built for it alone."""
-    if optimizer is None or not optimizer.built:
+    built for it alone. Keras' own slots of a table (a plain optimizer's)
+    are the table's slots (`_keras_slots_of`), not replicated state. An
+    optimizer not built yet has none but its step count and learning rate
+    (taken with `unbuilt`: `load` of tables alone, `_prepare`)."""
+    if optimizer is None or not (optimizer.built or unbuilt):
         return []
-    out = [v for v in optimizer.variables if not isinstance(v, Variable)]
+    tables = _keras_table_slots(optimizer)
+    out = [v for v in optimizer.variables
+           if not isinstance(v, Variable) and id(v) not in tables]
     if other is not None:
         out = [v for v in out if not other(v.path)]
     _check_unique([_optimizer_key(optimizer, v.path) for v in out],
@@ -333,13 +338,43 @@ def _match_names(saved, current):
 
 def _slots_of(table, optimizer):
     """`optimizer`'s slots of the table, by name (none when there is no
-    optimizer)."""
+    optimizer): the sok slots its sparse rule updates, else Keras' own
+    slots of the table (a plain Keras optimizer, SOK's raw-loop way)."""
     if optimizer is None:
         return {}
     from sok_keras.optimizers.sparse_rules import slot_owner
 
     slots = table.slots_of(slot_owner(optimizer, table))
+    if not slots:
+        slots = {name: s for s, t, name in
+                 _keras_table_slots(optimizer).values() if t is table}
     return {k: slots[k] for k in sorted(slots)}
+
+
+def _keras_table_slots(optimizer):
+    """`{id(slot): (slot, table, slot name)}`: the variables a Keras optimizer
+    (or one it wraps) made for a sok table it trains as a dense variable
+    (`add_variable_from_reference`: `<table path, '/' as '_'>_<slot>`, the
+    table's local shape). Each rank's hold the rows of its own shard, so
+    they are saved and re-sharded with the table, as sok's slots are."""
+    out = {}
+    opt = optimizer
+    while opt is not None:
+        refs = list(getattr(opt, "_trainable_variables", None) or [])
+        prefixes = sorted(((_slot_prefix(v), v) for v in refs),
+                          key=lambda p: -len(p[0]))
+        for s in getattr(opt, "_variables", None) or []:
+            if isinstance(s, Variable):
+                continue
+            leaf = s.path.rsplit("/", 1)[-1]
+            for prefix, ref in prefixes:
+                if leaf.startswith(prefix) and len(leaf) > len(prefix):
+                    if (isinstance(ref, Variable)
+                            and tuple(s.shape) == tuple(ref.shape)):
+                        out[id(s)] = (s, ref, leaf[len(prefix):])
+                    break
+        opt = getattr(opt, "inner_optimizer", None)
+    return out
 
 
 # -- writing ----------------------------------------------------------------
@@ -1025,6 +1060,42 @@ def _assign(plan):
     dense_reads(target)
 
 
+def _prepare(optimizer, model_or_variables):
+    """Makes the state of an optimizer not built yet exist, to load into.
+
+    For a model or a list with weights other than tables, the optimizer is
+    built for its trainable variables (or the listed ones), as Keras' first
+    `apply` does. For a list of tables alone with an optimizer of sok's
+    sparse rules (SOK's `load(path, sok_vars, optimizer)`), only the
+    tables' slots are made: the first step builds the optimizer for what
+    it trains then (tables and dense weights). Returns whether the
+    optimizer was left unbuilt.
+    """
+    import keras
+
+    from sok_keras.optimizers import tf_slots
+    from sok_keras.optimizers.wrapper import build_once
+    from sok_keras.optimizers.wrapper import create_table_slots
+
+    if optimizer is None or optimizer.built:
+        return False
+    if isinstance(model_or_variables, keras.Model):
+        variables = model_or_variables.trainable_variables
+    else:
+        variables = [v for v in model_or_variables if v.trainable]
+    chain = [optimizer]
+    while getattr(chain[-1], "inner_optimizer", None) is not None:
+        chain.append(chain[-1].inner_optimizer)
+    sparse = any(isinstance(o, tf_slots.TableSlots) for o in chain)
+    if (not isinstance(model_or_variables, keras.Model) and sparse
+            and variables and all(isinstance(v, Variable) for v in variables)
+            and not any(getattr(o, "skip_nonfinite", False) for o in chain)):
+        create_table_slots(chain[-1], variables)
+        return True
+    build_once(optimizer, variables)  # as Keras' first `apply` does
+    return False
+
+
 def load(path, model_or_variables, optimizer=None):
     """Loads a checkpoint written by `sok_keras.dump`, at any number of ranks.
 
@@ -1064,18 +1135,9 @@ def load(path, model_or_variables, optimizer=None):
     path = os.fspath(path)
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "load")
     _enter("load", path)
-    if optimizer is not None and not optimizer.built:
-        import keras
-
-        from sok_keras.optimizers.wrapper import build_once
-
-        if isinstance(model_or_variables, keras.Model):
-            variables = model_or_variables.trainable_variables
-        else:
-            variables = [v for v in model_or_variables if v.trainable]
-        build_once(optimizer, variables)  # as Keras' first `apply` does
+    unbuilt = _prepare(optimizer, model_or_variables)
     other = _others_slots(optimizer, model_or_variables)
-    opt_vars = _optimizer_variables(optimizer, other)
+    opt_vars = _optimizer_variables(optimizer, other, unbuilt)
     n_new, r_new = world.num_ranks(), world.rank()
     error, plans, readers = None, [], {}
     try:

@@ -1362,7 +1362,8 @@ def _to_list(x):
 
 @_not_converted
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
-                  hotness=None, pooling="auto"):
+                  hotness=None, pooling="auto",
+                  use_low_frequency_filter=False):
     """Looks up and pools sparse ids in several sharded tables at once.
 
     The result for each table equals `tf.nn.embedding_lookup_sparse` on the
@@ -1388,6 +1389,9 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         pooling: with one table and several ranks, where rows are pooled
             (`"auto"`, `"home"` or `"owner"`; see `DistributedEmbedding`).
             Several tables are fused into one exchange and pooled at home.
+        use_low_frequency_filter: SOK's argument (also its fifth
+            positional one); only `False` is supported (SOK's filter of
+            rare keys is for dynamic tables).
 
     Returns:
         A `[batch, dim]` tensor per table: a list if `sp_ids` is a list.
@@ -1399,6 +1403,14 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     >>> sok.lookup_sparse([v1], [ids], combiners=["sum"])[0].numpy().tolist()
     [[6.0, 8.0, 10.0]]
     """
+    if isinstance(hotness, bool):  # SOK's signature, positionally
+        hotness, use_low_frequency_filter = None, hotness
+    if use_low_frequency_filter is not False:
+        raise NotImplementedError(
+            "sok_keras.lookup_sparse: use_low_frequency_filter="
+            f"{use_low_frequency_filter!r} is not supported (SOK's filter "
+            "of rare keys is for dynamic tables, which sok_keras does not "
+            "have); pass False or leave it out.")
     for p in _to_list(params):
         _check_table(p)
     consistency.record_lookup(params, "lookup_sparse")

@@ -99,7 +99,7 @@ _KNOWN_SECONDS = {
     "ranks[3]": 28,
     "tests/optimizers/test_auto_wrap.py::test_plain_adam_on_two_ranks_keeps_"
     "dense_weights_equal": 27,
-    "tests/test_export.py::test_export_serves_the_same_predictions_without_"
+    "tests/test_serving.py::test_export_serves_the_same_predictions_without_"
     "sok_keras": 26,
 }
 _DEFAULT_SECONDS = 1

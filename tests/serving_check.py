@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 # Plain float32 matmuls on a GPU (TensorFlow uses TF32 there by default), as
-# in tests/test_export.py, so that the two predictions compare at 1e-6.
+# in tests/test_serving.py, so that the two predictions compare at 1e-6.
 tf.config.experimental.enable_tensor_float_32_execution(False)
 
 saved_model, inputs, out = sys.argv[1:4]

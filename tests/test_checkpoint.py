@@ -188,6 +188,46 @@ def test_the_plain_optimizer_compile_wrapped_stands_for_its_wrapper(
         _assert_same(_state(model), saved)
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda: sok.OptimizerWrapper(keras.optimizers.Adam(0.1)),
+    lambda: sok.optimizers.Adam(0.1)], ids=["wrapper", "sok_adam"])
+def test_loading_tables_alone_leaves_the_optimizer_to_its_first_step(
+        tmp_path, make_opt):
+    """SOK's `sok.load(path, sok_vars, optimizer)` into a fresh optimizer,
+    then steps on the tables and the dense weights: the load makes the
+    tables' slots only, and the first step builds the optimizer for what it
+    trains (before: it was built for the tables alone, and the step failed
+    with Keras' "Unknown variable"). The tables' next step equals the
+    uninterrupted run's (the dense weight is put back by hand)."""
+    def make():
+        table = sok.Variable(
+            np.arange(20, dtype=np.float32).reshape(10, 2) / 10)
+        kernel = tf.Variable([[1.0], [-2.0]])
+        return table, kernel, make_opt()
+
+    def step(table, kernel, opt):
+        ids = tf.ragged.constant([[1, 2], [2, 7]], dtype=tf.int64)
+        with tf.GradientTape() as tape:
+            emb = sok.lookup_sparse([table], [ids])[0]
+            loss = tf.reduce_sum(tf.square(tf.matmul(emb, kernel) - 1.0))
+        opt.apply_gradients(zip(tape.gradient(loss, [table, kernel]),
+                                [table, kernel]))
+
+    table, kernel, opt = make()
+    step(table, kernel, opt)
+    sok.dump(str(tmp_path / "c"), [table], opt)
+    saved_kernel = kernel.numpy()
+    step(table, kernel, opt)
+    want = table.numpy()
+    table, kernel, opt = make()
+    sok.load(str(tmp_path / "c"), [table], opt)
+    assert not opt.built and int(opt.iterations.numpy()) == 1
+    kernel.assign(saved_kernel)
+    step(table, kernel, opt)
+    np.testing.assert_allclose(table.numpy(), want, rtol=0, atol=1e-6)
+    assert int(opt.iterations.numpy()) == 2
+
+
 def test_a_loaded_model_and_a_built_one_read_each_others_checkpoints(
         tmp_path):
     """`load_model` restores the wrapped optimizer's slots under the inner
@@ -509,6 +549,63 @@ def test_dump_on_two_ranks_load_on_one_and_three(dumped_on_two, loads):
             len(range(r, vocab, n)) for r in range(n)]
         assert all(r["iterations"] == 4 for r in loaded)
         _check_resharded(out, saved, loaded, n, uninterrupted, ["embedding"])
+
+
+def _global_slots(results, kind):
+    """Every slot of a raw-loop run's tables as whole tables, from each
+    rank's rows (`dist`: rank r holds ids r, r + N, ...; `loc`: the last
+    rank holds all)."""
+    n = len(results)
+    out = {}
+    for name in results[0][kind]["slots"]:
+        parts = [np.asarray(r[kind]["slots"][name], np.float32).reshape(
+            -1, 3) for r in results]
+        if name.startswith(f"{kind}_dist/"):
+            whole = np.empty((sum(len(p) for p in parts), 3), np.float32)
+            for r, p in enumerate(parts):
+                whole[r::n] = p
+        else:
+            assert all(len(p) == 0 for p in parts[:-1]), name
+            whole = parts[-1]
+        out[name] = whole
+    return out
+
+
+@pytest.fixture(scope="module")
+def raw_loop_dumped(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("raw_loop"))
+    return ckpt, run_workers(worker_path("raw_loop_checkpoint"), 2,
+                             args=["dump", ckpt], timeout=240)
+
+
+@pytest.mark.parametrize("n", [2, 1, 3])
+def test_a_plain_optimizers_table_slots_reshard_with_the_table(
+        raw_loop_dumped, n):
+    """SOK's raw loop: `sok.dump(path, tables, plain_keras_optimizer)` on 2
+    ranks, `sok.load` into fresh tables and a fresh optimizer on 1, 2 and 3
+    ranks. Keras' own slots of a table (momentum, accumulator, Adam's
+    moments; one shard per rank) are saved and re-sharded with the table:
+    every rank gets its own rows, and the next steps equal the
+    uninterrupted run's. (Before: rank 0 wrote its shard of them as
+    replicated state: rank 1 loaded rank 0's rows, and a load at another
+    number of ranks failed on their shape.)"""
+    ckpt, dumped = raw_loop_dumped
+    loaded = run_workers(worker_path("raw_loop_checkpoint"), n,
+                         args=["load", ckpt], timeout=240)
+    for kind in ("sgd_momentum", "adagrad", "adam"):
+        saved = _global_slots(dumped, kind)
+        assert len(saved) == {"sgd_momentum": 2, "adagrad": 2, "adam": 4}[
+            kind], sorted(saved)
+        got = _global_slots(loaded, kind)
+        assert sorted(got) == sorted(saved)
+        for name in saved:
+            np.testing.assert_array_equal(got[name], saved[name],
+                                          err_msg=f"{name} at {n} ranks")
+        assert all(r[kind]["iterations"] == 3 for r in loaded)
+        for name, want in dumped[0][kind]["after"].items():
+            np.testing.assert_allclose(
+                loaded[0][kind]["after"][name], want, rtol=0, atol=1e-5,
+                err_msg=f"{kind}: {name} after 3 more steps at {n} ranks")
 
 
 def test_error_on_one_rank_fails_every_rank_and_loads_nothing(

@@ -27,6 +27,29 @@ def test_sok_s_own_example_through_the_experimental_namespace():
         [[3, 4, 5], [12, 13, 14]])
 
 
+def test_lookup_sparse_takes_sok_s_use_low_frequency_filter():
+    """SOK's `lookup_sparse(params, sp_ids, sp_weights, combiners,
+    use_low_frequency_filter=False)`, by keyword and in its fifth place
+    (before: a TypeError, and positionally it was taken for `hotness`)."""
+    import pytest
+
+    import sok_keras as sok
+
+    v1 = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype=tf.float32)
+    ids = tf.ragged.constant([[1, 1], [3, 4, 5]], dtype=tf.int64)
+    want = [[3, 4, 5], [12, 13, 14]]
+    for out in (sok.lookup_sparse([v1], [ids], None, ["mean"], False),
+                sok.lookup_sparse([v1], [ids], None, ["mean"],
+                                  use_low_frequency_filter=False)):
+        np.testing.assert_array_equal(out[0].numpy(), want)
+    for call in (lambda: sok.lookup_sparse([v1], [ids], None, ["mean"], True),
+                 lambda: sok.lookup_sparse([v1], [ids],
+                                           use_low_frequency_filter=True)):
+        with pytest.raises(NotImplementedError,
+                           match="use_low_frequency_filter=True"):
+            call()
+
+
 def test_sok_names_sok_keras_lacks_say_what_to_use():
     import pytest
 
@@ -41,6 +64,13 @@ def test_sok_names_sok_keras_lacks_say_what_to_use():
         sok.DynamicVariable
     with pytest.raises(AttributeError, match="has no attribute 'nonsense'"):
         sok.nonsense
+    # SOK's `export(var)` (a dynamic table's keys and values; before: the
+    # serving module answered "'module' object is not callable").
+    with pytest.raises(AttributeError, match=r"no 'export'.*read_global"
+                       r".*export_for_serving"):
+        sok.export(None)
+    assert sok.tf_version[:2] == [int(v) for v in tf.__version__.split(
+        ".")[:2]]  # SOK's tests start `if sok.tf_version[0] == 2`
     assert not hasattr(sok, "raw_ops")
     v = sok.Variable(np.ones((3, 2)), dtype="float32", validate_shape=True)
     assert v.num_gpus == v.num_ranks == 1

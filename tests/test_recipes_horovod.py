@@ -143,6 +143,12 @@ def test_bad_arguments_are_refused():
         hvd.DistributedGradientTape(tf.GradientTape(), num_groups=2)
     # One rank: every collective is the identity.
     assert hvd.allreduce(x).numpy().tolist() == [1.0]
+    # Horovod's spellings in SOK's DLRM trainer (before: AttributeError).
+    for compression in (hvd.compression.NoneCompressor,
+                        hvd.Compression.none):
+        assert hvd.allreduce(x, op=hvd.mpi_ops.Sum,
+                             compression=compression).numpy().tolist() == [1.0]
+    assert hvd.mpi_ops.Sum == hvd.Sum and hvd.mpi_ops.Average == hvd.Average
     assert hvd.broadcast_variables([table], root_rank=0) == []
 
 

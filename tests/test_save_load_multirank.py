@@ -111,7 +111,7 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     same without sok_keras. Then
     load_model at 3 ranks: each rank reads exactly its own rows of each
     dataset, and they equal the saved rows."""
-    from tests.test_export import serve_without_sok
+    from tests.test_serving import serve_without_sok
 
     folder = jobs["folder"]
     r0, r1 = jobs["two"][4]

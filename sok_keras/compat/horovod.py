@@ -38,8 +38,12 @@ every rank's contribution on the owner. `allreduce`, `allgather` and
 Attributes:
     Average, Sum, Min, Max: reduction ops for `allreduce(op=...)`.
     Adasum, Product: Horovod's other ops; refused with a clear error.
+    Compression, compression, mpi_ops: Horovod's names for them
+        (`hvd.Compression.none`, `hvd.compression.NoneCompressor`,
+        `hvd.mpi_ops.Sum`).
 """
 
+import types
 
 import tensorflow as tf
 
@@ -54,6 +58,36 @@ Adasum = "adasum"
 Product = "product"
 
 _OPS = {Average: "mean", Sum: "sum", Min: "min", Max: "max"}
+
+
+class NoneCompressor:
+    """Horovod's compressor that sends tensors as they are (the only kind
+    here: `compression=` is accepted and ignored)."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        del ctx
+        return tensor
+
+
+class Compression:
+    """Horovod's `hvd.Compression.none` (sok_keras sends every tensor
+    uncompressed; there is no `fp16`)."""
+
+    none = NoneCompressor
+
+
+# Horovod's submodules as scripts name them: `hvd.compression.NoneCompressor`,
+# `hvd.mpi_ops.Sum`.
+compression = types.SimpleNamespace(
+    Compression=Compression, NoneCompressor=NoneCompressor)
+mpi_ops = types.SimpleNamespace(
+    Average=Average, Sum=Sum, Min=Min, Max=Max, Adasum=Adasum,
+    Product=Product)
 
 
 

@@ -130,9 +130,14 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     vocabulary_size = kwargs.pop("input_dim", vocabulary_size)
     embedding_dim = kwargs.pop("output_dim", embedding_dim)
     sok1 = sorted(set(kwargs) & set(_SOK1_ARGUMENTS))
-    if sok1:
+    positional = isinstance(vocabulary_size, str)  # SOK 1: combiner first
+    if sok1 or positional:
+        received = (f"vocabulary_size={vocabulary_size!r} (SOK 1's "
+                    "combiner, its first positional argument)"
+                    if positional else
+                    ", ".join(f"{k}={kwargs[k]!r}" for k in sok1))
         raise ValueError(
-            f"{cls} does not take SOK 1's {sok1}. SOK 1's "
+            f"{cls} does not take SOK 1's arguments. SOK 1's "
             "`DistributedEmbedding(combiner, max_vocabulary_size_per_gpu, "
             "embedding_vec_size, slot_num, max_nnz)` is here "
             f"`{cls}(vocabulary_size=max_vocabulary_size_per_gpu * "
@@ -140,8 +145,8 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
             "combiner=...)`, which pools each sample's ids of one feature, "
             "`[batch, max_nnz]` (-1 pads), into `[batch, embedding_dim]`: "
             "call it once per slot, or use `sok.layers.EmbeddingCollection` "
-            "with one feature per slot sharing a table. Received: "
-            + ", ".join(f"{k}={kwargs[k]!r}" for k in sok1) + ".")
+            f"with one feature per slot sharing a table. Received: "
+            f"{received}.")
     for name, why in _KERAS_ONLY.items():
         if name in kwargs:
             value = kwargs.pop(name)

@@ -124,6 +124,12 @@ def test_sok1_distributed_embedding_arguments_say_what_to_write():
         sok.DistributedEmbedding(combiner="mean",
                                  max_vocabulary_size_per_gpu=100,
                                  embedding_vec_size=8, slot_num=3, max_nnz=2)
+    # Positionally, as SOK 1's examples write it (before: "Could not
+    # interpret optimizer identifier: 2").
+    with pytest.raises(ValueError, match=r"SOK 1's.*vocabulary_size="
+                       r"max_vocabulary_size_per_gpu.*Received: "
+                       r"vocabulary_size='mean'"):
+        sok.DistributedEmbedding("mean", 100, 8, 3, 2)
 
 
 def test_keras_embedding_argument_names():

@@ -124,7 +124,7 @@ def test_export_replaces_an_existing_export_only_when_complete(tmp_path):
     path = os.path.join(tmp_path, "serving")
     sok.export_for_serving(model, path)
     before = sorted(os.listdir(path))
-    from sok_keras import export
+    from sok_keras import serving as export
 
     original = keras.Model.export
 

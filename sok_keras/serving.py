@@ -19,7 +19,7 @@ process. `export_for_serving` instead
 
 The SavedModel's `serve` endpoint takes the model's inputs and returns its
 outputs; `tf.saved_model.load(path).serve(inputs)` works in a Python
-without sok_keras (`tests/test_export.py`).
+without sok_keras (`tests/test_serving.py`).
 """
 
 import contextlib
