@@ -96,6 +96,12 @@ def global_to_local(global_rows, kind, rank, num_ranks):
     return np.arange(global_rows, dtype=np.int64)
 
 
+
+def _shown(name):
+    """A table's name in an error, before Keras names it: `'name'`, or
+    `(no name)` where none was given."""
+    return f"'{name}'" if name else "(no name)"
+
 class Variable(keras.Variable):
     """An embedding table whose rows are sharded across the ranks.
 
@@ -160,7 +166,8 @@ class Variable(keras.Variable):
         dynamic = sorted(set(kwargs) & {"dimension", "var_type", "key_type"})
         if dynamic:
             raise TypeError(
-                f"sok_keras.Variable '{name}': {dynamic} are arguments of "
+                f"sok_keras.Variable {_shown(name)}: {dynamic} are "
+                "arguments of "
                 "SOK's DynamicVariable (hash-table embeddings), which "
                 "sok_keras does not have: give a table of fixed rows, "
                 "`sok.Variable(initializer, shape=(vocabulary_size, "
@@ -189,17 +196,18 @@ class Variable(keras.Variable):
                 dtype_name = None
             if dtype_name not in TABLE_DTYPES:
                 raise ValueError(
-                    f"sok_keras.Variable '{name}': the table's dtype must be "
+                    f"sok_keras.Variable {_shown(name)}: the table's dtype "
+                    "must be "
                     f"one of {list(TABLE_DTYPES)}. Received: dtype={dtype!r}.")
         if initial_value is None:
             raise ValueError(
-                f"sok_keras.Variable '{name}' needs an `initial_value` "
+                f"sok_keras.Variable {_shown(name)} needs an `initial_value` "
                 "(an array, or an initializer with `shape`)."
             )
         if _is_initializer(initial_value):
             if shape is None or len(tuple(shape)) != 2:
                 raise ValueError(
-                    f"sok_keras.Variable '{name}': an initializer needs "
+                    f"sok_keras.Variable {_shown(name)}: an initializer needs "
                     f"`shape=(rows, dim)`. Received: shape={shape}."
                 )
             global_shape = _checked_shape(shape, name)
@@ -221,12 +229,13 @@ class Variable(keras.Variable):
             )
             if array.ndim != 2:
                 raise ValueError(
-                    f"sok_keras.Variable '{name}' must be 2-D "
+                    f"sok_keras.Variable {_shown(name)} must be 2-D "
                     f"[rows, dim]. Received: shape={array.shape}."
                 )
             if shape is not None and tuple(shape) != array.shape:
                 raise ValueError(
-                    f"sok_keras.Variable '{name}': `shape` {tuple(shape)} "
+                    f"sok_keras.Variable {_shown(name)}: `shape` "
+                    f"{tuple(shape)} "
                     f"does not match the initial value's {array.shape}."
                 )
             if dtype is None:
@@ -957,7 +966,8 @@ def _checked_shape(shape, name):
         and s > 0 for s in shape) and shape[0] <= MAX_ROWS
     if not ok:
         raise ValueError(
-            f"sok_keras.Variable '{name}': the table's shape must be two "
+            f"sok_keras.Variable {_shown(name)}: the table's shape must be "
+            "two "
             f"positive integers (rows, dim), rows at most 2**62. Received: "
             f"shape={shape}.")
     return tuple(int(s) for s in shape)
@@ -997,7 +1007,8 @@ def _made(make_values, name, global_shape, dtype):
 def _too_big(name, global_shape, dtype, detail):
     rows, dim = global_shape
     return MemoryError(
-        f"sok_keras.Variable '{name}': cannot allocate the table {rows:,} x "
+        f"sok_keras.Variable {_shown(name)}: cannot allocate the table "
+        f"{rows:,} x "
         f"{dim} {dtype}: {detail}")
 
 

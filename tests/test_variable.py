@@ -164,3 +164,12 @@ def test_a_table_too_big_to_allocate_names_its_size():
                        r"this rank's shard \(1,099,511,627,776 rows\) "
                        r"needs 16,384.0 GiB"):
         sok.layers.DistributedEmbedding(2 ** 40, 2).build()
+
+
+def test_errors_of_an_unnamed_table_do_not_call_it_none():
+    """A table made with no name is "(no name)" in the constructor's
+    errors (before: `sok_keras.Variable 'None'`), a named one its name."""
+    with pytest.raises(ValueError, match=r"Variable \(no name\) must be 2-D"):
+        sok.Variable(np.zeros((4,), np.float32))
+    with pytest.raises(ValueError, match=r"Variable 'users' must be 2-D"):
+        sok.Variable(np.zeros((4,), np.float32), name="users")
