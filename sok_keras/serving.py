@@ -229,6 +229,51 @@ def _check_exportable(model):
     if not model.built:
         raise ValueError(
             f"export_for_serving: model '{model.name}' is not built.")
+    held = _held_sok_layers(model)
+    if held:
+        raise ValueError(
+            f"export_for_serving: model '{model.name}' holds sok layers "
+            "inside layers that cloning cannot reach: "
+            + ", ".join(f"{h.name!r} ({type(h).__name__}) holds "
+                        f"{[s.name for s in sok]}" for h, sok in held)
+            + ". Only sok layers called in a functional or Sequential "
+            "model (at any depth of such models) are swapped for serving "
+            "lookups: call the sok layer in the functional graph and give "
+            "its output to the custom layer, or export the part that holds "
+            "it as a functional model.")
+    from sok_keras.variable import is_sok_variable
+
+    owned = {id(v) for layer in _sok_layers(model) for v in (
+        layer.embeddings.values() if isinstance(layer.embeddings, dict)
+        else [layer.embeddings])}
+    loose = [v.path for v in model.variables
+             if is_sok_variable(v) and id(v) not in owned]
+    if loose:
+        raise ValueError(
+            f"export_for_serving: model '{model.name}' looks up the sharded "
+            f"table(s) {loose} outside sok layers (a custom layer's own "
+            "sok_keras.Variable): only sok layers are swapped for serving "
+            "lookups. Use a sok layer for the table.")
+
+
+def _held_sok_layers(model):
+    """`[(layer, [sok layers])]`: the layers other than functional and
+    Sequential models in `model` (at any depth of such models) that hold
+    sok layers themselves (a custom layer, a subclassed sub-model)."""
+    from keras.src.models.functional import Functional
+
+    out = []
+    for layer in model.layers:
+        if _is_sok_layer(layer):
+            continue
+        if isinstance(layer, (Functional, keras.Sequential)):
+            out += _held_sok_layers(layer)
+            continue
+        inner = [x for x in layer._flatten_layers(include_self=False)
+                 if _is_sok_layer(x)]
+        if inner:
+            out.append((layer, inner))
+    return out
 
 
 def _replace_dir(tmp, path):
@@ -350,13 +395,18 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
                     return _serving_layer(layer, tables)
                 return layer  # shared, weights and all
 
-            # Not compiled: compiling would build the optimizer wrapper,
+            # Not compiled (nor any model nested in it, which cloning
+            # compiles too): compiling would build the optimizer wrapper,
             # whose build is a collective (rank 0 is alone here).
-            compiled = getattr(model, "compiled", False)
+            models = [m for m in model._flatten_layers(include_self=True)
+                      if isinstance(m, keras.Model)]
+            compiled = [getattr(m, "compiled", False) for m in models]
             try:
-                model.compiled = False
+                for m in models:
+                    m.compiled = False
+                # (recursive: sok layers of nested functional models.)
                 clone = keras.models.clone_model(
-                    model, clone_function=clone_function)
+                    model, clone_function=clone_function, recursive=True)
             except ValueError as e:
                 raise ValueError(
                     f"export_for_serving: model '{model.name}' could not be "
@@ -364,7 +414,8 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
                     "serving layers (only functional and Sequential models "
                     f"can be exported). Keras says: {e}") from e
             finally:
-                model.compiled = compiled
+                for m, c in zip(models, compiled):
+                    m.compiled = c
             del tables
             clone.export(tmp, format="tf_saved_model", verbose=verbose,
                          input_signature=input_signature, **kwargs)

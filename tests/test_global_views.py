@@ -149,7 +149,8 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
     rank's rows in rank order; predict or load_model on rank 0 only fails
     within SOK_SAVE_TIMEOUT (before: waited for the 300-600 s
     communication timeout); loading a plain Keras model on one rank is not
-    stopped."""
+    stopped; `set_weights` of a whole table says to use `assign_global`
+    (before: Keras' bare shape mismatch)."""
     r0, r1 = run_workers(worker_path("global_views"), 2,
                          args=[str(tmp_path), last], timeout=300,
                          env={"SOK_SAVE_TIMEOUT": "5"})
@@ -157,6 +158,9 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
     for r in (r0, r1):
         assert r["count_params"] == total and r["loaded_count"] == total
         assert r["layer_count"] == 1001 * 8
+        assert ("set_weights takes this rank's shard of table "
+                "'emb/embeddings'" in r["set_whole"]
+                and "assign_global(table)" in r["set_whole"]), r["set_whole"]
         assert f"Trainable params: {total:,}" in r["summary"]
         assert "Sharded tables" in r["summary"]
         assert (f"{1001 * 8:,} params (1,001 x 8), "

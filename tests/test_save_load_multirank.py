@@ -107,7 +107,8 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     4 KiB chunks; the file holds every table whole; no block rank 0 got
     was over the chunk size; a write failing half-way through a table
     raises on both ranks and leaves the file as it was; export_for_serving
-    (and Keras' `model.export`) writes one SavedModel that predicts the
+    (and Keras' `model.export`, and the export of the model nested in
+    another functional model) writes one SavedModel that predicts the
     same without sok_keras. Then
     load_model at 3 ranks: each rank reads exactly its own rows of each
     dataset, and they equal the saved rows."""
@@ -126,7 +127,8 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     expected = np.load(os.path.join(folder, "expected.npz"))
     probe = {k[len("probe_"):]: expected[k] for k in expected.files
              if k.startswith("probe_")}
-    for name in ("serving", "serving_keras"):  # model.export: the same
+    # model.export and the model nested in another: the same
+    for name in ("serving", "serving_keras", "serving_nested"):
         served = serve_without_sok(os.path.join(folder, name), probe,
                                    tmp_path)
         np.testing.assert_allclose(served.ravel(), r0["predictions"],

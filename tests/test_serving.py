@@ -262,6 +262,89 @@ def test_export_of_a_subclassed_model_says_why_it_cannot():
         sok.export_for_serving(model, "/nonexistent/never-written")
 
 
+@pytest.mark.parametrize("how", ["export_for_serving", "model.export"])
+def test_export_of_towers_nested_as_functional_models(how, tmp_path):
+    """A two-tower model whose towers are functional models holding sok
+    layers (Sequential too), one table shared by both: every nested sok
+    layer is swapped and the export serves the model's predictions without
+    sok_keras (before: the nested layers were kept, and the clone's export
+    recursed until a RecursionError; on N ranks rank 0 waited alone in a
+    collective)."""
+    keras.utils.set_random_seed(4)
+    items = sok.layers.DistributedEmbedding(50, 4, combiner="mean",
+                                            name="items")
+    user_in = keras.Input((3,), dtype="int64", name="u")
+    user = keras.Model(user_in, keras.layers.Dense(4)(
+        sok.layers.LocalizedEmbedding(30, 4, combiner="sum",
+                                      name="users")(user_in)), name="user")
+    item_in = keras.Input((2,), dtype="int64", name="i")
+    item = keras.Model(item_in, keras.layers.Dense(4)(items(item_in)),
+                       name="item")
+    hist = keras.Sequential([keras.Input((5,), dtype="int64"), items,
+                             keras.layers.Dense(4)], name="history")
+    u_in = keras.Input((3,), dtype="int64", name="user_ids")
+    i_in = keras.Input((2,), dtype="int64", name="item_ids")
+    h_in = keras.Input((5,), dtype="int64", name="history_ids")
+    score = keras.layers.Dot(axes=1)(
+        [keras.layers.Add()([user(u_in), hist(h_in)]), item(i_in)])
+    model = keras.Model({"user_ids": u_in, "item_ids": i_in,
+                         "history_ids": h_in}, score)
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+
+    def data(batch):
+        return {"user_ids": rng.integers(-1, 30, (batch, 3)),
+                "item_ids": rng.integers(0, 50, (batch, 2)),
+                "history_ids": rng.integers(-1, 50, (batch, 5))}
+
+    model.fit(data(64), rng.normal(size=(64, 1)).astype("float32"),
+              batch_size=32, verbose=0)
+    probe = data(16)
+    expected = model.predict(probe, verbose=0)
+    path = os.path.join(tmp_path, "serving")
+    if how == "model.export":
+        model.export(path)
+    else:
+        sok.export_for_serving(model, path)
+    np.testing.assert_allclose(serve_without_sok(path, probe, tmp_path),
+                               expected, rtol=1e-6, atol=1e-6)
+
+
+def test_export_of_a_custom_layer_holding_a_sok_layer_says_why_it_cannot(
+        tmp_path):
+    """A sok layer (or table) inside a custom layer cannot be swapped by
+    cloning: the export refuses it at once, on every rank before any
+    collective, naming the layer (before: a RecursionError; on N ranks a
+    wait until the communicator's timeout)."""
+    class Tower(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = sok.layers.DistributedEmbedding(10, 2, name="emb")
+
+        def call(self, x):
+            return self.emb(x)
+
+    class OwnTable(keras.layers.Layer):
+        def build(self, shape):
+            self.table = sok.Variable(np.zeros((10, 2), np.float32),
+                                      name="own")
+
+        def call(self, x):
+            return sok.lookup_sparse(self.table, x, combiners="sum")
+
+    x = keras.Input((3,), dtype="int64")
+    path = os.path.join(tmp_path, "never-written")
+    model = keras.Model(x, Tower(name="tower")(x))
+    with pytest.raises(ValueError, match=r"'tower' \(Tower\) holds "
+                       r"\['emb'\].*call the sok layer in the functional"):
+        sok.export_for_serving(model, path)
+    model = keras.Model(x, OwnTable(name="own_table")(x))
+    with pytest.raises(ValueError, match=r"looks up the sharded table\(s\) "
+                       r"\['own_table/own'\] outside sok layers"):
+        model.export(path)
+    assert not os.path.exists(path)
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_export_under_a_mixed_policy_sums_before_it_rounds(policy, tmp_path):
     """Under a mixed policy the float32 table's rows are summed in float32

@@ -244,6 +244,25 @@ def flatten_deep_ids(ids, weights, where):
     return tf.reshape(ids, [shape[0], -1]), weights, shape
 
 
+def check_shard_weights(layer, weights):
+    """`set_weights` on N ranks takes each table's local shard: a whole
+    table given instead is refused with what to do (Keras' own error only
+    compares shapes)."""
+    from sok_keras.variable import is_sok_variable
+
+    for v, w in zip(layer.weights, weights):
+        shape = tuple(getattr(w, "shape", ()))
+        if (is_sok_variable(v) and shape != tuple(v.shape)
+                and shape == tuple(v.global_shape)):
+            raise ValueError(
+                f"{type(layer).__name__} '{layer.name}': set_weights takes "
+                f"this rank's shard of table '{v.path}', {tuple(v.shape)} "
+                f"on rank {v.rank} of {v.num_ranks}; received the whole "
+                f"table {shape}. Copy a whole table in with "
+                "`layer.embeddings.assign_global(table)` (every rank calls "
+                "it).")
+
+
 class BaseEmbedding(keras.layers.Layer):
     """Base class: one sharded table, looked up with a combiner.
 
@@ -290,6 +309,10 @@ class BaseEmbedding(keras.layers.Layer):
 
     def _table_mode(self):
         raise NotImplementedError
+
+    def set_weights(self, weights):
+        check_shard_weights(self, weights)
+        super().set_weights(weights)
 
     def build(self, input_shape=None):
         if self.built:

@@ -35,6 +35,13 @@ result = {
 # Predictions: rank r predicts 5 - 2r rows; every rank gets all of them.
 rng = np.random.default_rng(RANK)
 x = rng.integers(0, 1001, (5 - 2 * RANK, 3))
+# A whole table given to set_weights (this rank's shard is wanted).
+try:
+    emb.set_weights([np.zeros((1001, 8), np.float32)])
+    result["set_whole"] = "no error"
+except ValueError as e:
+    result["set_whole"] = str(e)
+emb.set_weights(emb.get_weights())  # the shard: accepted
 mine = model.predict(x, verbose=0)
 result["mine"] = mine.tolist()
 result["gathered"] = sok.gather_predictions(mine).tolist()

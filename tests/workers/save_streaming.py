@@ -194,6 +194,13 @@ if action == "save":
     # Keras' own export writes the same (it ran sok's ops and collectives,
     # and its `serve` waited for peers for ever).
     model.export(os.path.join(folder, "serving_keras"), verbose=False)
+    # The model nested in another functional model (its sok layers one
+    # level down: rank 0 recursed, alone in a collective, until the
+    # communicator's timeout).
+    inputs = {k: keras.Input(t.shape[1:], dtype=t.dtype, name=k)
+              for k, t in model.input.items()}
+    nested = keras.Model(inputs, model(inputs))
+    sok.export_for_serving(nested, os.path.join(folder, "serving_nested"))
     stage("exported")
     if RANK == 0:
         np.savez(os.path.join(folder, "expected.npz"), predictions=expected,
