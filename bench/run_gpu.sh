@@ -39,7 +39,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
       tests/test_callbacks.py tests/test_serving.py tests/layers/test_embedding_collection.py \
       tests/test_pooled_lookup_grad.py tests/optimizers/test_sparse_unique.py \
       tests/optimizers/test_wrapper.py
-  step multirank_shared_gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 \
+  step multirank_shared_gpu timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 \
       tests/test_seed_example_multirank.py tests/test_training_multirank.py \
       tests/layers/test_layers_multirank.py tests/test_lookup_multirank.py \
       tests/test_save_load_multirank.py tests/test_seed_example.py \
