@@ -226,7 +226,7 @@ def _optimizer_variables(optimizer, other=None, unbuilt=False):
     slots of variables it trains that are not in the list are left out, as
     those variables are: the same list then loads into a fresh optimizer
     built for it alone. Keras' own slots of a table (a plain optimizer's)
-    are the table's slots (`_keras_slots_of`), not replicated state. An
+    are the table's slots (`_keras_table_slots`), not replicated state. An
     optimizer not built yet has none but its step count and learning rate
     (taken with `unbuilt`: `load` of tables alone, `_prepare`)."""
     if optimizer is None or not (optimizer.built or unbuilt):
@@ -352,11 +352,12 @@ def _slots_of(table, optimizer):
 
 
 def _keras_table_slots(optimizer):
-    """`{id(slot): (slot, table, slot name)}`: the variables a Keras optimizer
-    (or one it wraps) made for a sok table it trains as a dense variable
-    (`add_variable_from_reference`: `<table path, '/' as '_'>_<slot>`, the
-    table's local shape). Each rank's hold the rows of its own shard, so
-    they are saved and re-sharded with the table, as sok's slots are."""
+    """`{id(slot): (slot, table, slot name)}`: the variables a Keras
+    optimizer (or one it wraps) made for a sok table it trains as a dense
+    variable (`add_variable_from_reference`: `<table path, '/' as
+    '_'>_<slot>`, the table's local shape). Each rank's hold the rows of
+    its own shard, so they are saved and re-sharded with the table, as
+    sok's slots are."""
     out = {}
     opt = optimizer
     while opt is not None:
