@@ -668,11 +668,19 @@ class Variable(keras.Variable):
 
     def slots_of(self, optimizer):
         """`optimizer`'s slots of this table, by name (empty if it made
-        none), whether or not they are the current ones."""
-        if self.slots_owned_by(optimizer):
-            return self._sok_slots
-        ref, slots = self._sok_other_slots.get(id(optimizer), (None, {}))
-        return slots if ref is not None and ref() is optimizer else {}
+        none), whether or not they are the current ones. A wrapper
+        (`OptimizerWrapper`, `LossScaleOptimizer`; `model.optimizer`)
+        answers for the optimizer it wraps, which holds them."""
+        while True:
+            if self.slots_owned_by(optimizer):
+                return self._sok_slots
+            ref, slots = self._sok_other_slots.get(id(optimizer),
+                                                   (None, {}))
+            if ref is not None and ref() is optimizer:
+                return slots
+            optimizer = getattr(optimizer, "inner_optimizer", None)
+            if optimizer is None:
+                return {}
 
     def add_slot(self, name, slot):
         """Registers `slot` (a `Variable` shaped like this table) as `name`."""

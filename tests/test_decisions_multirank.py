@@ -115,6 +115,15 @@ def test_terminate_on_nan_on_one_rank_stops_every_rank(runs):
 def test_evaluate_returns_global_values(runs):
     (r0, r1), one = runs
     a, b, ref = r0["evaluate"], r1["evaluate"], one["evaluate"]
+    # test_on_batch / train_on_batch too (before: each rank's own values,
+    # so a loop deciding on them diverged).
+    for kind in ("test_on_batch", "train_on_batch"):
+        assert a[kind] == b[kind], kind
+        for k in ("loss", "mae", "r2"):
+            np.testing.assert_allclose(a[kind][k], ref[kind][k], rtol=1e-5,
+                                       err_msg=f"{kind} {k}")
+    assert a["test_on_batch_list"] == [a["test_on_batch"][k]
+                                       for k in ("loss", "mae", "r2")]
     assert (a["samples"], b["samples"], ref["samples"]) == (24, 12, 36)
     assert a["dict"] == b["dict"]
     assert a["list"] == b["list"] == [a["dict"][k]

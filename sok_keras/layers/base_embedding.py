@@ -97,7 +97,10 @@ _KERAS_ONLY = {
                  "(`compute_mask`: ids != -1); shift ids by one, or map 0 to -1",
     "embeddings_regularizer": "a regularizer would need the whole table on "
                               "every step; add a penalty on the looked-up "
-                              "rows to the loss (`layer.add_loss`)",
+                              "rows to the loss as a mean over the batch, "
+                              "or one on the table's shard times "
+                              "sok.num_ranks() (docs/design.md, 'Data "
+                              "parallelism and averaging')",
     "embeddings_constraint": "a constraint would rewrite the whole table on "
                              "every step",
     "input_length": "Keras 3 deprecated it and ignores it; give the ids' "

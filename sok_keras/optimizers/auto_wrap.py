@@ -33,6 +33,7 @@ its gradient all-reduce, while another skips it).
 """
 
 import functools
+import inspect
 import logging
 
 import keras
@@ -163,7 +164,8 @@ def _check_first_steps(model, kind):
 
 def install_loop_hooks():
     """Routes `fit` / `evaluate` / `predict` of Keras' trainer through
-    `sok_keras.divergence.run_loop` (idempotent; several ranks only)."""
+    `sok_keras.divergence.run_loop`, and makes `train_on_batch` /
+    `test_on_batch` return global logs (idempotent; several ranks only)."""
     from sok_keras import callbacks
     from sok_keras import divergence
     from sok_keras import global_views
@@ -189,6 +191,32 @@ def install_loop_hooks():
 
         functools.update_wrapper(hook, original)
         setattr(owner, kind, hook)
+    for kind in ("train_on_batch", "test_on_batch"):
+        if kind in _ORIGINAL_LOOPS:
+            continue
+        owner = next(c for c in keras.Model.__mro__ if kind in c.__dict__)
+        original = owner.__dict__[kind]
+        _ORIGINAL_LOOPS[kind] = (owner, original)
+
+        def on_batch(self, *args, _kind=kind, _original=original,
+                     **kwargs):
+            # As `fit` / `evaluate`: the global logs, so that decisions
+            # taken on them are the same on every rank.
+            if not (callbacks.global_metrics_enabled() and (
+                    has_sok_layers(self) or is_sok_aware(
+                        getattr(self, "optimizer", None)))):
+                return _original(self, *args, **kwargs)
+            bound = inspect.signature(_original).bind(self, *args, **kwargs)
+            want_dict = bool(bound.arguments.get("return_dict", False))
+            bound.arguments["return_dict"] = True
+            logs = _original(*bound.args, **bound.kwargs)
+            logs = callbacks.global_logs(self, logs,
+                                         f"global_metrics/{_kind}")
+            return logs if want_dict else self._flatten_metrics_in_order(
+                logs)
+
+        functools.update_wrapper(on_batch, original)
+        setattr(owner, kind, on_batch)
     _build_before_the_first_step()
 
 

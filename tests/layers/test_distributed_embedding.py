@@ -147,7 +147,8 @@ def test_keras_embedding_argument_names():
     with pytest.raises(ValueError, match=r"`mask_zero`.*-1 as padding"):
         sok.layers.DistributedEmbedding(30, 4, mask_zero=True)
     with pytest.raises(ValueError, match=r"`embeddings_regularizer`.*"
-                       r"add_loss.*Received: embeddings_regularizer='l2'"):
+                       r"mean over the batch.*times sok.num_ranks\(\).*"
+                       r"Received: embeddings_regularizer='l2'"):
         sok.layers.DistributedEmbedding(30, 4, embeddings_regularizer="l2")
 
 

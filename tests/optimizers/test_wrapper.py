@@ -221,6 +221,27 @@ def test_compiling_a_b_then_a_again_resumes_a():
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda: keras.optimizers.Adagrad(0.1),
+    lambda: sok.OptimizerWrapper(keras.optimizers.Adagrad(0.1)),
+    lambda: keras.optimizers.LossScaleOptimizer(
+        sok.OptimizerWrapper(keras.optimizers.Adagrad(0.1)))],
+    ids=["compile_wraps", "wrapper", "loss_scale"])
+def test_slots_of_the_model_optimizer_are_the_wrapped_optimizers(make_opt):
+    """`table.slots_of(model.optimizer)` names the slots of the optimizer
+    a wrapper holds (before: `{}` for a wrapper, while `table.slots` and
+    `model.optimizer.get_slot` found them)."""
+    model = _twin("sok")
+    model.compile(optimizer=make_opt(), loss="mse")
+    x = np.arange(_B * _NID, dtype=np.int64).reshape(_B, _NID) % _V
+    model.fit(x, np.zeros((_B, 1), np.float32), batch_size=_B, verbose=0)
+    table = model.get_layer("emb").embeddings
+    slots = table.slots_of(model.optimizer)
+    assert list(slots) == ["accumulator"]
+    assert slots["accumulator"] is table.slots["accumulator"]
+    assert table.slots_of(keras.optimizers.Adagrad(0.1)) == {}
+
+
 def _towers(kind):
     """Two models sharing one table and one Dense: `two` looks up two ids,
     `one` the first of them."""

@@ -13,7 +13,8 @@ Scenarios (argv[1], comma-separated; default all, "mixed" last):
   ModelCheckpoint(save_best_only=True), all on val_loss;
 - "nan": TerminateOnNaN, with a NaN target in rank 1's slice of batch 3;
 - "evaluate": evaluate (dict and list forms) with unequal per-rank batch
-  sizes (8 and 4 samples) and a metric that is not a mean (R2Score);
+  sizes (8 and 4 samples) and a metric that is not a mean (R2Score), then
+  test_on_batch and train_on_batch on the first global batch;
 - "mixed": mixed_float16 (Keras wraps the optimizer in a
   LossScaleOptimizer), one sample of rank 1's slice of batch 2 with weight
   1e6 so that only rank 1's gradients overflow.
@@ -194,9 +195,17 @@ def evaluate():
     as_dict = model.evaluate(x, y, batch_size=batch, return_dict=True,
                              verbose=0, callbacks=[mine])
     as_list = model.evaluate(x, y, batch_size=batch, verbose=0)
+    # The *_on_batch forms on the first global batch (train last: it
+    # changes the weights).
+    tested = model.test_on_batch(x[:batch], y[:batch], return_dict=True)
+    tested_list = model.test_on_batch(x[:batch], y[:batch])
+    trained = model.train_on_batch(x[:batch], y[:batch], return_dict=True)
     return {"dict": {k: float(v) for k, v in as_dict.items()},
             "list": [float(v) for v in as_list], "local": mine.values,
-            "samples": int(len(x))}
+            "samples": int(len(x)),
+            "test_on_batch": {k: float(v) for k, v in tested.items()},
+            "test_on_batch_list": [float(v) for v in tested_list],
+            "train_on_batch": {k: float(v) for k, v in trained.items()}}
 
 
 def mixed():
