@@ -1156,6 +1156,15 @@ def load(path, model_or_variables, optimizer=None):
             rd.close()
     _outcome("ckpt/load/read", error,
              f"sok_keras.load('{path}'): nothing was loaded; loading")
+    # The same checkpoint on every rank (each reads its own rows of it).
+    from sok_keras import global_views
+
+    try:
+        global_views.check_same_file(
+            f"sok_keras.load('{path}')", "ckpt/load",
+            (_manifest_crc(manifest) & 0x7FFFFFFF) or 1, path)
+    except global_views.RankMismatchError as e:
+        raise CheckpointError(f"{e} Nothing was loaded.") from None
     error = None
     try:
         for p in plans:

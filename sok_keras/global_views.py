@@ -386,6 +386,43 @@ def _file_has_sok_layers(filepath):
     return "sok_keras" in config
 
 
+def file_fingerprint(path):
+    """A number (1 to 2**31 - 1) that tells files apart: from the file's
+    size and the CRC32 of its last 64 KiB (a `.keras` file's zip
+    directory, which holds every member's CRC32); 0 for a path this
+    process cannot read."""
+    try:
+        path = os.fspath(path)
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+    except (OSError, TypeError):  # (TypeError: a file object)
+        return 0
+    return (zlib.crc32(tail, zlib.crc32(str(size).encode()))
+            & 0x7FFFFFFF) or 1
+
+
+def check_same_file(what, key, fingerprint, path):
+    """Raises `RankMismatchError` on every rank unless every rank's
+    `fingerprint` of its `path` is the same: the ranks named different
+    files (each rank would read its rows of its own), or one that some
+    rank does not see. Every rank must call it (one agreement)."""
+    n = world.num_ranks()
+    if n == 1:
+        return
+    total = world.control_communicator().agree(
+        f"same_file/{key}", int(fingerprint), enter_timeout())
+    if total != n * int(fingerprint):
+        seen = ("one this rank cannot read" if not fingerprint else
+                f"fingerprint {fingerprint:#010x}, not every rank's")
+        raise RankMismatchError(
+            f"sok_keras: rank {world.rank()}: {what}: the ranks were not "
+            f"given the same file: this rank's '{path}' is {seen}. Every "
+            "rank must pass the same path, on a file system every rank "
+            "shares (rank 0 writes; each rank reads its own rows).")
+
+
 def install_load_checks():
     """Routes Keras' `.keras` loading through `check_in` when the file or
     model holds sok layers (several ranks; idempotent)."""
@@ -401,13 +438,19 @@ def install_load_checks():
     @functools.wraps(original_load)
     def load_model(filepath, *args, **kwargs):
         if _file_has_sok_layers(filepath):
-            check_in(f"keras.saving.load_model('{filepath}')", "load_model")
+            what = f"keras.saving.load_model('{filepath}')"
+            check_in(what, "load_model")
+            check_same_file(what, "load_model", file_fingerprint(
+                filepath), filepath)
         return original_load(filepath, *args, **kwargs)
 
     @functools.wraps(original_weights)
     def load_weights_only(model, filepath, *args, **kwargs):
         if has_sok_layers(model):
-            check_in(f"model.load_weights('{filepath}')", "load_weights")
+            what = f"model.load_weights('{filepath}')"
+            check_in(what, "load_weights")
+            check_same_file(what, "load_weights", file_fingerprint(
+                filepath), filepath)
         return original_weights(model, filepath, *args, **kwargs)
 
     saving_lib.load_model = load_model

@@ -364,6 +364,13 @@ def _write_on_rank_0(model, path, staging, rank, n, what, write):
         except OSError as e:  # (a folder at `path`, say)
             error = e
     _fail_together("save/renamed", error, what, path, staging, rank, n)
+    # Every rank's path names the file rank 0 wrote (else a rank given
+    # another path, or one on a disk rank 0 does not write, was told its
+    # file was saved).
+    global_views.check_same_file(
+        f"{what}('{path}') (rank 0 wrote the file)", "save",
+        global_views.file_fingerprint(path) if not os.path.isdir(path)
+        else 1, path)
 
 
 def _fail_together(stage, error, what, path, staging, rank, n):
@@ -374,7 +381,14 @@ def _fail_together(stage, error, what, path, staging, rank, n):
         return
     if rank == 0:
         staging.remove()
-    _agree(f"{stage}/cleaned", 1, world.timeout())
+    try:
+        _agree(f"{stage}/cleaned", 1, world.timeout())
+    except tf.errors.OpError:
+        # A peer that got the result first raised and exited, and its exit
+        # aborted this rank's side of the agreement: this rank's own error
+        # (rank 0's "No space left on device") is still the one to raise.
+        if error is None:
+            raise
     if error is not None:
         raise _in_user_terms(error, staging.target, path)
     raise RuntimeError(

@@ -9,6 +9,7 @@ import pytest
 from sok_keras.optimizers import OptimizerWrapper  # noqa: F401 (registers)
 from tests.multiprocess import launch
 from tests.multiprocess import run_sequence
+from tests.multiprocess import run_workers
 from tests.multiprocess import worker_path
 from tests.training_setup import VOCAB
 from tests.training_setup import make_model_and_data
@@ -210,3 +211,24 @@ def test_tf_checkpoint_restores_a_ranks_own_shard_and_refuses_anothers(jobs):
         assert f"holds the shard of rank {1 - rank} of 2" in msg, msg
         assert f"this is rank {rank} of 2" in msg and "sok.dump" in msg, msg
         assert r["other_unchanged"], r
+
+
+def test_ranks_given_different_files_refuse_them(tmp_path):
+    """`load_model`, `load_weights`, `sok.load` with another file on each
+    rank, and `save_weights` to another path on each: every rank raises
+    naming the path (before: the loads mixed two checkpoints, each rank
+    reading its rows of its own file, and rank 1's save said it saved a
+    file only rank 0's path got)."""
+    results = run_workers(worker_path("same_file"), 2,
+                          args=[str(tmp_path)], timeout=240)
+    for r, res in enumerate(results):
+        for key in ("load_model", "load_weights", "sok_load",
+                    "save_weights"):
+            assert "the ranks were not given the same file" in res[key], (
+                r, key, res[key])
+            assert f"rank {r}:" in res[key], (r, key, res[key])
+        assert "Nothing was loaded" in res["sok_load"]
+        assert "rank 0 wrote the file" in res["save_weights"]
+        assert res["same_path_loads"]
+    assert results[0]["written"] == ["w0.weights.h5"]
+

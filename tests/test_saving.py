@@ -2,6 +2,7 @@
 every rank (sok_keras/saving.py)."""
 
 import keras
+import pytest
 
 from tests.multiprocess import launch
 from tests.multiprocess import run_workers
@@ -193,3 +194,44 @@ def test_a_saved_file_streams_through_disk_and_reads_with_plain_keras(
     np.testing.assert_array_equal(
         loaded.get_layer("emb").embeddings.numpy().astype("float32"),
         emb.embeddings.numpy().astype("float32"))
+
+
+def test_a_writer_whose_last_agreement_is_aborted_raises_its_own_error(
+        monkeypatch):
+    """Rank 0's write failed (a full disk): the peers learn it, raise and
+    exit, and a peer's exit can abort rank 0's side of the last agreement.
+    Rank 0 still raises its own error (before: the abort, quoting the
+    peer's "failed on rank 0 ... the error is in that rank's output", and
+    the real error was nowhere), after removing its temporary file."""
+    import tensorflow as tf
+
+    from sok_keras import saving
+
+    calls = []
+
+    def agree(what, value, timeout):
+        calls.append(what)
+        if what.endswith("/cleaned"):
+            raise tf.errors.AbortedError(
+                None, None, "rank 1 failed: RuntimeError: ... failed on "
+                "rank 0")
+        return 1  # the failure bit of rank 0
+
+    class Staging:
+        target = "/tmp/x.sok-tmp"
+        removed = False
+
+        def remove(self):
+            self.removed = True
+
+    monkeypatch.setattr(saving, "_agree", agree)
+    staging = Staging()
+    disk_full = OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left on device"):
+        saving._fail_together("save/done", disk_full, "model.save",
+                              "/tmp/x.keras", staging, 0, 2)
+    assert staging.removed and calls == ["save/done", "save/done/cleaned"]
+    # A rank with no error of its own still reports the abort.
+    with pytest.raises(tf.errors.AbortedError):
+        saving._fail_together("save/done", None, "model.save",
+                              "/tmp/x.keras", staging, 1, 2)
