@@ -716,7 +716,8 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
     """Initializes sok_keras for this process (idempotent).
 
     Call it once at the start of the program, before TensorFlow runs any
-    operation. Later calls return the same world (a new `timeout` is applied).
+    operation. Later calls return the same world (a new `timeout` is applied;
+    another `backend` or `heartbeat_timeout` raises a `ValueError`).
 
     Args:
         timeout: seconds a collective may wait for its peers before it fails
@@ -788,6 +789,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
                 f"`{arg}` must be a positive number of seconds, at most "
                 f"{MAX_SECONDS:g} (a year), got {value!r}")
     given = f"backend={backend!r}"
+    explicit_backend = bool(backend or os.environ.get("SOK_BACKEND"))
     if not backend and os.environ.get("SOK_BACKEND"):
         backend = os.environ["SOK_BACKEND"]
         given = f"SOK_BACKEND={backend!r} (environment)"
@@ -798,6 +800,24 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
     _check_later_variables(global_metrics)
     with _LOCK:
         if _WORLD is not None:
+            first = {"backend": getattr(_WORLD, "requested_backend", None),
+                     "heartbeat_timeout": _WORLD.heartbeat_timeout}
+            changed = {}
+            if explicit_backend and backend not in (
+                    "auto", first["backend"], _WORLD.backend):
+                changed["backend"] = backend
+            if (heartbeat_timeout is not None
+                    and float(heartbeat_timeout) != first[
+                        "heartbeat_timeout"]):
+                changed["heartbeat_timeout"] = heartbeat_timeout
+            if changed:
+                raise ValueError(
+                    "sok_keras.init() was called before with "
+                    + ", ".join(f"{k}={first[k]!r}" for k in changed)
+                    + "; the world's communicator is made once, by the "
+                    "first call (only `timeout` may change later). "
+                    "Received: " + ", ".join(
+                        f"{k}={v!r}" for k, v in changed.items()) + ".")
             if timeout is not None:
                 _WORLD.timeout = float(timeout)
                 _WORLD.communicator.timeout = float(timeout)
@@ -851,6 +871,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             _pin_gpu(world)
         _start_host_communicator(world)
         _choose_communicator(world, backend)
+        world.requested_backend = backend
         if world.num_ranks > 1:
             from sok_keras import divergence
             from sok_keras import global_views

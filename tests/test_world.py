@@ -105,6 +105,16 @@ def test_init_world_of_one(monkeypatch):
     monkeypatch.setattr(world, "_WORLD", None)
     w = world.init(timeout=5)
     assert world.init() is w  # idempotent
+    # The communicator is made once: a later call asking for another one,
+    # or another heartbeat, says so (before: ignored silently).
+    assert world.init(backend="auto", heartbeat_timeout=w.heartbeat_timeout,
+                      timeout=5) is w
+    with pytest.raises(ValueError, match=r"called before with "
+                       r"backend='auto'.*Received: backend='nccl'"):
+        world.init(backend="nccl")
+    with pytest.raises(ValueError, match=r"heartbeat_timeout=.*Received: "
+                       r"heartbeat_timeout=3"):
+        world.init(heartbeat_timeout=3)
     assert world.is_initialized()
     assert (world.rank(), world.num_ranks(), w.timeout) == (0, 1, 5.0)
     c = world.communicator()
