@@ -94,7 +94,13 @@ def wrap_for(model, optimizer):
         "is wrapped in sok_keras.optimizers.OptimizerWrapper (sparse table "
         "updates, dense gradients averaged over ranks).", model.name,
         type(opt).__name__)
-    return OptimizerWrapper(opt)
+    # A model whose tables are all frozen may train with any optimizer (no
+    # table is updated), as with frozen keras.layers.Embedding tables.
+    from sok_keras.variable import is_sok_variable
+
+    tables = [v for v in model.variables if is_sok_variable(v)]
+    frozen = bool(tables) and not any(t.trainable for t in tables)
+    return OptimizerWrapper(opt, check_sparse_rule=not frozen)
 
 
 def _install_global_finite_check():

@@ -538,6 +538,11 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
             GPU, without a `tf.distribute` strategy or op determinism (see
             `compiles_dense_update`). The tables' updates are sok's own ops
             either way.
+        check_sparse_rule: bool, default True: an inner optimizer with no
+            sparse rule for tables is refused here. False defers that to
+            the first table it is built to update (`compile` sets it for
+            a model whose tables are all frozen, which any Keras optimizer
+            may train).
 
     Example:
 
@@ -548,7 +553,7 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     """
 
     def __init__(self, inner_optimizer, name=None, skip_nonfinite=False,
-                 jit_compile="auto", **kwargs):
+                 jit_compile="auto", check_sparse_rule=True, **kwargs):
         for arg, default in _UNSUPPORTED_BASE_ARGS.items():
             if arg in kwargs:
                 value = kwargs.pop(arg)
@@ -579,7 +584,8 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
                 "keras.optimizers.Adam(...)))` (the loss scale then covers "
                 "the tables' gradients too). Received: "
                 f"LossScaleOptimizer({inner}).")
-        sparse_rules.rule_for(inner_optimizer)  # fail early
+        if check_sparse_rule:
+            sparse_rules.rule_for(inner_optimizer)  # fail early
         _check_supported(inner_optimizer)
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(
@@ -590,6 +596,7 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
         self.inner_optimizer = inner_optimizer
         self.skip_nonfinite = skip_nonfinite
         self.jit_compile = jit_compile
+        self.check_sparse_rule = bool(check_sparse_rule)
 
     def build(self, var_list):
         dense = [v for v in var_list if not is_sok_variable(v)]
@@ -695,6 +702,8 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
                 self.inner_optimizer),
             "skip_nonfinite": self.skip_nonfinite,
             "jit_compile": self.jit_compile,
+            # (Only when off: the configs of earlier files stay as they were.)
+            **({} if self.check_sparse_rule else {"check_sparse_rule": False}),
         }
 
     @classmethod

@@ -187,3 +187,42 @@ def test_loss_scale_finite_check_of_plain_optimizers_is_keras_own():
     assert not bool(wrapped.check_finite([slices]))
     assert bool(wrapped.check_finite([tf.IndexedSlices(
         tf.constant([[1.0]]), tf.constant([0]), tf.constant([3, 1]))]))
+
+
+def test_a_model_whose_tables_are_all_frozen_trains_with_any_optimizer(
+        tmp_path):
+    """As with a frozen `keras.layers.Embedding`: no table is updated, so
+    an optimizer with no sparse rule (Nadam) trains the dense weights,
+    exactly as Keras does, and the model saves and loads (before: compile
+    refused Nadam). Unfrozen and compiled again, the table needs a sparse
+    rule, and says so."""
+    import pytest
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (32, 4))
+    y = rng.random((32, 1)).astype(np.float32)
+    table = rng.normal(size=(50, 4)).astype(np.float32)
+    weights = []
+    for kind in ("keras", "sok"):
+        keras.utils.set_random_seed(1)
+        emb = (keras.layers.Embedding(50, 4, trainable=False, name="emb")
+               if kind == "keras" else sok.layers.DistributedEmbedding(
+                   50, 4, combiner=None, trainable=False, name="emb"))
+        ids = keras.Input((4,), dtype="int64")
+        model = keras.Model(ids, keras.layers.Dense(1, name="out")(
+            keras.layers.Flatten()(emb(ids))))
+        emb.embeddings.assign(table)
+        model.compile(keras.optimizers.Nadam(0.01), "mse")
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        weights.append([np.asarray(w) for w in model.get_weights()])
+    for ours, ref in zip(*weights):
+        np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(emb.embeddings.numpy(), table)
+    path = str(tmp_path / "frozen.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert not loaded.optimizer.check_sparse_rule
+    loaded.fit(x, y, batch_size=8, verbose=0)
+    emb.trainable = True
+    with pytest.raises(ValueError, match="no sparse update rule for Nadam"):
+        model.compile(keras.optimizers.Nadam(0.01), "mse")
