@@ -175,6 +175,47 @@ def _by_name(view):
     return sorted(view.get("tables", []), key=lambda t: t["name"])
 
 
+def dense_signature(model):
+    """`[[path, shape, dtype], ...]`: the model's weights other than sok
+    tables and their slots, and whether logs are global, which must be
+    the same on every rank (a Dense of another width, a layer more, or
+    another `SOK_GLOBAL_METRICS` would otherwise stop the ranks at their
+    first collective that differs, after the communication timeout)."""
+    from sok_keras import callbacks
+    from sok_keras.variable import is_sok_variable
+
+    weights = [[getattr(v, "path", None) or v.name,
+                [int(d) if d is not None else None for d in v.shape],
+                str(v.dtype)]
+               for v in model.weights if not is_sok_variable(v)]
+    return {"weights": weights,
+            "global_metrics": bool(callbacks.global_metrics_enabled())}
+
+
+def _dense_differences(a, b, ra, rb):
+    """The first difference between two ranks' `dense_signature`s, or
+    None."""
+    if a is None or b is None or a == b:
+        return None
+    if a["global_metrics"] != b["global_metrics"]:
+        return (f"global logs are {'on' if a['global_metrics'] else 'off'} "
+                f"on rank {ra}, {'on' if b['global_metrics'] else 'off'} on "
+                f"rank {rb} (SOK_GLOBAL_METRICS, sok.init(global_metrics="
+                "...))")
+    wa = {w[0]: w for w in a["weights"]}
+    wb = {w[0]: w for w in b["weights"]}
+    for name in wa:
+        if name not in wb:
+            return f"rank {ra} has weight '{name}', rank {rb} has not"
+        if wa[name] != wb[name]:
+            return (f"weight '{name}' is {wa[name][2]}{wa[name][1]} on rank "
+                    f"{ra}, {wb[name][2]}{wb[name][1]} on rank {rb}")
+    for name in wb:
+        if name not in wa:
+            return f"rank {rb} has weight '{name}', rank {ra} has not"
+    return f"the order of the weights differs between ranks {ra} and {rb}"
+
+
 def compare(description, key, what):
     """Compares `description` (a dict with "tables" and optionally
     "lookups") across ranks; raises `InconsistentRanksError` on every rank
@@ -196,6 +237,9 @@ def compare(description, key, what):
         # Tables by name (a model lists them in its execution order, which
         # the lookup order below compares).
         problem = _table_differences(_by_name(a), _by_name(b), 0, r)
+        if problem is None:
+            problem = _dense_differences(a.get("dense"), b.get("dense"), 0,
+                                         r)
         if problem is None and ("lookups" in a or "lookups" in b):
             problem = _lookup_differences(a.get("lookups", []),
                                           b.get("lookups", []), 0, r,
@@ -203,9 +247,10 @@ def compare(description, key, what):
         if problem is not None:
             raise InconsistentRanksError(
                 f"sok_keras: the ranks differ at {what}: {problem}. Every "
-                "rank must build the same tables (same vocabulary size, "
-                "dim, dtype, mode and optimizer) and look them up in the "
-                "same order.")
+                "rank must build the same model: the same tables (same "
+                "vocabulary size, dim, dtype, mode and optimizer), looked "
+                "up in the same order, and the same other weights and "
+                "settings.")
 
 
 def check_table(table, what="load"):
@@ -236,7 +281,7 @@ def wrap_step(model, attr, kind):
         optimizer = getattr(model, "optimizer", None)
         compare({"tables": [table_signature(t, optimizer)
                             for t in model_tables(model)],
-                 "lookups": lookups},
+                 "lookups": lookups, "dense": dense_signature(model)},
                 f"consistency/{attr}",
                 f"the first step of {kind} of model '{model.name}'")
         return out

@@ -22,7 +22,7 @@ CASES = [
                            "mode", "optimizer", "table_optimizer", "count")],
     ("vocabulary_size", "evaluate"), ("vocabulary_size", "predict"),
     ("vocabulary_size", "load"), ("vocabulary_size", "eager"),
-    ("order", "eager"), ("order", "fit"),
+    ("dense", "fit"), ("order", "eager"), ("order", "fit"),
 ]
 
 
@@ -87,6 +87,18 @@ def test_different_lookup_order_raises_on_every_rank(_run):
         assert (f"lookup 1 of the step is lookup_one[sum,auto]({A}) on rank "
                 f"0 and lookup_one[sum,auto]({B}) on rank 1") in r["error"], (
                     detail)
+
+
+def test_different_dense_weights_raise_on_every_rank(_run):
+    """A weight outside the tables of another shape (a Dense of another
+    width) is found when fit starts (before: the ranks waited in the
+    optimizer's broadcast of the dense weights until the communication
+    timeout, with a message naming no layer)."""
+    r0, r1, detail = _run("dense")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert ("weight 'hidden/kernel' is float32[8, 2] on rank 0, "
+                "float32[8, 3] on rank 1") in r["error"], detail
 
 
 def test_different_number_of_tables_raises_on_every_rank(_run):

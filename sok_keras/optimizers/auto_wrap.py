@@ -161,7 +161,9 @@ def _check_first_steps(model, kind):
         consistency.compare(
             {"tables": [consistency.table_signature(
                 t, getattr(model, "optimizer", None))
-                        for t in tables]}, "consistency/start",
+                        for t in tables],
+             "dense": consistency.dense_signature(model)},
+            "consistency/start",
             f"the start of {kind} of model '{model.name}'")
     for step, function in _STEPS[kind]:
         if getattr(model, function, None) is None:

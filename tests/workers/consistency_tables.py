@@ -53,8 +53,10 @@ def two_tables(field):
     if differs == "count":
         c = sok.layers.DistributedEmbedding(16, 4, name="c")
         feats.append(keras.layers.Flatten()(c(ids[:, :1])))
-    head = keras.layers.Dense(1, name="head")(
-        keras.layers.Concatenate()(feats))
+    x = keras.layers.Concatenate()(feats)
+    if field == "dense":  # a weight outside the tables differs
+        x = keras.layers.Dense(3 if odd else 2, name="hidden")(x)
+    head = keras.layers.Dense(1, name="head")(x)
     return keras.Model(ids, head, name="two_tables")
 
 
