@@ -194,26 +194,29 @@ def dense_signature(model):
 
 def _dense_differences(a, b, ra, rb):
     """The first difference between two ranks' `dense_signature`s, or
-    None."""
-    if a is None or b is None or a == b:
+    None. Weights compare by position, shape and dtype (Keras numbers
+    automatic names per process: a rank that made another layer first
+    names the same weight `dense_2/kernel`); the names are for the
+    message."""
+    if a is None or b is None:
         return None
     if a["global_metrics"] != b["global_metrics"]:
         return (f"global logs are {'on' if a['global_metrics'] else 'off'} "
                 f"on rank {ra}, {'on' if b['global_metrics'] else 'off'} on "
                 f"rank {rb} (SOK_GLOBAL_METRICS, sok.init(global_metrics="
                 "...))")
-    wa = {w[0]: w for w in a["weights"]}
-    wb = {w[0]: w for w in b["weights"]}
-    for name in wa:
-        if name not in wb:
-            return f"rank {ra} has weight '{name}', rank {rb} has not"
-        if wa[name] != wb[name]:
-            return (f"weight '{name}' is {wa[name][2]}{wa[name][1]} on rank "
-                    f"{ra}, {wb[name][2]}{wb[name][1]} on rank {rb}")
-    for name in wb:
-        if name not in wa:
-            return f"rank {rb} has weight '{name}', rank {ra} has not"
-    return f"the order of the weights differs between ranks {ra} and {rb}"
+    wa, wb = a["weights"], b["weights"]
+    for x, y in zip(wa, wb):
+        if x[1:] != y[1:]:
+            return (f"weight '{x[0]}' is {x[2]}{x[1]} on rank {ra}, "
+                    f"'{y[0]}' {y[2]}{y[1]} on rank {rb}")
+    if len(wa) != len(wb):
+        more, extra = (ra, wa[len(wb)]) if len(wa) > len(wb) else (
+            rb, wb[len(wa)])
+        return (f"rank {more} has more weights ({len(wa)} on rank {ra}, "
+                f"{len(wb)} on rank {rb}; the first extra one: "
+                f"'{extra[0]}' {extra[2]}{extra[1]})")
+    return None
 
 
 def compare(description, key, what):

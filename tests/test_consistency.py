@@ -98,7 +98,8 @@ def test_different_dense_weights_raise_on_every_rank(_run):
     for r in (r0, r1):
         assert r["type"] == "InconsistentRanksError", detail
         assert ("weight 'hidden/kernel' is float32[8, 2] on rank 0, "
-                "float32[8, 3] on rank 1") in r["error"], detail
+                "'hidden/kernel' float32[8, 3] on rank 1") in r["error"], (
+                    detail)
 
 
 def test_different_number_of_tables_raises_on_every_rank(_run):
