@@ -544,8 +544,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     try:
         _outcome("ckpt/dump/written", error, f"sok_keras.dump('{path}')")
     except BaseException:
-        if rank == 0:
-            _remove_tree(data_dir)
+        _remove_own(data_dir, rank, record)
         raise
     error, manifest = None, None
     if rank == 0:
@@ -555,9 +554,12 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
                                table_opt_vars)
         except Exception as e:
             error = e
-            _remove_tree(data_dir)
-    _outcome("ckpt/dump/committed", error,
-             f"sok_keras.dump('{path}'): writing the manifest")
+    try:
+        _outcome("ckpt/dump/committed", error,
+                 f"sok_keras.dump('{path}'): writing the manifest")
+    except BaseException:
+        _remove_own(data_dir, rank, record)
+        raise
     if manifest is None:
         manifest = _read_manifest(path)
     return manifest
@@ -578,12 +580,40 @@ def _remove_tree(folder):
         pass
 
 
+def _remove_own(data_dir, rank, record):
+    """After a failed dump: rank 0 removes the new data folder; every rank
+    removes the files it wrote itself (a rank whose folder rank 0 does not
+    see keeps none), and its folder if that is then empty."""
+    if rank == 0:
+        _remove_tree(data_dir)
+        return
+    for name in list(record["files"]) + [f"rank-{rank}.json"]:
+        try:
+            if tf.io.gfile.exists(_join(data_dir, name)):
+                tf.io.gfile.remove(_join(data_dir, name))
+        except tf.errors.OpError:
+            pass
+    try:
+        if (tf.io.gfile.exists(data_dir)
+                and not tf.io.gfile.listdir(data_dir)):
+            tf.io.gfile.rmtree(data_dir)  # (empty)
+    except tf.errors.OpError:
+        pass
+
+
 def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
             n, metadata=None, table_opt_vars=()):
     """Rank 0: the manifest from every rank's record, written last."""
     files = {}
     for r in range(n):
         rec_path = _join(data_dir, f"rank-{r}.json")
+        if not tf.io.gfile.exists(rec_path):
+            raise CheckpointError(
+                f"sok_keras.dump('{path}'): rank {r} wrote its rows, but "
+                f"its record '{rec_path}' is not in rank 0's folder: the "
+                "ranks were given different folders, or one on a file "
+                "system rank 0 does not share. Every rank must pass the "
+                "same folder, on a file system every rank shares.")
         with tf.io.gfile.GFile(rec_path, "r") as f:
             rec = json.loads(f.read())
         files.update(rec["files"])

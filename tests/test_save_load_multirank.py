@@ -218,7 +218,8 @@ def test_ranks_given_different_files_refuse_them(tmp_path):
     rank, and `save_weights` to another path on each: every rank raises
     naming the path (before: the loads mixed two checkpoints, each rank
     reading its rows of its own file, and rank 1's save said it saved a
-    file only rank 0's path got)."""
+    file only rank 0's path got); `sok.dump` into another folder on each
+    rank says so and leaves no file."""
     results = run_workers(worker_path("same_file"), 2,
                           args=[str(tmp_path)], timeout=240)
     for r, res in enumerate(results):
@@ -231,4 +232,12 @@ def test_ranks_given_different_files_refuse_them(tmp_path):
         assert "rank 0 wrote the file" in res["save_weights"]
         assert res["same_path_loads"]
     assert results[0]["written"] == ["w0.weights.h5"]
+    # sok.dump into another folder on each rank (before: rank 0's bare
+    # NotFoundError on rank 1's record, and rank 1's files left behind).
+    assert ("rank 1 wrote its rows, but its record" in results[0]["sok_dump"]
+            and "not in rank 0's folder" in results[0]["sok_dump"]), (
+                results[0]["sok_dump"])
+    assert "failed on rank(s) [0]" in results[1]["sok_dump"], (
+        results[1]["sok_dump"])
+    assert [r["dump_leftovers"] for r in results] == [[], []]
 

@@ -47,6 +47,11 @@ attempt("sok_load", lambda: sok.load(os.path.join(folder, f"c{mine}"), model))
 attempt("save_weights", lambda: model.save_weights(
     os.path.join(folder, f"w{RANK}.weights.h5")))
 result["written"] = sorted(n for n in os.listdir(folder) if "weights" in n)
+# sok.dump into another folder on each rank: refused, nothing left.
+own = os.path.join(folder, f"d{RANK}")
+attempt("sok_dump", lambda: sok.dump(own, model))
+result["dump_leftovers"] = sorted(
+    os.path.join(d, f) for d, _, files in os.walk(own) for f in files)
 before = model.get_layer("emb").embeddings.numpy().copy()
 loaded = keras.saving.load_model(paths["a"])  # one path: fine
 result["same_path_loads"] = bool(np.array_equal(
