@@ -258,8 +258,10 @@ def _slot_of_other_variable(optimizer, given):
     `<optimizer>/<variable path, '/' as '_'>_<slot>`); the longest such
     prefix names the slot's variable. The step count and learning rate
     are nobody's slots."""
+    from sok_keras.optimizers.sparse_rules import optimizer_chain
+
     refs = []
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    for opt in optimizer_chain(optimizer):
         refs += list(getattr(opt, "_trainable_variables", None) or [])
     kept = {id(v) for v in given}
     prefixes = sorted(((_slot_prefix(v), id(v) in kept) for v in refs),
@@ -358,9 +360,10 @@ def _keras_table_slots(optimizer):
     '_'>_<slot>`, the table's local shape). Each rank's hold the rows of
     its own shard, so they are saved and re-sharded with the table, as
     sok's slots are."""
+    from sok_keras.optimizers.sparse_rules import optimizer_chain
+
     out = {}
-    opt = optimizer
-    while opt is not None:
+    for opt in optimizer_chain(optimizer):
         refs = list(getattr(opt, "_trainable_variables", None) or [])
         prefixes = sorted(((_slot_prefix(v), v) for v in refs),
                           key=lambda p: -len(p[0]))
@@ -374,7 +377,6 @@ def _keras_table_slots(optimizer):
                             and tuple(s.shape) == tuple(ref.shape)):
                         out[id(s)] = (s, ref, leaf[len(prefix):])
                     break
-        opt = getattr(opt, "inner_optimizer", None)
     return out
 
 
@@ -1104,7 +1106,8 @@ def _prepare(optimizer, model_or_variables):
     """
     import keras
 
-    from sok_keras.optimizers import tf_slots
+    from sok_keras.optimizers.auto_wrap import is_sok_aware
+    from sok_keras.optimizers.sparse_rules import optimizer_chain
     from sok_keras.optimizers.wrapper import build_once
     from sok_keras.optimizers.wrapper import create_table_slots
 
@@ -1114,11 +1117,9 @@ def _prepare(optimizer, model_or_variables):
         variables = model_or_variables.trainable_variables
     else:
         variables = [v for v in model_or_variables if v.trainable]
-    chain = [optimizer]
-    while getattr(chain[-1], "inner_optimizer", None) is not None:
-        chain.append(chain[-1].inner_optimizer)
-    sparse = any(isinstance(o, tf_slots.TableSlots) for o in chain)
-    if (not isinstance(model_or_variables, keras.Model) and sparse
+    chain = optimizer_chain(optimizer)
+    if (not isinstance(model_or_variables, keras.Model)
+            and is_sok_aware(optimizer)
             and variables and all(isinstance(v, Variable) for v in variables)
             and not any(getattr(o, "skip_nonfinite", False) for o in chain)):
         create_table_slots(chain[-1], variables)

@@ -369,8 +369,7 @@ def _write_on_rank_0(model, path, staging, rank, n, what, write):
     # file was saved).
     global_views.check_same_file(
         f"{what}('{path}') (rank 0 wrote the file)", "save",
-        global_views.file_fingerprint(path) if not os.path.isdir(path)
-        else 1, path)
+        global_views.file_fingerprint(path), path)
 
 
 def _fail_together(stage, error, what, path, staging, rank, n):

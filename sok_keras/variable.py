@@ -671,16 +671,15 @@ class Variable(keras.Variable):
         none), whether or not they are the current ones. A wrapper
         (`OptimizerWrapper`, `LossScaleOptimizer`; `model.optimizer`)
         answers for the optimizer it wraps, which holds them."""
-        while True:
-            if self.slots_owned_by(optimizer):
+        from sok_keras.optimizers.sparse_rules import optimizer_chain
+
+        for opt in optimizer_chain(optimizer):
+            if self.slots_owned_by(opt):
                 return self._sok_slots
-            ref, slots = self._sok_other_slots.get(id(optimizer),
-                                                   (None, {}))
-            if ref is not None and ref() is optimizer:
+            ref, slots = self._sok_other_slots.get(id(opt), (None, {}))
+            if ref is not None and ref() is opt:
                 return slots
-            optimizer = getattr(optimizer, "inner_optimizer", None)
-            if optimizer is None:
-                return {}
+        return {}
 
     def add_slot(self, name, slot):
         """Registers `slot` (a `Variable` shaped like this table) as `name`."""

@@ -96,9 +96,9 @@ def wrap_for(model, optimizer):
         type(opt).__name__)
     # A model whose tables are all frozen may train with any optimizer (no
     # table is updated), as with frozen keras.layers.Embedding tables.
-    from sok_keras.variable import is_sok_variable
+    from sok_keras.consistency import model_tables
 
-    tables = [v for v in model.variables if is_sok_variable(v)]
+    tables = model_tables(model)
     frozen = bool(tables) and not any(t.trainable for t in tables)
     return OptimizerWrapper(opt, check_sparse_rule=not frozen)
 

@@ -155,6 +155,16 @@ def rule_for(optimizer):
     return rule
 
 
+def optimizer_chain(optimizer):
+    """`[optimizer, the optimizer it wraps, ...]`: through
+    `LossScaleOptimizer` and `OptimizerWrapper` (`inner_optimizer`)."""
+    chain = []
+    while optimizer is not None:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
 def slot_owner(optimizer, table):
     """The optimizer whose slots of `table` a step of `optimizer` updates:
     the table's own optimizer (a layer's `optimizer=`) if it has one, else
@@ -162,9 +172,7 @@ def slot_owner(optimizer, table):
     `OptimizerWrapper`): the one whose rule `ensure_slots` is given."""
     if table.optimizer is not None:
         return table.optimizer
-    while getattr(optimizer, "inner_optimizer", None) is not None:
-        optimizer = optimizer.inner_optimizer
-    return optimizer
+    return optimizer_chain(optimizer)[-1]
 
 
 def ensure_slots(rule, optimizer, table):
