@@ -22,8 +22,10 @@ communicator; in a world of one nothing is compared.
 """
 
 import json
+import re
 import threading
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -184,12 +186,58 @@ def dense_signature(model):
     from sok_keras import callbacks
     from sok_keras.variable import is_sok_variable
 
-    weights = [[getattr(v, "path", None) or v.name,
-                [int(d) if d is not None else None for d in v.shape],
+    weights = [[getattr(v, "path", None) or v.name, _shape(v),
                 str(v.dtype)]
                for v in model.weights if not is_sok_variable(v)]
-    return {"weights": weights,
-            "global_metrics": bool(callbacks.global_metrics_enabled())}
+    enabled = bool(callbacks.global_metrics_enabled())
+    # Global logs sum the metrics' state over the ranks: other metrics on
+    # one rank would meet other collectives (or mix unlike values).
+    return {"weights": weights, "global_metrics": enabled,
+            "metrics": _metric_signature(model) if enabled else None}
+
+
+def _shape(v):
+    return [int(d) if d is not None else None for d in v.shape]
+
+
+def _metric_signature(model):
+    """`[[name, details], ...]`: the model's metrics. Those of `compile`
+    are described by what was asked for (a name, or a metric's class and
+    config), which is known before they are built (at the start of `fit`);
+    any other metric by its state variables."""
+    out = []
+
+    def asked(metric, prefix=""):
+        if isinstance(metric, keras.metrics.Metric):
+            try:
+                # Objects without a JSON form by their repr, less their
+                # addresses (which differ between processes).
+                config = re.sub(r" at 0x[0-9a-fA-F]+", "", json.dumps(
+                    metric.get_config(), sort_keys=True, default=repr))
+            except Exception:  # noqa: BLE001 - a custom metric's config
+                config = None
+            return [prefix + metric.name, [type(metric).__name__, config]]
+        if isinstance(metric, str):
+            return [prefix + metric, None]
+        return [prefix + getattr(metric, "__name__", type(metric).__name__),
+                None]
+
+    def walk(metric):
+        if hasattr(metric, "_user_metrics"):  # Keras' CompileMetrics
+            out.extend(asked(m) for m in keras.tree.flatten(
+                metric._user_metrics or []))
+            out.extend(asked(m, "weighted ") for m in keras.tree.flatten(
+                metric._user_weighted_metrics or []))
+        elif isinstance(getattr(type(metric), "metrics", None), property):
+            for inner in metric.metrics:  # Keras' CompileLoss
+                walk(inner)
+        else:
+            out.append([metric.name, [[_shape(v), str(v.dtype)]
+                                      for v in metric.variables]])
+
+    for metric in getattr(model, "metrics", None) or ():
+        walk(metric)
+    return out
 
 
 def _dense_differences(a, b, ra, rb):
@@ -205,6 +253,10 @@ def _dense_differences(a, b, ra, rb):
                 f"on rank {ra}, {'on' if b['global_metrics'] else 'off'} on "
                 f"rank {rb} (SOK_GLOBAL_METRICS, sok.init(global_metrics="
                 "...))")
+    problem = _metric_differences(a.get("metrics"), b.get("metrics"), ra,
+                                  rb)
+    if problem is not None:
+        return problem
     wa, wb = a["weights"], b["weights"]
     for x, y in zip(wa, wb):
         if x[1:] != y[1:]:
@@ -217,6 +269,31 @@ def _dense_differences(a, b, ra, rb):
                 f"{len(wb)} on rank {rb}; the first extra one: "
                 f"'{extra[0]}' {extra[2]}{extra[1]})")
     return None
+
+
+def _metric_differences(a, b, ra, rb):
+    """The first difference between two ranks' `_metric_signature`s (None
+    where logs are not global), or None."""
+    if a is None or b is None or a == b:
+        return None
+    names_a, names_b = [m[0] for m in a], [m[0] for m in b]
+    if names_a != names_b:
+        return (f"the metrics are {names_a} on rank {ra}, {names_b} on rank "
+                f"{rb} (global logs combine every rank's metrics: compile "
+                "each rank's model with the same metrics)")
+    for (name, da), (_, db) in zip(a, b):
+        if da != db:
+            return (f"metric '{name}' is {_metric_text(da)} on rank {ra}, "
+                    f"{_metric_text(db)} on rank {rb} (the same metric with "
+                    "other arguments)")
+    return None
+
+
+def _metric_text(details):
+    if details and isinstance(details[0], str):  # [class, config json]
+        cls, config = details
+        return f"{cls}({config})" if config else cls
+    return "state " + ", ".join(f"{d}{s}" for s, d in details or ())
 
 
 def compare(description, key, what):
@@ -252,8 +329,8 @@ def compare(description, key, what):
                 f"sok_keras: the ranks differ at {what}: {problem}. Every "
                 "rank must build the same model: the same tables (same "
                 "vocabulary size, dim, dtype, mode and optimizer), looked "
-                "up in the same order, and the same other weights and "
-                "settings.")
+                "up in the same order, and the same other weights, "
+                "metrics and settings.")
 
 
 def check_table(table, what="load"):

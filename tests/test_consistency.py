@@ -22,7 +22,8 @@ CASES = [
                            "mode", "optimizer", "table_optimizer", "count")],
     ("vocabulary_size", "evaluate"), ("vocabulary_size", "predict"),
     ("vocabulary_size", "load"), ("vocabulary_size", "eager"),
-    ("dense", "fit"), ("order", "eager"), ("order", "fit"),
+    ("dense", "fit"), ("metrics", "fit"), ("metric_args", "fit"),
+    ("order", "eager"), ("order", "fit"),
 ]
 
 
@@ -100,6 +101,28 @@ def test_different_dense_weights_raise_on_every_rank(_run):
         assert ("weight 'hidden/kernel' is float32[8, 2] on rank 0, "
                 "'hidden/kernel' float32[8, 3] on rank 1") in r["error"], (
                     detail)
+
+
+def test_different_metrics_raise_on_every_rank(_run):
+    """Ranks compiled with other metrics (no weight differs): global logs
+    sum every rank's metric state, so the ranks met other collectives and
+    waited until the communication timeout with a generic message."""
+    r0, r1, detail = _run("metrics")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert ("the metrics are ['loss', 'auc'] on rank 0, ['loss', "
+                "'auc', 'mae'] on rank 1") in r["error"], detail
+        # Found before the first step (whose failure would abort the
+        # collectives): from what compile was asked for.
+        assert "the start of fit of model 'two_tables'" in r["error"], (
+            detail)
+    r0, r1, detail = _run("metric_args")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert "metric 'auc' is AUC(" in r["error"], detail
+        on_0, on_1 = r["error"].split(" on rank 0, ")
+        assert '"num_thresholds": 10' in on_0, detail
+        assert '"num_thresholds": 20' in on_1, detail
 
 
 def test_different_number_of_tables_raises_on_every_rank(_run):

@@ -2,7 +2,9 @@
 
 argv: FIELD [STAGE]. FIELD is what rank 1 does differently: "none",
 "vocabulary_size", "embedding_dim", "dtype", "mode", "optimizer",
-"table_optimizer", "order", "count". STAGE: "fit" (default), "evaluate",
+"table_optimizer", "order", "count", "dense" (a Dense of another
+width), "metrics" (compiled with AUC, rank 1 also with MAE),
+"metric_args" (AUC with another number of thresholds). STAGE: "fit" (default), "evaluate",
 "predict", "eager" (the model called on a batch before fit) or "load"
 (`load_weights` into the differing model).
 """
@@ -64,8 +66,13 @@ def compiled(field):
     model = two_tables(field)
     inner = (keras.optimizers.Adam(0.01) if odd and field == "optimizer"
              else keras.optimizers.SGD(0.1))
+    metrics = ([keras.metrics.AUC(num_thresholds=20 if odd else 10,
+                                  name="auc")]
+               if field == "metric_args" else ["auc"])
+    if odd and field == "metrics":
+        metrics.append("mae")
     model.compile(optimizer=sok.optimizers.OptimizerWrapper(inner),
-                  loss="mse")
+                  loss="mse", metrics=metrics)
     return model
 
 
