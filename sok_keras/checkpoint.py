@@ -21,9 +21,11 @@ so a loader that reads some rows verifies exactly the blocks it reads.
 Dump: every rank checks in, writes its own shards (in 4 MiB chunks; a
 table never has to be gathered), rank 0 writes `dense.bin`; the ranks agree
 on the outcome; only then rank 0 writes `manifest.json` (temporary name,
-then a rename) and removes older `data-*` folders. A dump that fails or is
-killed leaves the previous manifest, and the folder it names, untouched;
-the new folder has no manifest and is never read.
+then a rename) and removes the folder the previous manifest named and
+leftovers of failed dumps (not folders changed in the 10 minutes before
+the dump started: another job's dump in progress). A dump that fails or
+is killed leaves the previous manifest, and the folder it names,
+untouched; the new folder has no manifest and is never read.
 
 Load: every rank reads and checks the manifest (format, version, paths,
 tables / shapes / dtypes / slots / dense weights against the model, file
@@ -43,6 +45,7 @@ import re
 import secrets
 import struct
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -66,6 +69,10 @@ _HEADER = struct.Struct("<8sIIQ")  # magic, version, block bytes, payload
 _HEADER_BYTES = 32  # _HEADER + its CRC-32, zero-padded
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _DATA_RE = re.compile(r"^data-[0-9a-f]{1,32}$")
+_TMP_RE = re.compile(r"^manifest\.json\.tmp-[0-9a-f]{12}$")
+# An unnamed data folder changed within this long before a dump started
+# may be another job's dump in progress; the dump does not remove it.
+_IN_PROGRESS_S = 600.0
 
 
 class CheckpointError(ValueError):
@@ -508,6 +515,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
         metadata = json.loads(json.dumps(metadata))  # JSON only
     n, rank = world.num_ranks(), world.rank()
     _enter("dump", path)
+    started = time.time()
     # Every rank must describe the same tables.
     sig = zlib.crc32(json.dumps(
         [[t.path, list(t.global_shape), t.mode, _std_dtype(t),
@@ -553,7 +561,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
         try:
             manifest = _commit(path, data_dir, data_name, tables, dense,
                                opt_vars, optimizer, n, metadata,
-                               table_opt_vars)
+                               table_opt_vars, started)
         except Exception as e:
             error = e
     try:
@@ -568,7 +576,8 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
 
 
 def _write_json(path, obj):
-    tmp = path + ".tmp"
+    # A name of its own: two jobs may write one folder's manifest at once.
+    tmp = f"{path}.tmp-{secrets.token_hex(6)}"
     with tf.io.gfile.GFile(tmp, "w") as f:
         f.write(json.dumps(obj, sort_keys=True))
     tf.io.gfile.rename(tmp, path, overwrite=True)
@@ -604,9 +613,16 @@ def _remove_own(data_dir, rank, record):
 
 
 def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
-            n, metadata=None, table_opt_vars=()):
-    """Rank 0: the manifest from every rank's record, written last."""
+            n, metadata=None, table_opt_vars=(), started=None):
+    """Rank 0: the manifest from every rank's record, written last; then
+    the removal of older data folders (`_remove_older`)."""
     files = {}
+    if not tf.io.gfile.exists(data_dir):
+        raise CheckpointError(
+            f"sok_keras.dump('{path}'): this dump's data folder "
+            f"'{data_dir}' was removed while the ranks wrote it: another job "
+            "dumping into the same folder at the same time? Give each job "
+            "its own folder.")
     for r in range(n):
         rec_path = _join(data_dir, f"rank-{r}.json")
         if not tf.io.gfile.exists(rec_path):
@@ -652,14 +668,12 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
     }
     manifest["manifest_crc32"] = _manifest_crc(manifest)
     tf.io.gfile.makedirs(path)
+    previous = _previous_data(path)
     _write_json(_join(path, MANIFEST), manifest)  # the commit point
     # Committed: from here on, cleaning up is best effort (a failure must
     # not remove the folder the new manifest names).
     try:
-        for name in tf.io.gfile.listdir(path):
-            name = name.rstrip("/")
-            if _DATA_RE.match(name) and name != data_name:
-                _remove_tree(_join(path, name))
+        _remove_older(path, data_name, previous, started)
         for r in range(n):
             tf.io.gfile.remove(_join(data_dir, f"rank-{r}.json"))
     except tf.errors.OpError as e:
@@ -667,6 +681,58 @@ def _commit(path, data_dir, data_name, tables, dense, opt_vars, optimizer,
             "sok_keras.dump('%s'): the checkpoint is complete, but removing "
             "older files failed: %s", path, e)
     return manifest
+
+
+def _previous_data(path):
+    """The data folder the manifest at `path` names (None if there is no
+    readable manifest)."""
+    try:
+        with tf.io.gfile.GFile(_join(path, MANIFEST), "r") as f:
+            name = json.loads(f.read()).get("data")
+        return name if isinstance(name, str) else None
+    except Exception:  # noqa: BLE001 - no manifest, or a damaged one
+        return None
+
+
+def _newest_change(folder):
+    """The latest modification time (seconds) of `folder` and its files."""
+    newest = tf.io.gfile.stat(folder).mtime_nsec
+    for name in tf.io.gfile.listdir(folder):
+        try:
+            newest = max(newest, tf.io.gfile.stat(
+                _join(folder, name.rstrip("/"))).mtime_nsec)
+        except tf.errors.NotFoundError:
+            pass
+    return newest / 1e9
+
+
+def _remove_older(path, data_name, previous, started):
+    """After the commit: removes the data folder the previous manifest
+    named, and any other `data-*` folder left by a dump that failed or was
+    killed. A folder in which something changed less than `_IN_PROGRESS_S`
+    before this dump started may be another job's dump in progress (two
+    jobs dumping into one folder): it stays (a later dump removes it once
+    it is old), since removing it would leave that job's manifest naming
+    missing files."""
+    cutoff = (time.time() if started is None else started) - _IN_PROGRESS_S
+    for name in tf.io.gfile.listdir(path):
+        name = name.rstrip("/")
+        if _TMP_RE.match(name):  # a manifest a killed dump did not rename
+            try:
+                if tf.io.gfile.stat(_join(path, name)).mtime_nsec / 1e9 < (
+                        cutoff):
+                    tf.io.gfile.remove(_join(path, name))
+            except tf.errors.NotFoundError:
+                pass
+            continue
+        if not _DATA_RE.match(name) or name == data_name:
+            continue
+        folder = _join(path, name)
+        try:
+            if name == previous or _newest_change(folder) < cutoff:
+                _remove_tree(folder)
+        except tf.errors.NotFoundError:
+            pass
 
 
 def _manifest_crc(manifest):

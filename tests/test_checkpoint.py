@@ -126,6 +126,103 @@ def test_one_rank_round_trip(trained, tmp_path):
     assert sorted(os.listdir(path)) == sorted(["manifest.json", new])
 
 
+def test_a_dump_leaves_another_jobs_dump_in_progress(tmp_path):
+    """Two jobs dumping into one folder: a dump removes the folder the
+    previous manifest named and old leftovers of killed dumps, but not a
+    data folder changed recently (before: every other `data-*` folder,
+    so another job's dump in progress lost its files and its manifest
+    named missing ones)."""
+    path = str(tmp_path / "ckpt")
+    model, _ = _dlrm()
+    sok.dump(path, model)
+    first = _manifest(path)["data"]
+    other = os.path.join(path, "data-0123456789ab")  # another job's
+    os.makedirs(other)
+    with open(os.path.join(other, "t0-r0.bin"), "wb") as f:
+        f.write(b"rows being written")
+    sok.dump(path, model)
+    second = _manifest(path)["data"]
+    assert sorted(os.listdir(path)) == sorted(
+        ["manifest.json", second, "data-0123456789ab"])
+    assert not os.path.exists(os.path.join(path, first))
+    # Nothing changed in it for an hour: a killed dump's leftover.
+    old = os.path.getmtime(other) - 3600
+    for p in (other, os.path.join(other, "t0-r0.bin")):
+        os.utime(p, (old, old))
+    sok.dump(path, model)
+    assert sorted(os.listdir(path)) == sorted(
+        ["manifest.json", _manifest(path)["data"]])
+
+
+def test_a_dump_whose_folder_is_removed_meanwhile_says_so(tmp_path,
+                                                          monkeypatch):
+    path = str(tmp_path / "ckpt")
+    model, _ = _dlrm()
+    sok.dump(path, model)
+    before = _manifest(path)
+    original = checkpoint._outcome
+
+    def outcome(what, error, message):
+        if what == "ckpt/dump/written":  # another job's cleanup, meanwhile
+            for name in os.listdir(path):
+                if name.startswith("data-") and name != before["data"]:
+                    shutil.rmtree(os.path.join(path, name))
+        return original(what, error, message)
+
+    monkeypatch.setattr(checkpoint, "_outcome", outcome)
+    with pytest.raises(sok.CheckpointError, match=(
+            "was removed while the ranks wrote it: another job dumping "
+            "into the same folder")):
+        sok.dump(path, model)
+    assert _manifest(path) == before
+    assert sorted(os.listdir(path)) == sorted(
+        ["manifest.json", before["data"]])
+
+
+def test_two_jobs_dumping_into_one_folder(tmp_path):
+    """Two single-process jobs dump into one folder in a loop: every dump
+    returns, and the folder's manifest names a whole checkpoint (a load
+    while the other job dumps is not safe: that dump removes the folder
+    the manifest named when it commits)."""
+    path = str(tmp_path / "ckpt")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import sys\n"
+        "import sok_keras as sok\n"
+        "sok.init()\n"
+        "from tests.test_checkpoint import _dlrm\n"
+        "model, (x, y) = _dlrm()\n"
+        "model.fit(x, y, batch_size=16, verbose=0)\n"
+        "for i in range(40):\n"
+        "    sok.dump(sys.argv[1], model)\n"
+        "print('done', flush=True)\n")
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    for k in [k for k in env if k.startswith("SOK_") or k in (
+            "RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")]:
+        del env[k]
+    jobs = [subprocess.Popen([sys.executable, str(script), path],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=env, text=True) for _ in range(2)]
+    outputs = []
+    try:
+        for job in jobs:
+            outputs.append(job.communicate(timeout=240)[0])
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    for job, output in zip(jobs, outputs):
+        assert job.returncode == 0 and "done" in output, output[-3000:]
+    model, (x, y) = _dlrm()
+    model.fit(x, y, batch_size=16, verbose=0)
+    sok.load(path, model)
+
+
 def test_one_rank_continued_training_matches(tmp_path):
     model, (x, y) = _dlrm(steps=4)
     model.fit({k: v[:32] for k, v in x.items()}, y[:32], batch_size=16,
