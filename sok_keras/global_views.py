@@ -403,18 +403,20 @@ def file_fingerprint(path):
             & 0x7FFFFFFF) or 1
 
 
-def check_same_file(what, key, fingerprint, path):
+def check_same_file(what, key, fingerprint, path,
+                    unseen="one this rank cannot read"):
     """Raises `RankMismatchError` on every rank unless every rank's
     `fingerprint` of its `path` is the same: the ranks named different
     files (each rank would read its rows of its own), or one that some
-    rank does not see. Every rank must call it (one agreement)."""
+    rank does not see (`unseen` says so in the message). Every rank must
+    call it (one agreement)."""
     n = world.num_ranks()
     if n == 1:
         return
     total = world.control_communicator().agree(
         f"same_file/{key}", int(fingerprint), enter_timeout())
     if total != n * int(fingerprint):
-        seen = ("one this rank cannot read" if not fingerprint else
+        seen = (unseen if not fingerprint else
                 f"fingerprint {fingerprint:#010x}, not every rank's")
         raise RankMismatchError(
             f"sok_keras: rank {world.rank()}: {what}: the ranks were not "

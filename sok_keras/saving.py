@@ -144,13 +144,14 @@ def _agree(what, value, timeout):
     return world.control_communicator().agree(what, value, timeout)
 
 
-def _temporary_path(path):
+def _temporary_path(path, pid=None):
     """A hidden name beside `path` that keeps its full suffix (Keras
-    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<pid>.keras`."""
+    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<pid>.keras`
+    (`pid`: the writer's, by default this process')."""
     folder = os.path.dirname(os.path.abspath(path))
     stem, dot, rest = os.path.basename(path).partition(".")
-    return os.path.join(folder,
-                        f".{stem}.sok-tmp-{os.getpid()}{dot}{rest}")
+    pid = os.getpid() if pid is None else pid
+    return os.path.join(folder, f".{stem}.sok-tmp-{pid}{dot}{rest}")
 
 
 class _Staging:
@@ -163,13 +164,13 @@ class _Staging:
     the final names, whose shards are moved into place before the json.
     """
 
-    def __init__(self, path, sharded):
+    def __init__(self, path, sharded, pid=None):
         self.folder = None
         if sharded:
-            self.folder = _temporary_path(path) + ".d"
+            self.folder = _temporary_path(path, pid) + ".d"
             self.target = os.path.join(self.folder, os.path.basename(path))
         else:
-            self.target = _temporary_path(path)
+            self.target = _temporary_path(path, pid)
         self.path = path
 
     def prepare(self):
@@ -276,7 +277,11 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
     if not overwrite and _agree("save/exists", exists, world.timeout()):
         raise FileExistsError(
             f"sok_keras: '{path}' exists and overwrite=False.")
-    staging = _Staging(path, sharded)
+    # Every rank names rank 0's temporary file, to check before the
+    # rename that its path is rank 0's.
+    writer = _agree("save/writer", os.getpid() if rank == 0 else 0,
+                    world.timeout())
+    staging = _Staging(path, sharded, writer)
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
     with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:
@@ -358,18 +363,20 @@ def _write_on_rank_0(model, path, staging, rank, n, what, write):
     except Exception as e:  # reported to every rank below
         error = e
     _fail_together("save/done", error, what, path, staging, rank, n)
+    # Every rank's path names the file rank 0 wrote, checked on its
+    # temporary file before the rename (else a rank given another path,
+    # or one on a disk rank 0 does not write, was told its file was saved,
+    # and rank 0's existing file was replaced by a save that failed).
+    global_views.check_same_file(
+        f"{what}('{path}') (nothing was written)", "save",
+        global_views.file_fingerprint(staging.target), path,
+        unseen="not where rank 0 writes it")
     if rank == 0:
         try:
             staging.publish()
         except OSError as e:  # (a folder at `path`, say)
             error = e
     _fail_together("save/renamed", error, what, path, staging, rank, n)
-    # Every rank's path names the file rank 0 wrote (else a rank given
-    # another path, or one on a disk rank 0 does not write, was told its
-    # file was saved).
-    global_views.check_same_file(
-        f"{what}('{path}') (rank 0 wrote the file)", "save",
-        global_views.file_fingerprint(path), path)
 
 
 def _fail_together(stage, error, what, path, staging, rank, n):

@@ -224,14 +224,21 @@ def test_ranks_given_different_files_refuse_them(tmp_path):
                           args=[str(tmp_path)], timeout=240)
     for r, res in enumerate(results):
         for key in ("load_model", "load_weights", "sok_load",
-                    "save_weights"):
+                    "save_weights", "save"):
             assert "the ranks were not given the same file" in res[key], (
                 r, key, res[key])
             assert f"rank {r}:" in res[key], (r, key, res[key])
         assert "Nothing was loaded" in res["sok_load"]
-        assert "rank 0 wrote the file" in res["save_weights"]
+        for key in ("save_weights", "save"):
+            assert "(nothing was written)" in res[key], res[key]
+            if r == 1:  # rank 0's temporary file is not in its folder
+                assert "not where rank 0 writes it" in res[key], res[key]
         assert res["same_path_loads"]
-    assert results[0]["written"] == ["w0.weights.h5"]
+    # The files the saves named are as they were (before: rank 0's was
+    # replaced by a save that then failed), and no temporary file is left.
+    assert results[0]["written"] == {
+        n: "OLD" for n in ("s0.keras", "s1.keras", "w0.weights.h5",
+                           "w1.weights.h5")}, results[0]["written"]
     # sok.dump into another folder on each rank (before: rank 0's bare
     # NotFoundError on rank 1's record, and rank 1's files left behind).
     assert ("rank 1 wrote its rows, but its record" in results[0]["sok_dump"]

@@ -44,9 +44,18 @@ def attempt(key, fn):
 attempt("load_model", lambda: keras.saving.load_model(paths[mine]))
 attempt("load_weights", lambda: model.load_weights(paths[mine]))
 attempt("sok_load", lambda: sok.load(os.path.join(folder, f"c{mine}"), model))
+# Saves to another path on each rank, over existing files: refused, and
+# the files are as they were (no rank's file replaced, no temporary left).
+for name in (f"w{RANK}.weights.h5", f"s{RANK}.keras"):
+    with open(os.path.join(folder, name), "w") as f:
+        f.write("OLD")
 attempt("save_weights", lambda: model.save_weights(
     os.path.join(folder, f"w{RANK}.weights.h5")))
-result["written"] = sorted(n for n in os.listdir(folder) if "weights" in n)
+attempt("save", lambda: model.save(os.path.join(folder, f"s{RANK}.keras")))
+result["written"] = {
+    n: open(os.path.join(folder, n), "rb").read(3).decode("latin-1")
+    for n in sorted(os.listdir(folder))
+    if "weights" in n or n.startswith(("s", ".s"))}
 # sok.dump into another folder on each rank: refused, nothing left.
 own = os.path.join(folder, f"d{RANK}")
 attempt("sok_dump", lambda: sok.dump(own, model))
