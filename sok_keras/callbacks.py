@@ -538,7 +538,7 @@ class ShardedCheckpoint(keras.callbacks.Callback):
     """Sharded checkpoints during `model.fit`, keeping the last `keep`.
 
     Every `every_n_steps` training steps and/or every `every_n_epochs`
-    epochs, writes `sok_keras.dump(directory/ckpt-<step>, model)` (each
+    epochs, writes `sok_keras.dump(directory/ckpt-<step:010d>, model)` (each
     rank its own rows; the manifest last, so an interrupted checkpoint is
     never taken for a complete one), then removes all but the newest
     `keep` complete checkpoints and any incomplete one. `<step>` is the

@@ -304,6 +304,22 @@ def _table_optimizer_variables(tables):
     return out
 
 
+def _without_wrapper_own(optimizer, saved):
+    """`saved` (a manifest's optimizer variables) less the step count and
+    learning rate an `OptimizerWrapper` of an earlier version saved for
+    itself (first, under its own name), which it no longer has."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is None or len(saved) < 2:
+        return saved
+    heads = [d["name"].split("/") for d in saved[:2]]
+    if ([h[-1] for h in heads] == ["iteration", "learning_rate"]
+            and all(len(h) == 2 and h[0] == heads[0][0]
+                    and _unnumbered(h[0]) != _unnumbered(inner.name)
+                    for h in heads)):
+        return saved[2:]
+    return saved
+
+
 def _optimizer_key(optimizer, path):
     """The name a checkpoint keys an optimizer variable by: its path, less
     the `OptimizerWrapper`'s name before the wrapped optimizer's own
@@ -1092,6 +1108,7 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
             saved = manifest["optimizer"]["variables"]
             if other is not None:  # (an older dump kept them)
                 saved = [d for d in saved if not other(d["name"])]
+            saved = _without_wrapper_own(optimizer, saved)
             dense_plan("optimizer", opt_vars, saved,
                        lambda path: _optimizer_key(optimizer, path))
     table_opt_vars = _table_optimizer_variables(tables)

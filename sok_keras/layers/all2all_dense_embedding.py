@@ -25,8 +25,9 @@ class All2AllDenseEmbedding(BaseEmbedding):
         nnz_per_slot: int, the number of ids in each slot.
         embeddings_initializer: initializer. Defaults to `"uniform"`.
         vocabulary_size: optional int, the whole table's rows; overrides
-            `max_vocabulary_size_per_gpu * num_ranks` (set it to make the
-            saved table independent of the number of ranks).
+            `max_vocabulary_size_per_gpu * num_ranks`. The layer's config
+            records the table's rows either way, so a saved model loads at
+            any number of ranks with the table it was trained with.
         optimizer: optional Keras optimizer (instance, name or config) for
             this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
             over the model's optimizer for this table: its rule,
@@ -88,7 +89,6 @@ class All2AllDenseEmbedding(BaseEmbedding):
         self.slot_num = check_positive_int(slot_num, "slot_num", cls)
         self.nnz_per_slot = check_positive_int(
             nnz_per_slot, "nnz_per_slot", cls)
-        self._vocabulary_size_arg = vocabulary_size
         rows = vocabulary_size if vocabulary_size is not None else (
             self.max_vocabulary_size_per_gpu * replicas.table_ranks())
         super().__init__(
@@ -136,6 +136,21 @@ class All2AllDenseEmbedding(BaseEmbedding):
         # Flatten and friends take the output without Keras' warning.
         return None
 
+    def load_own_variables(self, store):
+        try:
+            super().load_own_variables(store)
+        except ValueError as e:
+            if "the value given has shape" not in str(e):
+                raise
+            # A file of an earlier version, whose config left the rows to
+            # max_vocabulary_size_per_gpu x the loading job's ranks.
+            raise ValueError(
+                f"{e} The file was saved at another number of ranks by a "
+                "sok_keras whose All2AllDenseEmbedding config did not "
+                "record the table's rows: build the model with "
+                "`vocabulary_size=` set to the saved table's rows and load "
+                "the weights into it (`load_weights`).") from e
+
     def get_config(self):
         config = super().get_config()
         for key in ("vocabulary_size", "embedding_dim", "combiner"):
@@ -147,7 +162,9 @@ class All2AllDenseEmbedding(BaseEmbedding):
                 "embedding_vec_size": self.embedding_dim,
                 "slot_num": self.slot_num,
                 "nnz_per_slot": self.nnz_per_slot,
-                "vocabulary_size": self._vocabulary_size_arg,
+                # The whole table's rows, not the per-rank capacity
+                # times this job's ranks: the same table at any N.
+                "vocabulary_size": self.vocabulary_size,
             }
         )
         return config

@@ -518,9 +518,15 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     Clipping set on the inner optimizer (`clipnorm`, `global_clipnorm`,
     `clipvalue`) covers tables too: see `clip_gradients`.
 
-    Lazy rules differ from Keras' dense ones in one way: a row absent from a
-    step keeps its slots (Keras decays every row's momentum / moments each
-    step). Adam's bias correction uses the global step.
+    Lazy rules differ from Keras' dense ones where rows are absent or
+    repeated: a row absent from a step keeps its slots and its value
+    (Keras decays every row's momentum / moments each step, AdamW's
+    `weight_decay` shrinks every row, and Keras' Ftrl moves unused rows at
+    its first step); an id repeated within a batch has its gradients
+    summed before the rule sees them (the dense gradient's update, where
+    Keras given `IndexedSlices` squares or clips each duplicate first).
+    Adam's bias correction uses the global step. docs/design.md,
+    "Optimizers", has the details.
 
     Args:
         inner_optimizer: a `keras.optimizers.Optimizer` instance.
@@ -611,7 +617,21 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        # Not the step count and learning rate Keras' base class made for
+        # the wrapper itself (`iterations` and `learning_rate` are the
+        # inner optimizer's): they never change, and `model.summary()`
+        # and `optimizer.variables` would show them beside Keras' own.
+        own = [v for v in self._variables
+               if v is not self._iterations and v is not self._learning_rate]
+        return own + self.inner_optimizer.variables
+
+    def load_own_variables(self, store):
+        n = len(self.variables)
+        if len(store.keys()) == n + 2:
+            # A file of an earlier version, which saved the wrapper's own
+            # (unused) step count and learning rate first.
+            store = {str(i): store[str(i + 2)] for i in range(n)}
+        super().load_own_variables(store)
 
     @property
     def learning_rate(self):

@@ -48,6 +48,25 @@ def test_config_and_saving(tmp_path):
     assert_model_saving(model, x, tmp_path)
 
 
+def test_the_config_keeps_the_tables_rows_at_any_number_of_ranks(
+        monkeypatch):
+    """Without `vocabulary_size` the table has max_vocabulary_size_per_gpu
+    x N rows; the config records those rows, so a model saved at 2 ranks
+    loads at 1 (before: the config rebuilt 16 x 1 rows there, and loading
+    the saved 32-row table failed on its shape)."""
+    from sok_keras import replicas
+
+    monkeypatch.setattr(replicas, "table_ranks", lambda: 2)
+    layer = sok.layers.All2AllDenseEmbedding(16, 3, slot_num=2,
+                                             nnz_per_slot=2)
+    config = layer.get_config()
+    monkeypatch.undo()
+    assert layer.vocabulary_size == 32
+    clone = sok.layers.All2AllDenseEmbedding.from_config(config)
+    assert clone.vocabulary_size == 32
+    assert clone.max_vocabulary_size_per_gpu == 16
+
+
 def test_ragged_and_sparse_ids_are_a_clear_error_and_the_output_has_no_mask():
     """SOK's fixed-shape layer: ragged or sparse ids get an error naming the
     layer and what to use (before: "object of type 'RaggedTensor' has no

@@ -434,6 +434,60 @@ def test_learning_rate_and_iterations_are_the_inner_optimizers():
     np.testing.assert_allclose(_np(t2)[0], -g[0] + (-0.25 * g[0] - g[0]))
 
 
+def test_the_optimizer_variables_are_keras_own(tmp_path):
+    """`model.optimizer.variables` (and so `model.summary()`'s optimizer
+    params) are the inner optimizer's, as with the plain optimizer
+    (before: two more, the wrapper's own never-used step count and a
+    learning rate of 0.0); files and dumps of the earlier layout load."""
+    def model_with(optimizer, sok_table):
+        ids = keras.Input(shape=(2,), dtype="int64")
+        emb = (sok.layers.DistributedEmbedding(16, 4, combiner=None)
+               if sok_table else keras.layers.Embedding(16, 4))
+        out = keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids)))
+        model = keras.Model(ids, out)
+        model.compile(optimizer=optimizer, loss="mse")
+        x = np.arange(16, dtype=np.int64).reshape(8, 2)
+        model.fit(x, np.ones((8, 1), np.float32), epochs=2, verbose=0)
+        return model
+
+    plain = model_with(keras.optimizers.Adam(0.01), False)
+    model = model_with(Wrapper(keras.optimizers.Adam(0.01)), True)
+    wrapper = model.optimizer
+    def optimizer_params(m):
+        lines = []
+        m.summary(print_fn=lambda line, **_: lines.append(line))
+        return [ln.strip() for ln in "\n".join(lines).splitlines()
+                if "Optimizer params" in ln]
+
+    assert optimizer_params(model) == optimizer_params(plain)
+    assert optimizer_params(plain) != []
+    # The dense weights' slots (the table's are the table's slots).
+    assert len(wrapper.variables) == len(plain.optimizer.variables) - 2
+    assert [v.path.rsplit("/", 1)[-1] for v in wrapper.variables[:2]] == [
+        "iteration", "learning_rate"]
+    assert float(wrapper.variables[1].numpy()) == pytest.approx(0.01)
+    # A `.keras` / `.weights.h5` of the earlier layout: the wrapper's own
+    # step count and learning rate first.
+    values = [np.array(v.numpy()) for v in wrapper.variables]
+    old = {str(i): a for i, a in enumerate(
+        [np.array(0, np.int64), np.array(0.0, np.float32)] + values)}
+    for v in wrapper.variables:
+        v.assign(tf.zeros_like(v))
+    wrapper.load_own_variables(old)
+    for v, a in zip(wrapper.variables, values):
+        np.testing.assert_array_equal(v.numpy(), a)
+    # A sok.dump of the earlier layout.
+    from sok_keras import checkpoint
+
+    saved = [{"name": "optimizer_wrapper/iteration"},
+             {"name": "optimizer_wrapper/learning_rate"},
+             {"name": "adam/iteration"}, {"name": "adam/learning_rate"}]
+    assert checkpoint._without_wrapper_own(wrapper, saved) == saved[2:]
+    assert checkpoint._without_wrapper_own(wrapper, saved[2:]) == saved[2:]
+    assert checkpoint._without_wrapper_own(
+        plain.optimizer, saved) == saved
+
+
 # ---------------------------------------------------------------------------
 # Clipping, against a hand computation.
 
