@@ -148,6 +148,20 @@ class _Rank:
         self.proc = proc
         self.tail = collections.deque(maxlen=_TAIL_LINES)
         self.readers = []
+        # When the process exited, taken by a thread blocked in wait(): of
+        # two ranks that exit within one poll, the first is the cause (a
+        # peer that learns of its exit exits right after it).
+        self.exited_at = None
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self):
+        self.proc.wait()
+        self.exited_at = time.monotonic()
+
+    def exit_time(self):
+        """When it exited (its waiter's time, else now)."""
+        return self.exited_at if self.exited_at is not None else (
+            time.monotonic())
 
     def signal_group(self, sig):
         try:
@@ -327,25 +341,24 @@ def _supervise(ranks, timeout, stop, printer):
                 f"received {signal.Signals(sig).name}; stopping all ranks"
             )
             return 128 + sig
-        running = 0
-        for rank in ranks:
-            rc = rank.proc.poll()
-            if rc is None:
-                running += 1
-            elif rc != 0:
-                for t in rank.readers:  # let its last lines arrive first
-                    t.join(timeout=1.0)
-                others = [x.rank for x in ranks if x.proc.poll() is None]
-                msg = f"rank {rank.rank} failed: it {_describe(rc)}"
-                if others:
-                    msg += f"; stopping ranks {others}"
-                if rank.tail:
-                    msg += f". Last output of rank {rank.rank}:\n" + "\n".join(
-                        f"  | {line}" for line in rank.tail
-                    )
-                printer.say(msg)
-                return rc if rc > 0 else 128 - rc
-        if running == 0:
+        codes = [(rank, rank.proc.poll()) for rank in ranks]
+        failed = [(rank, rc) for rank, rc in codes if rc not in (None, 0)]
+        if failed:
+            # The rank that exited first (several may have by this poll).
+            rank, rc = min(failed, key=lambda f: f[0].exit_time())
+            for t in rank.readers:  # let its last lines arrive first
+                t.join(timeout=1.0)
+            others = [x.rank for x in ranks if x.proc.poll() is None]
+            msg = f"rank {rank.rank} failed: it {_describe(rc)}"
+            if others:
+                msg += f"; stopping ranks {others}"
+            if rank.tail:
+                msg += f". Last output of rank {rank.rank}:\n" + "\n".join(
+                    f"  | {line}" for line in rank.tail
+                )
+            printer.say(msg)
+            return rc if rc > 0 else 128 - rc
+        if all(rc is not None for _, rc in codes):
             return 0
         if timeout is not None and time.monotonic() - start > timeout:
             waiting = [x.rank for x in ranks if x.proc.poll() is None]

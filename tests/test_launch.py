@@ -41,6 +41,19 @@ def test_propagates_exit_code():
     assert not job.leftovers
 
 
+def test_the_rank_that_exited_first_is_named():
+    """Rank 1 exits 3 and rank 0, learning of it, exits 1 within the same
+    poll: sokrun names rank 1 and exits 3 (before: the lower rank of those
+    seen exited, rank 0, and 1)."""
+    for _ in range(3):
+        job = launch(SCRIPT, 2, args=["cascade"], timeout=30,
+                     forkserver=False)
+        assert job.returncode == 3, _details(job)
+        assert "rank 1 failed: it exited with code 3" in job.output, (
+            _details(job))
+        assert not job.leftovers
+
+
 def test_failing_rank_stops_the_others():
     job = launch(SCRIPT, 3, args=["fail"], timeout=60, grace=2, forkserver=False)
     assert job.returncode == 3, _details(job)

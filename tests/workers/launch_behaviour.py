@@ -5,6 +5,8 @@
   0.5 s, the others sleep 60 s;
 - codes: rank 0 exits 0 at once, rank 1 exits 7 after 0.3 s;
 - hang: every rank reports and sleeps 60 s; rank 0 ignores SIGTERM.
+- cascade: rank 1 exits 3; rank 0 exits 1 as soon as rank 1's process
+  has ended (as a peer that learns of a rank's death does).
 """
 
 import signal
@@ -20,6 +22,32 @@ if mode == "echo":
     print(f"warning from rank {RANK}", file=sys.stderr)
     sys.stdout.write(f"no newline {RANK}")
     sys.exit(0)
+if mode == "cascade":
+    import os
+
+    from _worker import OUT
+
+    marker = os.path.join(OUT, "rank1.pid")
+    if RANK == 1:
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
+        os._exit(3)
+    while not os.path.exists(marker):
+        time.sleep(0.001)
+    with open(marker) as f:
+        pid = int(f.read())
+
+    def ended():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+        except OSError:
+            return True
+
+    while not ended():
+        time.sleep(0.0005)
+    os._exit(1)
 if mode == "codes":
     if RANK == 1:
         time.sleep(0.3)
