@@ -49,6 +49,7 @@ import argparse
 import collections
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -320,7 +321,8 @@ def main(argv=None):
                 rank.readers.append(t)
             ranks.append(rank)
         if code == 0:
-            code = _supervise(ranks, ns.timeout, stop, printer)
+            code = _supervise(ranks, ns.timeout, stop, printer,
+                              _other_python(ns.program))
     finally:
         _stop_all(ranks, ns.grace)
         for rank in ranks:
@@ -331,8 +333,24 @@ def main(argv=None):
     return code
 
 
-def _supervise(ranks, timeout, stop, printer):
-    """Waits for the ranks; returns the job's exit code."""
+def _other_python(program):
+    """A note for a failure when `program` is a bare `python` / `python3`
+    that is not the Python running sokrun (another one first on PATH,
+    maybe without the job's packages); else ''."""
+    if program not in ("python", "python3"):
+        return ""
+    found = shutil.which(program)
+    if found is None or os.path.realpath(found) == os.path.realpath(
+            sys.executable):
+        return ""
+    return (f" (note: '{program}' is {found} here, not sokrun's own Python, "
+            f"{sys.executable}; to run a script with sokrun's, name it: "
+            "sokrun -np N train.py)")
+
+
+def _supervise(ranks, timeout, stop, printer, note=""):
+    """Waits for the ranks; returns the job's exit code (`note`: added to
+    a failure's message)."""
     start = time.monotonic()
     while True:
         if stop["signal"] is not None:
@@ -349,7 +367,7 @@ def _supervise(ranks, timeout, stop, printer):
             for t in rank.readers:  # let its last lines arrive first
                 t.join(timeout=1.0)
             others = [x.rank for x in ranks if x.proc.poll() is None]
-            msg = f"rank {rank.rank} failed: it {_describe(rc)}"
+            msg = f"rank {rank.rank} failed: it {_describe(rc)}{note}"
             if others:
                 msg += f"; stopping ranks {others}"
             if rank.tail:

@@ -181,6 +181,34 @@ def test_a_python_script_runs_with_this_python(tmp_path):
         assert f"[{r}] rank {r} {sys.executable}" in out.stdout, out.stdout
 
 
+def test_a_failure_of_another_python_on_path_says_so(tmp_path):
+    """`sokrun -np 2 python train.py` where `python` on PATH is not
+    sokrun's Python (a venv's sokrun, not activated): the ranks fail
+    (here: the import), and sokrun's message says which Python ran and
+    how to use its own."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    other = bin_dir / "python"
+    other.write_text("#!/bin/sh\necho 'No module named tensorflow' >&2\n"
+                     "exit 1\n")
+    other.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=REPO,
+               PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(
+        [sys.executable, "-m", "sokrun", "-np", "2", "python", "train.py"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"(note: 'python' is {other} here, not sokrun's own Python, " \
+        f"{sys.executable}; to run a script with sokrun's, name it: sokrun " \
+        "-np N train.py)" in out.stderr, out.stderr
+    # sokrun's own Python by name: no note.
+    out = subprocess.run(
+        [sys.executable, "-m", "sokrun", "-np", "1", sys.executable, "-c",
+         "import sys; sys.exit(2)"], env=env, capture_output=True,
+        text=True, timeout=60)
+    assert out.returncode == 2 and "note:" not in out.stderr, out.stderr
+
+
 def test_sigterm_to_a_rank_stops_the_job_promptly():
     """sok.init() must not leave TensorFlow's SIGTERM handler in place (a
     rank that ignores SIGTERM survives Slurm's, Kubernetes' or mpirun's
