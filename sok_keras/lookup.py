@@ -812,11 +812,57 @@ def pool(rows, inverse, feat, combiner):
         rows, inverse, feat.segment_ids, weights, feat.batch_size, combiner)
 
 
+_HALF = (tf.float16, tf.bfloat16)
+
+
+@tf.custom_gradient
+def _gather_half(rows, inverse):
+    """`tf.gather(rows, inverse)` of 16-bit rows whose gradient sums an
+    id's repeats in float32 and rounds once (TensorFlow's own sums them in
+    the 16-bit dtype: a hot id's gradient then loses most of its bits)."""
+
+    def grad(dy):
+        total = tf.math.unsorted_segment_sum(
+            tf.cast(dy, tf.float32), inverse, tf.shape(rows)[0])
+        return tf.cast(total, rows.dtype), None
+
+    return tf.gather(rows, inverse), grad
+
+
+@tf.custom_gradient
+def _gather_half_weighted(rows, inverse, weights):
+    """`_gather_half` times per-id weights, computed in float32 and rounded
+    once; the weights' gradient is summed over the dim in float32 too."""
+    per_id = tf.gather(tf.cast(rows, tf.float32), inverse)
+    w = tf.cast(weights, tf.float32)[:, None]
+
+    def grad(dy):
+        dy = tf.cast(dy, tf.float32)
+        total = tf.math.unsorted_segment_sum(dy * w, inverse,
+                                             tf.shape(rows)[0])
+        return (tf.cast(total, rows.dtype), None,
+                tf.cast(tf.reduce_sum(dy * per_id, axis=1), weights.dtype))
+
+    return tf.cast(per_id * w, rows.dtype), grad
+
+
+def _per_id_rows(rows, inverse, weights):
+    """`[nnz, dim]`: each id's row (times its weight). For 16-bit rows the
+    products and the gradient's sums run in float32, as the pooled path's
+    (docs/gpu.md, "Table dtypes")."""
+    if rows.dtype in _HALF:
+        if weights is None:
+            return _gather_half(rows, inverse)
+        return _gather_half_weighted(rows, inverse, weights)
+    per_id = tf.gather(rows, inverse)
+    if weights is not None:
+        per_id = per_id * tf.cast(weights, per_id.dtype)[:, None]
+    return per_id
+
+
 def unpooled(rows, inverse, feat):
     """One row per id, shaped like the feature's ids (see `lookup_one`)."""
-    per_id = tf.gather(rows, inverse)  # [nnz, dim]
-    if feat.weights is not None:
-        per_id = per_id * tf.cast(feat.weights, per_id.dtype)[:, None]
+    per_id = _per_id_rows(rows, inverse, feat.weights)  # [nnz, dim]
     kind = feat.layout[0]
     dim = tf.shape(rows, out_type=tf.int64)[1]
     if kind == "dense":
@@ -1500,7 +1546,7 @@ def all2all_dense_embedding(param, indices):
     _check_int(indices, name)
     flat = tf.reshape(tf.cast(indices, tf.int64), [-1])
     rows, inverse = gather_rows(param, flat, table_name=name)
-    out = tf.gather(rows, inverse)
+    out = _per_id_rows(rows, inverse, None)
     shape = tf.concat(
         [tf.shape(indices, out_type=tf.int64),
          tf.shape(rows, out_type=tf.int64)[1:]], 0)

@@ -154,9 +154,18 @@ def _as_slices(g, v):
     return tf.IndexedSlices(g, tf.range(rows), tf.shape(g, out_type=tf.int64))
 
 
+def _wide(values):
+    """16-bit gradient values as float32 (sums, squares and products of
+    16-bit tables' gradients run in float32 and round once); others as
+    they are."""
+    if values.dtype in (tf.float16, tf.bfloat16):
+        return tf.cast(values, tf.float32)
+    return values
+
+
 def _sparse_sq_norms(slices):
     """Squared norms of the tables' gradients, summed over all ranks."""
-    sq = [tf.reduce_sum(tf.square(s.values)) for s in slices]
+    sq = [tf.reduce_sum(tf.square(_wide(s.values))) for s in slices]
     if len({t.dtype for t in sq}) > 1:
         sq = [tf.cast(t, tf.float32) for t in sq]
     sq = tf.stack(sq)
@@ -186,13 +195,16 @@ def _combine_duplicates(s):
     the sparse rules apply; a lookup's gradient already is one)."""
     unique, position = tf.unique(s.indices)
     values = tf.math.unsorted_segment_sum(
-        s.values, position, tf.shape(unique)[0])
-    return tf.IndexedSlices(values, unique, s.dense_shape)
+        _wide(s.values), position, tf.shape(unique)[0])
+    return tf.IndexedSlices(tf.cast(values, s.values.dtype), unique,
+                            s.dense_shape)
 
 
 def _scale_slices(s, scale):
-    return tf.IndexedSlices(s.values * tf.cast(scale, s.values.dtype),
-                            s.indices, s.dense_shape)
+    wide = _wide(s.values)
+    return tf.IndexedSlices(
+        tf.cast(wide * tf.cast(scale, wide.dtype), s.values.dtype),
+        s.indices, s.dense_shape)
 
 
 def clip_gradients(opt, dense, slices):
@@ -218,10 +230,11 @@ def clip_gradients(opt, dense, slices):
         if slices:
             norms = tf.sqrt(_sparse_sq_norms(slices))
             # As tf.clip_by_norm: (g * c) / max(norm, c).
-            slices = [tf.IndexedSlices(
-                s.values * tf.cast(c, s.values.dtype)
-                / tf.cast(tf.maximum(norms[i], c), s.values.dtype),
-                s.indices, s.dense_shape) for i, s in enumerate(slices)]
+            slices = [tf.IndexedSlices(tf.cast(
+                _wide(s.values) * tf.cast(c, _wide(s.values).dtype)
+                / tf.cast(tf.maximum(norms[i], c), _wide(s.values).dtype),
+                s.values.dtype), s.indices, s.dense_shape)
+                for i, s in enumerate(slices)]
     elif global_clipnorm:
         c = opt.global_clipnorm
         # Keras' clip_by_global_norm, with each table's squared norm (over

@@ -538,6 +538,47 @@ def test_clipvalue_clips_per_row_gradients_elementwise():
     np.testing.assert_allclose(ud, [[3.5, 3.5]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+def test_clipping_16_bit_tables_computes_in_float32(dtype, clip):
+    """A 16-bit table's gradient norm, its duplicates' sums and the clipped
+    values are computed in float32 and rounded once (before: squared and
+    summed in the 16-bit dtype, so `global_clipnorm` scaled even a float32
+    weight by a norm off by up to 0.4%)."""
+    np_dt = tf.as_dtype(dtype).as_numpy_dtype
+    rng = np.random.default_rng(3)
+    rows = 400
+    table = sok.Variable(np.zeros((rows, 4), np.float32), dtype=dtype,
+                         name="t16")
+    dense = keras.Variable(np.zeros((1, 4), np.float32), name="d32")
+    idx = np.concatenate([np.arange(rows), np.arange(50)]).astype(np.int64)
+    g = rng.normal(size=(len(idx), 4)).astype(np_dt)
+    gd = rng.normal(size=(1, 4)).astype(np.float32)
+    opt = Wrapper(keras.optimizers.SGD(1.0, **{clip: 1.0}))
+    opt.apply_gradients([
+        (tf.IndexedSlices(tf.constant(g), tf.constant(idx),
+                          tf.constant([rows, 4], tf.int64)), table),
+        (tf.constant(gd), dense)])
+    # Reference: duplicates summed in float32 and rounded once, the norm
+    # in float64.
+    per_row = np.zeros((rows, 4), np.float32)
+    np.add.at(per_row, idx, g.astype(np.float32))
+    per_row = per_row.astype(np_dt).astype(np.float64)
+    table_sq = (per_row ** 2).sum()
+    if clip == "clipnorm":
+        scale_t = 1.0 / max(np.sqrt(table_sq), 1.0)
+        scale_d = 1.0 / max(np.linalg.norm(gd.astype(np.float64)), 1.0)
+    else:
+        norm = np.sqrt(table_sq + (gd.astype(np.float64) ** 2).sum())
+        scale_t = scale_d = 1.0 / max(norm, 1.0)
+    np.testing.assert_allclose(-_np(dense), gd * scale_d, rtol=2e-6)
+    want = (per_row * scale_t).astype(np_dt).astype(np.float64)
+    got = -np.asarray(table.read_global(), np.float64)
+    # One rounding of the clipped gradient, one of the update.
+    ulp = np.abs(np.spacing(want.astype(np_dt))).astype(np.float64)
+    assert np.all(np.abs(got - want) <= ulp), np.max(np.abs(got - want) / ulp)
+
+
 @pytest.mark.parametrize("clip", [{"clipnorm": 0.5}, {"global_clipnorm": 0.5},
                                   {"clipvalue": 0.2}])
 def test_clipping_a_lone_table_equals_keras_sparse(clip):
