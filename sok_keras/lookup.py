@@ -831,10 +831,11 @@ def _gather_half(rows, inverse):
 
 @tf.custom_gradient
 def _gather_half_weighted(rows, inverse, weights):
-    """`_gather_half` times per-id weights, computed in float32 and rounded
-    once; the weights' gradient is summed over the dim in float32 too."""
+    """`_gather_half` times per-id weights (which have the table's dtype,
+    as in the pooled lookups), computed in float32 and rounded once; the
+    weights' gradient is summed over the dim in float32 too."""
     per_id = tf.gather(tf.cast(rows, tf.float32), inverse)
-    w = tf.cast(weights, tf.float32)[:, None]
+    w = tf.cast(tf.cast(weights, rows.dtype), tf.float32)[:, None]
 
     def grad(dy):
         dy = tf.cast(dy, tf.float32)

@@ -96,7 +96,8 @@ def test_unpooled_gradient_of_a_hot_id_is_summed_in_float32(dtype, path):
     rng = np.random.default_rng(0)
     table = rng.normal(size=(10, 4)).astype(np_dt)
     dy = rng.normal(size=(64, 4)).astype(np_dt)
-    w = rng.uniform(0.5, 2.0, size=64).astype(F32)
+    # Weights have the table's dtype (docs/gpu.md).
+    w = rng.uniform(0.5, 2.0, size=64).astype(np_dt).astype(F32)
     ids = tf.constant([[3]] * 64, tf.int64)
     weights = tf.constant(w[:, None]) if path == "unpooled_weighted" else None
     if path == "all2all_dense_embedding":
