@@ -33,6 +33,49 @@ def _slice(t, start, size):
     return t[start : start + size]
 
 
+def _unseeded_shuffles(dataset):
+    """How many `shuffle`s in `dataset`'s pipeline have no seed (neither
+    theirs nor TensorFlow's global one when they were made): each process
+    shuffles those with its own random seed."""
+    found, seen, todo = 0, set(), [dataset]
+    while todo:
+        ds = todo.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        # tf.data gives an unseeded shuffle the seeds (0, 0), which mean
+        # "a random seed" (a seeded one never gets both).
+        if type(ds).__name__ == "_ShuffleDataset" and all(
+                _static(getattr(ds, attr, None)) == 0
+                for attr in ("_seed", "_seed2")):
+            found += 1
+        try:
+            todo.extend(ds._inputs())
+        except Exception:  # noqa: BLE001 - a dataset kind without inputs
+            pass
+    return found
+
+
+def _static(value):
+    try:
+        return None if value is None else tf.get_static_value(value)
+    except Exception:  # noqa: BLE001 - not a tensor we can read
+        return None
+
+
+def _check_seeded(dataset, n):
+    if _unseeded_shuffles(dataset):
+        raise ValueError(
+            "shard_batches: the dataset shuffles with no seed "
+            "(`shuffle(...)` without `seed=`, and no global seed when it "
+            f"was made), so each of the {n} ranks would shuffle "
+            "differently and keep its slice of another global batch: some "
+            "rows trained twice per epoch, others never. Pass the same "
+            "seed on every rank, `shuffle(buffer_size, seed=42)`, or call "
+            "`keras.utils.set_random_seed(42)` on every rank before making "
+            "the dataset.")
+
+
 def shard_batches(dataset, global_batch_size=None):
     """Keeps this rank's slice of every global batch of `dataset`.
 
@@ -59,7 +102,9 @@ def shard_batches(dataset, global_batch_size=None):
     Raises:
         ValueError: if the batch dimension is not static (batch with
             `drop_remainder=True`), differs between components or from
-            `global_batch_size`, or is not divisible by the number of ranks.
+            `global_batch_size`, or is not divisible by the number of ranks;
+            on several ranks, if the pipeline has a `shuffle` with no seed
+            (each rank would shuffle differently).
 
     Example:
 
@@ -118,6 +163,7 @@ def shard_batches(dataset, global_batch_size=None):
         )
     if n == 1:
         return dataset
+    _check_seeded(dataset, n)
     b = size // n
     start = _world.rank() * b
     is_tuple = type(spec) is tuple  # tf.data unpacks plain tuples only
