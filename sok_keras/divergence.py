@@ -92,6 +92,9 @@ class _Loop:
         self.ended = False  # this epoch's data ran out
 
     def where(self):
+        if self.ended:  # (not the step begun that found no data)
+            return (f"the end of epoch {self.epoch + 1} of {self.kind}, "
+                    f"after step {self.done}")
         return f"step {self.step} of epoch {self.epoch + 1} of {self.kind}"
 
 

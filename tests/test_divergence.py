@@ -120,6 +120,10 @@ def test_fewer_batches_of_unknown_length_on_one_rank():
     _both_diverged(job, detail,
                    "rank 1 finished after step 4; rank 0 is at step 5")
     assert max(r["elapsed"] for r in job.results.values()) < 60, detail
+    # Rank 1, which ran out of data, says where it is when it learns of
+    # rank 0's failure: not in step 5, which Keras began and found empty.
+    assert job.results[1]["error"].endswith(
+        "rank 1 is at the end of epoch 1 of fit, after step 4"), detail
 
 
 def test_fewer_batches_with_several_steps_per_execution():
