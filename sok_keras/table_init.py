@@ -252,6 +252,13 @@ class TablePlan:
 
     def initial_value(self):
         if self.how == "direct":
+            if _is_exactly(self.init, keras.initializers.Constant):
+                # Keras' Constant multiplies by a tensor of ones: a
+                # temporary the size of the shard (optimizer slots are
+                # Constants). The same values, broadcast once.
+                return tf.broadcast_to(
+                    keras.ops.cast(self.init.value, self.dtype),
+                    self.local_shape)
             return self.init(shape=self.local_shape, dtype=self.dtype)
         if self.how == "blocks" or self.count == 0:
             return tf.zeros(self.local_shape, self.dtype)
