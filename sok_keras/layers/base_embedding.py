@@ -40,8 +40,11 @@ def get_table_optimizer(optimizer, layer):
         # Keras' deserialization edits the config it is given: never let it
         # touch the caller's (e.g. a layer config being round-tripped).
         optimizer = copy.deepcopy(optimizer)
-    opt = keras.optimizers.get(optimizer)
-    sparse_rules.rule_for(opt)  # raises, listing the supported ones
+    try:
+        opt = keras.optimizers.get(optimizer)
+        sparse_rules.rule_for(opt)  # raises, listing the supported ones
+    except ValueError as e:
+        raise ValueError(f"{layer}: the table's `optimizer`: {e}") from e
     for arg in ("clipnorm", "global_clipnorm", "clipvalue", "use_ema",
                 "gradient_accumulation_steps", "loss_scale_factor"):
         if getattr(opt, arg, None):

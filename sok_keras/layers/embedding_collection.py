@@ -6,6 +6,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from sok_keras import consistency
 from sok_keras import lookup
 from sok_keras.layers import feature_config
 from sok_keras.layers.base_embedding import check_combiner
@@ -246,7 +247,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 "SparseCore; it must be False here. Received: "
                 f"update_stats={update_stats!r}.")
         skeleton, feats, tabs = feature_config.parse(
-            feature_configs, where, tables_list=tables)
+            feature_configs, where, tables_list=tables,
+            check_optimizer=use_table_optimizers)
         self._keras_rs = _KerasRsSpec(skeleton, feats, tabs)
         self.use_table_optimizers = use_table_optimizers
         self.table_stacking = table_stacking
@@ -348,7 +350,11 @@ class EmbeddingCollection(keras.layers.Layer):
             is_leaf=feature_config.is_path)
 
     def _lookup(self, inputs, weights):
-        names = list(self.features)
+        # In name order, not the dict's: ranks whose `features` dicts were
+        # built in another order (from a set, say) look the same tables up
+        # in the same order, so their exchanges meet. The outputs keep the
+        # dict's order.
+        names = sorted(self.features, key=lambda f: (type(f).__name__, f))
         feats, shapes = [], {}
         for f in names:
             table = self.tables[self.features[f]["table"]]
@@ -359,6 +365,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 ids, w, shapes[f] = flatten_deep_ids(ids, w, label)
             feats.append(lookup.normalize_ids(ids, w, label))
         params = [self.embeddings[self.features[f]["table"]] for f in names]
+        consistency.record_lookup(params, "embedding_collection")
         rows = lookup.gather_rows_fused(
             params, [x.values for x in feats],
             [self._table_label(f) for f in names],
@@ -375,7 +382,7 @@ class EmbeddingCollection(keras.layers.Layer):
             else:
                 value = lookup.pool(r, inverse, feat, combiner)
             out[f] = tf.cast(value, self.compute_dtype)
-        return out
+        return {f: out[f] for f in self.features}
 
     def _table_label(self, f):
         """The table of feature `f` in messages, with the feature where

@@ -228,9 +228,11 @@ def _fields(obj, fields, kind, where):
     return spec
 
 
-def normalize_table(table, where):
+def normalize_table(table, where, check_optimizer=True):
     """A table (`TableConfig` or dict) as a complete dict of its fields,
-    initializer and optimizer serialized. Raises on a bad field."""
+    initializer and optimizer serialized. Raises on a bad field (the
+    optimizer's only with `check_optimizer`: with keras-rs'
+    `use_table_optimizers=False` it is ignored, as keras-rs ignores it)."""
     spec = _fields(table, TABLE_FIELDS, "table", where)
     name = spec.get("name")
     if not isinstance(name, str) or not name:
@@ -256,11 +258,11 @@ def normalize_table(table, where):
             f"initializer={out['initializer']!r}.") from e
     out["initializer"] = keras.initializers.serialize(init)
     opt = out["optimizer"]
-    if opt is not None:
-        checked = get_table_optimizer(opt, where)  # raises if unsupported
-        if not isinstance(opt, (str, dict)):
-            # An instance: its config (every table makes its own copy).
-            out["optimizer"] = keras.saving.serialize_keras_object(checked)
+    if opt is not None and check_optimizer:
+        get_table_optimizer(opt, where)  # raises if unsupported
+    if opt is not None and not isinstance(opt, (str, dict)):
+        # An instance: its config (every table makes its own copy).
+        out["optimizer"] = keras.saving.serialize_keras_object(opt)
     return out
 
 
@@ -300,7 +302,7 @@ def _shape(value, arg, where):
     return shape
 
 
-def normalize_feature(path, feature, tables, where):
+def normalize_feature(path, feature, tables, where, check_optimizer=True):
     """A feature as `{name, table: <table name>, input_shape,
     output_shape}`; its table, normalized, goes into `tables` (by name)."""
     spec = _fields(feature, FEATURE_FIELDS, "feature", where)
@@ -312,7 +314,7 @@ def normalize_feature(path, feature, tables, where):
     where_f = f"{where}, feature '{path}'"
     if "table" not in spec:
         raise ValueError(f"{where_f}: no `table`.")
-    table = normalize_table(spec["table"], where_f)
+    table = normalize_table(spec["table"], where_f, check_optimizer)
     known = tables.get(table["name"])
     if known is None:
         tables[table["name"]] = table
@@ -373,7 +375,7 @@ def is_path(obj):
     return isinstance(obj, FeaturePath)
 
 
-def parse(feature_configs, where, tables_list=None):
+def parse(feature_configs, where, tables_list=None, check_optimizer=True):
     """Reads keras-rs feature configs.
 
     Args:
@@ -382,6 +384,9 @@ def parse(feature_configs, where, tables_list=None):
             index into `tables_list`.
         where: the layer, for error messages.
         tables_list: the serialized tables of a config, or None.
+        check_optimizer: whether the tables' optimizers must be ones
+            sok_keras can apply (False: keras-rs' `use_table_optimizers=
+            False`, which ignores them).
 
     Returns:
         `(skeleton, features, tables)`: `skeleton` is `feature_configs`
@@ -406,7 +411,8 @@ def parse(feature_configs, where, tables_list=None):
                     f"{0 if tables_list is None else len(tables_list)} "
                     "entries.")
             leaf = dict(leaf, table=tables_list[index])
-        features[path] = normalize_feature(path, leaf, tables, where)
+        features[path] = normalize_feature(path, leaf, tables, where,
+                                           check_optimizer)
     skeleton = map_structure(lambda p, _: FeaturePath(p), feature_configs)
     return skeleton, features, tables
 

@@ -236,3 +236,27 @@ def test_a_subclassed_model_with_a_collection_saves_and_loads(tmp_path):
     np.testing.assert_array_equal(
         loaded.coll.embeddings["user"].numpy(),
         model.coll.embeddings["user"].numpy())
+
+
+def test_ranks_whose_feature_dicts_differ_in_order_train_together():
+    """Features listed in another order on rank 1 (a dict built from a set:
+    string hashing differs per process): the lookups run in name order,
+    so the ranks' exchanges meet (before: they waited for each other
+    until SOK_COMM_TIMEOUT)."""
+    from tests.multiprocess import run_workers
+    from tests.multiprocess import worker_path
+
+    r0, r1 = run_workers(worker_path("ec_feature_order"), 2, timeout=240,
+                         env={"SOK_COMM_TIMEOUT": "60"})
+    assert r0["order"] != r1["order"]
+    assert r0["error"] is None and r1["error"] is None, (r0, r1)
+    assert r0["losses"] == r1["losses"]
+    assert r0["tables"] == r1["tables"]
+
+
+def test_the_outputs_keep_the_features_order():
+    features = {"z": {"table": "user"}, "a": {"table": "user"}}
+    layer = sok.layers.EmbeddingCollection(
+        {"user": {"vocabulary_size": 30, "embedding_dim": 4}}, features)
+    out = layer({"z": np.array([1, 2]), "a": np.array([3, 4])})
+    assert list(out) == ["z", "a"]

@@ -188,6 +188,34 @@ def test_use_table_optimizers_false_leaves_tables_to_the_model():
     assert set(clone._table_optimizers.values()) == {None}
 
 
+@pytest.mark.parametrize("optimizer", [
+    keras.optimizers.Lion(), "nadam", keras.optimizers.Adam(clipnorm=1.0),
+    keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())])
+def test_ignored_table_optimizers_are_not_checked(optimizer):
+    """With `use_table_optimizers=False` the tables' optimizers are ignored
+    (as keras-rs ignores them), so any keras-rs accepts is accepted
+    (before: sok's rules refused them), also from the layer's config."""
+    configs = _feature(_table(optimizer=optimizer))
+    with pytest.raises(ValueError, match=(
+            r"feature 'f', table 't': the table's (`optimizer`|optimizer)")):
+        sok.layers.EmbeddingCollection(configs)
+    layer = sok.layers.EmbeddingCollection(configs,
+                                           use_table_optimizers=False)
+    assert set(layer._table_optimizers.values()) == {None}
+    clone = sok.layers.EmbeddingCollection.from_config(layer.get_config())
+    assert set(clone._table_optimizers.values()) == {None}
+
+
+def test_a_bad_table_optimizer_names_the_table():
+    with pytest.raises(ValueError, match=(
+            "EmbeddingCollection 'ec', table 't': the table's `optimizer`: "
+            ".*not_an_optimizer")):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "embedding_dim": 2,
+                   "optimizer": "not_an_optimizer"}},
+            {"f": {"table": "t"}}, name="ec")
+
+
 def test_placements():
     t = TableConfig(name="t", vocabulary_size=10, embedding_dim=2,
                     placement="default_device")
