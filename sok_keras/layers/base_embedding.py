@@ -225,7 +225,8 @@ def as_int_ids(ids, rows):
             return tf.cast(t, tf.int64)
         return t
 
-    return tf.nest.map_structure(cast, ids)
+    # (keras.tree: also dicts whose keys mix types, which tf.nest refuses.)
+    return keras.tree.map_structure(cast, ids)
 
 
 def flatten_deep_ids(ids, weights, where):

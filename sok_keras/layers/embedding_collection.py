@@ -328,19 +328,23 @@ class EmbeddingCollection(keras.layers.Layer):
                     raise TypeError(
                         f"{where}: `{what}` must be a dict "
                         f"{{feature name: tensor}} over the features "
-                        f"{sorted(self.features)}. Received: "
+                        f"{feature_config.ordered(self.features)}. "
+                        "Received: "
                         f"{type(value).__name__}.")
-            missing = sorted(set(self.features) - set(inputs))
+            missing = feature_config.ordered(
+                set(self.features) - set(inputs))
             if missing:
                 raise ValueError(
                     f"{where}: no ids for features {missing}. Received: "
-                    f"{sorted(inputs)}.")
+                    f"{feature_config.ordered(inputs)}.")
             for what, value in (("inputs", inputs), ("weights", weights)):
-                unknown = sorted(set(value or {}) - set(self.features))
+                unknown = feature_config.ordered(
+                    set(value or {}) - set(self.features))
                 if unknown:
                     raise ValueError(
                         f"{where}: `{what}` has keys {unknown}, which are "
-                        f"not features of the layer ({sorted(self.features)}"
+                        "not features of the layer "
+                        f"({feature_config.ordered(self.features)}"
                         ").")
             return self._lookup(inputs, weights or {})
         flat_ids, flat_weights = self._flat_keras_rs_inputs(inputs, weights)
@@ -354,7 +358,7 @@ class EmbeddingCollection(keras.layers.Layer):
         # built in another order (from a set, say) look the same tables up
         # in the same order, so their exchanges meet. The outputs keep the
         # dict's order.
-        names = sorted(self.features, key=lambda f: (type(f).__name__, f))
+        names = feature_config.ordered(self.features)
         feats, shapes = [], {}
         for f in names:
             table = self.tables[self.features[f]["table"]]

@@ -108,6 +108,16 @@ def _is_tpu_feature(obj):
         type(obj).__name__ == "FeatureConfig")
 
 
+def ordered(keys):
+    """`keys` sorted (dict keys in keras-rs' order), keys of different
+    types (`0` and `"a"`) by type name first instead of failing."""
+    keys = list(keys)
+    try:
+        return sorted(keys)
+    except TypeError:
+        return sorted(keys, key=lambda k: (type(k).__name__, str(k)))
+
+
 def flatten(structure, where):
     """`[(path, leaf)]` of a nested structure of features, in keras-rs'
     order (dict keys sorted, as `keras.tree.flatten_with_path`), `path` the
@@ -118,7 +128,7 @@ def flatten(structure, where):
         if is_feature_leaf(node):
             out.append((".".join(str(p) for p in path), node))
         elif isinstance(node, dict):
-            for key in sorted(node):
+            for key in ordered(node):
                 walk(node[key], path + (key,))
         elif isinstance(node, (list, tuple)):
             for i, item in enumerate(node):
@@ -177,7 +187,7 @@ def gather(values, paths, what, where):
                 raise ValueError(
                     f"{where}: {what} must have the structure of the "
                     f"layer's feature_configs; at '{key or '<top>'}' it "
-                    f"holds a dict with keys {sorted(node)}, where one "
+                    f"holds a dict with keys {ordered(node)}, where one "
                     f"feature's tensor belongs.")
             found[key] = node
             return
@@ -411,6 +421,11 @@ def parse(feature_configs, where, tables_list=None, check_optimizer=True):
                     f"{0 if tables_list is None else len(tables_list)} "
                     "entries.")
             leaf = dict(leaf, table=tables_list[index])
+        if path in features:
+            raise ValueError(
+                f"{where}: two features have the path '{path}' (keys joined "
+                "with dots: a key 'a.b' and a key 'b' under 'a', or the keys "
+                "0 and '0'): rename one of them.")
         features[path] = normalize_feature(path, leaf, tables, where,
                                            check_optimizer)
     skeleton = map_structure(lambda p, _: FeaturePath(p), feature_configs)

@@ -206,6 +206,26 @@ def test_ignored_table_optimizers_are_not_checked(optimizer):
     assert set(clone._table_optimizers.values()) == {None}
 
 
+def test_features_whose_paths_collide_are_refused_and_mixed_keys_work():
+    """A key 'a.b' beside a key 'b' under 'a' (or the keys 0 and '0') gave
+    two features one path: one was looked up in the other's table, with no
+    error. Keys of mixed types that do not collide work (before: a bare
+    "'<' not supported" TypeError)."""
+    t2 = _table(name="t2", embedding_dim=3)
+    for configs in ({"a.b": {"name": "x", "table": _table()},
+                     "a": {"b": {"name": "y", "table": t2}}},
+                    {0: {"name": "x", "table": _table()},
+                     "0": {"name": "y", "table": t2}}):
+        with pytest.raises(ValueError, match=(
+                r"two features have the path '(a\.b|0)'")):
+            sok.layers.EmbeddingCollection(configs)
+    layer = sok.layers.EmbeddingCollection(
+        {0: {"name": "x", "table": _table()},
+         "b": {"name": "y", "table": t2}})
+    out = layer({0: np.array([1, 2]), "b": np.array([3, 4])})
+    assert out[0].shape == (2, 2) and out["b"].shape == (2, 3)
+
+
 def test_a_bad_table_optimizer_names_the_table():
     with pytest.raises(ValueError, match=(
             "EmbeddingCollection 'ec', table 't': the table's `optimizer`: "
