@@ -118,6 +118,27 @@ def ordered(keys):
         return sorted(keys, key=lambda k: (type(k).__name__, str(k)))
 
 
+def _check_not_a_broken_feature(node, path, where):
+    """Raises for a dict of a feature's fields whose `table` is missing or
+    not a table (it would otherwise be walked as a structure, and the error
+    would point at its `name`)."""
+    if not node or not set(node) <= set(FEATURE_FIELDS) or not (
+            isinstance(node.get("name"), str)
+            or "input_shape" in node or "output_shape" in node):
+        return
+    if any(is_feature_leaf(v) or isinstance(v, dict)
+           for v in node.values()):
+        return  # a structure whose keys happen to be field names
+    at = ".".join(str(p) for p in path) or "<top>"
+    if "table" not in node:
+        raise ValueError(f"{where}: feature '{at}': no `table`.")
+    raise ValueError(
+        f"{where}: feature '{at}': `table` must be a "
+        "`keras_rs.layers.TableConfig` or a dict of its fields "
+        f"{list(TABLE_FIELDS)}. Received: table={node['table']!r}. (sok's "
+        "own form names tables by name: pass `tables` and `features`.)")
+
+
 def flatten(structure, where):
     """`[(path, leaf)]` of a nested structure of features, in keras-rs'
     order (dict keys sorted, as `keras.tree.flatten_with_path`), `path` the
@@ -128,6 +149,7 @@ def flatten(structure, where):
         if is_feature_leaf(node):
             out.append((".".join(str(p) for p in path), node))
         elif isinstance(node, dict):
+            _check_not_a_broken_feature(node, path, where)
             for key in ordered(node):
                 walk(node[key], path + (key,))
         elif isinstance(node, (list, tuple)):

@@ -219,6 +219,11 @@ def test_features_whose_paths_collide_are_refused_and_mixed_keys_work():
         with pytest.raises(ValueError, match=(
                 r"two features have the path '(a\.b|0)'")):
             sok.layers.EmbeddingCollection(configs)
+    # Features keyed by names that are a feature's field names.
+    layer = sok.layers.EmbeddingCollection(
+        {"input_shape": {"name": "x", "table": _table()},
+         "name": {"name": "y", "table": t2}})
+    assert sorted(layer.features) == ["input_shape", "name"]
     layer = sok.layers.EmbeddingCollection(
         {0: {"name": "x", "table": _table()},
          "b": {"name": "y", "table": t2}})
@@ -283,6 +288,11 @@ def _feature(table, **kw):
       "g": {"name": "g", "table": _table(vocabulary_size=11)}}, {},
      r"differs .* in \['vocabulary_size'\]"),
     ({"f": 3}, {}, r"At 'f' it holds 3"),
+    # (Before: "At 'f.name' it holds 'f'" for both.)
+    ({"f": {"name": "f", "table": "t"}}, {},
+     r"feature 'f': `table` must be a `keras_rs.layers.TableConfig`.*"
+     r"table='t'"),
+    ({"f": {"name": "f", "input_shape": (2,)}}, {}, "feature 'f': no `table`"),
     ({}, {}, "holds no feature"),
     (_feature(_table()), {"update_stats": True}, "update_stats"),
     (_feature(_table()), {"optimizer": "adam"}, "TPU"),
