@@ -780,6 +780,19 @@ class _Tracker(keras.callbacks.Callback):
         if self._top.kind == "evaluate":
             self._check_steps()
         self._nested_begin("evaluate")
+        if self._top.kind == "fit" and self._inner:
+            self._check_validation_steps()
+
+    def _check_validation_steps(self):
+        """As `_check_steps`, for the validation inside `fit` (Keras keeps
+        its data's iterator on the model; its count, where known)."""
+        per_execution = int(
+            getattr(self.model, "steps_per_execution", 1) or 1)
+        if per_execution <= 1:
+            return
+        iterator = getattr(self.model, "_eval_epoch_iterator", None)
+        steps = getattr(iterator, "num_batches", None)
+        self._ch.check_steps(self._inner[-1], steps, per_execution)
 
     def on_test_batch_begin(self, batch, logs=None):
         self._ch.step(self._current(), batch + 1)

@@ -147,6 +147,18 @@ def test_fewer_batches_with_several_steps_per_execution():
     assert max(r["elapsed"] for r in job.results.values()) < 60, detail
 
 
+def test_uneven_validation_with_several_steps_per_execution():
+    """The same for the validation inside fit: 1 and 2 batches, both inside
+    one execution (before: rank 1's second step waited for
+    SOK_COMM_TIMEOUT)."""
+    job, detail = _job(5, 5, "spe_validate")
+    _both_diverged(job, detail, "diverged before its first step")
+    assert re.search("rank 0 has 1 steps per epoch, rank 1 has 2"
+                     "|rank 1 has 2 steps per epoch, rank 0 has 1",
+                     job.results[0]["error"]), detail
+    assert max(r["elapsed"] for r in job.results.values()) < 60, detail
+
+
 def test_rank_that_stops_training_early():
     # EarlyStopping on rank-local logs: rank 1 stops after epoch 1.
     job, detail = _job(5, 5, "stop", 3)

@@ -8,7 +8,9 @@ in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 "stop" (rank 1 stops training after its first epoch); "unknown" (data and
 validation data of unknown length, through `.filter`, and GlobalMetrics:
 Keras then begins one more step per epoch, which finds the data empty);
-"spe" (steps_per_execution=3: Keras reports one step per execution).
+"spe" (steps_per_execution=3: Keras reports one step per execution);
+"spe_validate" (the same, with validation data of 1 batch on rank 0 and
+2 on rank 1: both inside one execution).
 Each rank writes what fit (and save) raised.
 """
 
@@ -59,13 +61,15 @@ emb = sok.layers.DistributedEmbedding(32, 4, name="emb")(inputs)
 model = keras.Model(inputs, keras.layers.Dense(1, name="head")(emb))
 model.compile(optimizer=sok.optimizers.OptimizerWrapper(
     keras.optimizers.SGD(0.1)), loss="mse",
-    steps_per_execution=3 if EXTRA == "spe" else 1)
+    steps_per_execution=3 if EXTRA.startswith("spe") else 1)
 callbacks = [Trouble()]
 if EXTRA in ("metrics", "validate", "unknown"):
     callbacks.append(sok.callbacks.GlobalMetrics())
 kwargs = {}
 if EXTRA in ("validate", "unknown"):
     kwargs["validation_data"] = data(3, 7 + RANK)
+if EXTRA == "spe_validate":
+    kwargs["validation_data"] = data(1 + RANK, 7 + RANK)
 result = {"error": None, "type": None}
 start = time.monotonic()
 try:
