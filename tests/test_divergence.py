@@ -137,13 +137,18 @@ def test_fewer_batches_with_several_steps_per_execution():
     for r in (0, 1):
         assert job.results[r]["error"] is None, detail
         assert len(job.results[r]["losses"]) == 2, detail
-    job, detail = _job(5, 4, "spe")
+    _counts_compared(*_job(5, 4, "spe"), 5, 4)
+
+
+def _counts_compared(job, detail, steps0, steps1):
+    """Both ranks failed at once on the comparison of their step counts.
+    Rank 0 raises its own comparison, or rank 1's if that reached it first
+    (a race): either names both counts."""
     _both_diverged(job, detail, "diverged before its first step")
-    # Rank 0 raises its own comparison, or rank 1's if that reached it
-    # first (a race): either names both counts.
-    assert re.search("rank 0 has 5 steps per epoch, rank 1 has 4"
-                     "|rank 1 has 4 steps per epoch, rank 0 has 5",
-                     job.results[0]["error"]), detail
+    assert re.search(
+        f"rank 0 has {steps0} steps per epoch, rank 1 has {steps1}"
+        f"|rank 1 has {steps1} steps per epoch, rank 0 has {steps0}",
+        job.results[0]["error"]), detail
     assert max(r["elapsed"] for r in job.results.values()) < 60, detail
 
 
@@ -151,12 +156,7 @@ def test_uneven_validation_with_several_steps_per_execution():
     """The same for the validation inside fit: 1 and 2 batches, both inside
     one execution (before: rank 1's second step waited for
     SOK_COMM_TIMEOUT)."""
-    job, detail = _job(5, 5, "spe_validate")
-    _both_diverged(job, detail, "diverged before its first step")
-    assert re.search("rank 0 has 1 steps per epoch, rank 1 has 2"
-                     "|rank 1 has 2 steps per epoch, rank 0 has 1",
-                     job.results[0]["error"]), detail
-    assert max(r["elapsed"] for r in job.results.values()) < 60, detail
+    _counts_compared(*_job(5, 5, "spe_validate"), 1, 2)
 
 
 def test_rank_that_stops_training_early():
