@@ -33,11 +33,11 @@ def _slice(t, start, size):
     return t[start : start + size]
 
 
-def _unseeded_shuffles(dataset):
-    """How many `shuffle`s in `dataset`'s pipeline have no seed (neither
-    theirs nor TensorFlow's global one when they were made): each process
-    shuffles those with its own random seed."""
-    found, seen, todo = 0, set(), [dataset]
+def _has_unseeded_shuffle(dataset):
+    """Whether a `shuffle` in `dataset`'s pipeline has no seed (neither
+    its own nor TensorFlow's global one when it was made): each process
+    shuffles it with its own random seed."""
+    seen, todo = set(), [dataset]
     while todo:
         ds = todo.pop()
         if id(ds) in seen:
@@ -48,12 +48,12 @@ def _unseeded_shuffles(dataset):
         if type(ds).__name__ == "_ShuffleDataset" and all(
                 _static(getattr(ds, attr, None)) == 0
                 for attr in ("_seed", "_seed2")):
-            found += 1
+            return True
         try:
             todo.extend(ds._inputs())
         except Exception:  # noqa: BLE001 - a dataset kind without inputs
             pass
-    return found
+    return False
 
 
 def _static(value):
@@ -64,7 +64,7 @@ def _static(value):
 
 
 def _check_seeded(dataset, n):
-    if _unseeded_shuffles(dataset):
+    if _has_unseeded_shuffle(dataset):
         raise ValueError(
             "shard_batches: the dataset shuffles with no seed "
             "(`shuffle(...)` without `seed=`, and no global seed when it "

@@ -200,11 +200,15 @@ def _combine_duplicates(s):
                             s.dense_shape)
 
 
+def _rescaled(s, fn):
+    """`s` with values `fn(values)`, computed on `_wide` values and cast
+    back once."""
+    return tf.IndexedSlices(tf.cast(fn(_wide(s.values)), s.values.dtype),
+                            s.indices, s.dense_shape)
+
+
 def _scale_slices(s, scale):
-    wide = _wide(s.values)
-    return tf.IndexedSlices(
-        tf.cast(wide * tf.cast(scale, wide.dtype), s.values.dtype),
-        s.indices, s.dense_shape)
+    return _rescaled(s, lambda w: w * tf.cast(scale, w.dtype))
 
 
 def clip_gradients(opt, dense, slices):
@@ -230,10 +234,8 @@ def clip_gradients(opt, dense, slices):
         if slices:
             norms = tf.sqrt(_sparse_sq_norms(slices))
             # As tf.clip_by_norm: (g * c) / max(norm, c).
-            slices = [tf.IndexedSlices(tf.cast(
-                _wide(s.values) * tf.cast(c, _wide(s.values).dtype)
-                / tf.cast(tf.maximum(norms[i], c), _wide(s.values).dtype),
-                s.values.dtype), s.indices, s.dense_shape)
+            slices = [_rescaled(s, lambda w, n=norms[i]: w * tf.cast(
+                c, w.dtype) / tf.cast(tf.maximum(n, c), w.dtype))
                 for i, s in enumerate(slices)]
     elif global_clipnorm:
         c = opt.global_clipnorm
