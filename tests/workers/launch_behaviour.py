@@ -5,7 +5,7 @@
   0.5 s, the others sleep 60 s;
 - codes: rank 0 exits 0 at once, rank 1 exits 7 after 0.3 s;
 - hang: every rank reports and sleeps 60 s; rank 0 ignores SIGTERM.
-- cascade: rank 1 exits 3; rank 0 exits 1 as soon as rank 1's process
+- cascade: rank 1 exits 3; rank 0 exits 1 25 ms after rank 1's process
   has ended (as a peer that learns of a rank's death does).
 """
 
@@ -47,6 +47,10 @@ if mode == "cascade":
 
     while not ended():
         time.sleep(0.0005)
+    # A peer learns of a rank's exit some time after it (a closed socket,
+    # a missed heartbeat): 25 ms here, inside sokrun's 50 ms poll, and
+    # room for its waiter threads on a loaded machine.
+    time.sleep(0.025)
     os._exit(1)
 if mode == "codes":
     if RANK == 1:
