@@ -157,6 +157,26 @@ def test_mixed_float16_overflow_on_one_rank_is_skipped_everywhere(runs):
     np.testing.assert_allclose(a["table"], ref["table"], atol=1e-4)
 
 
+def test_mixed_float16_scales_each_ranks_share_of_the_loss(runs):
+    """A rank's loss is a mean over its half of the batch: at one
+    process's loss scale its float16 gradients are twice one process's.
+    Before, the 2 ranks overflowed on a batch one process trains on (the
+    step skipped, the scale halved, other weights); now the scale is the
+    rank's share, and the 2 ranks train as one process."""
+    (r0, r1), one = runs
+    a, b, ref = r0["share"], r1["share"], one["share"]
+    # Rank 0's own loss at the full scale overflows; one process's not.
+    assert not a["own_finite"] and ref["own_finite"]
+    for r in (a, b, ref):
+        assert r["iterations"] == 3
+        assert r["scale"] == 2.0 ** 15
+    assert a["dense"] == b["dense"]
+    assert a["table"] == b["table"]
+    for x, y in zip(a["dense"], ref["dense"]):
+        np.testing.assert_allclose(x, y, atol=1e-4)
+    np.testing.assert_allclose(a["table"], ref["table"], atol=1e-4)
+
+
 def test_batch_norm_statistics_are_averaged_over_the_ranks():
     """Each rank updates BatchNormalization's moving statistics from its own
     slice (before: the ranks drifted apart silently, and `model.save` kept

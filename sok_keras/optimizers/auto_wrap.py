@@ -29,7 +29,15 @@ up with `LossScaleOptimizer(OptimizerWrapper(inner))` (a given
 sok-aware optimizer global when there are several ranks: a non-finite
 gradient on any rank makes every rank skip the step and halve its scale
 alike (a per-rank check would have one rank apply the step, and wait in
-its gradient all-reduce, while another skips it).
+its gradient all-reduce, while another skips it). It also makes such a
+`LossScaleOptimizer` scale the loss by `scale / N` on N ranks and its
+gradients by N before it unscales them (in the variables' dtype,
+float32): each rank's loss is a mean over its own `B / N` rows, so
+without it the float16 gradients inside the backward pass are N times
+one process's, and overflow (skipping steps one process applies) at a
+scale one process keeps. With it the backward pass sees one process's
+magnitudes, the way Keras' `tf.distribute` training scales each
+replica's loss by 1 / replicas.
 """
 
 import functools
@@ -40,6 +48,7 @@ import keras
 
 _ORIGINAL_COMPILE = None
 _ORIGINAL_CHECK_FINITE = None
+_ORIGINAL_LSO = {}
 _ORIGINAL_LOOPS = {}
 _STEPS = {"fit": (("train_step", "train_function"),),
           "evaluate": (("test_step", "test_function"),),
@@ -125,11 +134,68 @@ def _install_global_finite_check():
     cls.check_finite = check_finite
 
 
+def _rank_share(lso):
+    """N when `lso` (a `LossScaleOptimizer`) scales one rank's share of a
+    loss on N ranks (a sok-aware inner optimizer, no `tf.distribute`
+    strategy in charge), else 1."""
+    from sok_keras import world
+    from sok_keras.optimizers.wrapper import under_strategy
+
+    n = world.num_ranks()
+    if n > 1 and is_sok_aware(lso.inner_optimizer) and not under_strategy():
+        return n
+    return 1
+
+
+def _install_rank_loss_scaling():
+    """`LossScaleOptimizer.scale_loss` divides by N and `apply` multiplies
+    the gradients by N on N ranks (see the module's docstring;
+    idempotent)."""
+    if _ORIGINAL_LSO:
+        return
+    import tensorflow as tf
+
+    cls = keras.optimizers.LossScaleOptimizer
+    _ORIGINAL_LSO.update(scale_loss=cls.scale_loss, apply=cls.apply)
+
+    @functools.wraps(_ORIGINAL_LSO["scale_loss"])
+    def scale_loss(self, loss):
+        scaled = _ORIGINAL_LSO["scale_loss"](self, loss)
+        n = _rank_share(self)
+        return scaled if n == 1 else scaled / tf.cast(n, scaled.dtype)
+
+    def _times(g, n):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values * tf.cast(n, g.values.dtype),
+                                    g.indices, g.dense_shape)
+        return g * tf.cast(n, g.dtype)
+
+    @functools.wraps(_ORIGINAL_LSO["apply"])
+    def apply(self, grads, trainable_variables=None):
+        n = _rank_share(self)
+        variables = trainable_variables
+        if variables is None and self.built:
+            variables = self._trainable_variables
+        if n > 1 and variables is not None:
+            # (Keras leaves the gradients of overwrite_with_gradient
+            # variables unscaled: they are values, not gradients.)
+            grads = [g if g is None
+                     or self._overwrite_variable_with_gradient(v)
+                     else _times(g, n)
+                     for g, v in zip(list(grads), variables)]
+        return _ORIGINAL_LSO["apply"](self, grads, trainable_variables)
+
+    cls.scale_loss = scale_loss
+    cls.apply = apply
+
+
 def install():
-    """Routes `keras.Model.compile` through `wrap_for` and makes loss
-    scaling's finite check global (idempotent)."""
+    """Routes `keras.Model.compile` through `wrap_for`, makes loss
+    scaling's finite check global and its scale one rank's share
+    (idempotent)."""
     global _ORIGINAL_COMPILE
     _install_global_finite_check()
+    _install_rank_loss_scaling()
     if _ORIGINAL_COMPILE is not None:
         return
     # Patch the class that defines compile (Keras' Trainer), not

@@ -17,7 +17,11 @@ Scenarios (argv[1], comma-separated; default all, "mixed" last):
   test_on_batch and train_on_batch on the first global batch;
 - "mixed": mixed_float16 (Keras wraps the optimizer in a
   LossScaleOptimizer), one sample of rank 1's slice of batch 2 with weight
-  1e6 so that only rank 1's gradients overflow.
+  1e6 so that only rank 1's gradients overflow;
+- "share": mixed_float16, one sample of batch 0 whose float16 gradient is
+  3/4 of float16's largest at one process's scale: a rank's loss, a mean
+  over its half of the batch, would double it (an overflow, a skipped
+  step) unless the scale is the rank's share.
 Each records the global values it saw and, beside them, this rank's own
 (from its metrics' state, which the global logs leave as it is).
 """
@@ -33,7 +37,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _worker import NUM_RANKS, OUT, RANK, write_result  # noqa: E402
 
-ALL = ("plateau", "nan", "evaluate", "mixed")
+ALL = ("plateau", "nan", "evaluate", "mixed", "share")
 SCENARIOS = sys.argv[1].split(",") if len(sys.argv) > 1 else ALL
 VOCAB, DIM = 40, 4
 PATIENCE_ES, PATIENCE_LR = 2, 1
@@ -262,6 +266,52 @@ def _mixed():
         "scale": float(model.optimizer.dynamic_scale.numpy()),
         "dense": dense_weights(model), "table": table.tolist(),
         "table_moved": bool(not np.array_equal(table0, table)),
+    }
+
+
+def share():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _share()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _share():
+    import tensorflow as tf
+
+    steps, b = 3, 8
+    ids, y = task(steps * 2 * b, seed=50)
+    model, emb = build()
+    table0 = emb.embeddings.read_global()
+    kernel = model.get_layer("head").kernel.numpy()[:, 0]
+    # Sample 0 of batch 0 (rank 0's slice): an error e whose gradient
+    # into the float16 embedding output, 2 e / 16 x kernel x 2**15, is
+    # 0.75 x 65504 at its largest.
+    pred = table0[ids[0]].sum(0) @ kernel
+    e = 0.75 * 65504 * (2 * b) / (2 * 2.0 ** 15 * np.abs(kernel).max())
+    y[0, 0] = pred + e
+    x, batch = local(ids, steps, (b, b))
+    yl, _ = local(y, steps, (b, b))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    # This rank's own gradients on batch 0 at the full scale, as Keras'
+    # LossScaleOptimizer would compute them from this rank's loss.
+    with tf.GradientTape() as tape:
+        out = model(x[:batch], training=True)
+        loss = model.compute_loss(x=x[:batch], y=yl[:batch], y_pred=out)
+        scaled = loss * 2.0 ** 15
+    grads = tape.gradient(scaled, model.trainable_variables)
+    own_finite = all(
+        bool(np.all(np.isfinite(
+            (g.values if isinstance(g, tf.IndexedSlices) else g).numpy())))
+        for g in grads if g is not None)
+    model.fit(x, yl, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return {
+        "own_finite": own_finite,
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "scale": float(model.optimizer.dynamic_scale.numpy()),
+        "dense": dense_weights(model),
+        "table": emb.embeddings.read_global().tolist(),
     }
 
 
