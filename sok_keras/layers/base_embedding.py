@@ -111,6 +111,10 @@ _KERAS_ONLY = {
     "sparse": "the gradient of a table is always sparse (IndexedSlices over "
               "the looked-up rows)",
     "lora_rank": "LoRA is not supported for sharded tables",
+    "lora_alpha": "LoRA is not supported for sharded tables",
+    "quantization_config": "quantized (int8/int4) tables are not "
+                           "supported; keep a float32 table, or a 16-bit "
+                           "one (dtype='bfloat16' or 'float16')",
 }
 
 
@@ -165,6 +169,18 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
                 f"keras.layers.Embedding): {why}. Received: "
                 f"{name}={value!r}.")
     return vocabulary_size, embedding_dim
+
+
+def check_pooled_rank(shape, combiner, where):
+    """Refuses ids of more than 2 dimensions for a pooled lookup when the
+    model is built (the lookup would refuse them at the first batch)."""
+    if len(shape) > 2:
+        raise ValueError(
+            f"{where}: a pooled lookup (combiner={combiner!r}) takes ids "
+            "of shape [batch] or [batch, n] (ragged or sparse: [batch, "
+            f"None]). Received: ids of shape {shape}. Reshape them to "
+            "[batch, n] (one bag per row), or give combiner=None for the "
+            "unpooled rows of ids of any shape.")
 
 
 def _initial_table(weights, shape, where):
@@ -383,6 +399,7 @@ class BaseEmbedding(keras.layers.Layer):
             inputs_shape = kwargs.pop("input_shape")
         input_shape = tuple(inputs_shape)
         if self.combiner is not None:
+            check_pooled_rank(input_shape, self.combiner, f"'{self.name}'")
             return (input_shape[0], self.embedding_dim)
         if len(input_shape) == 1:
             return (input_shape[0], self.embedding_dim)

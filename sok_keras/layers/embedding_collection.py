@@ -11,6 +11,7 @@ from sok_keras import lookup
 from sok_keras.layers import feature_config
 from sok_keras.layers.base_embedding import check_combiner
 from sok_keras.layers.base_embedding import check_positive_int
+from sok_keras.layers.base_embedding import check_pooled_rank
 from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import save_table
@@ -551,6 +552,9 @@ class EmbeddingCollection(keras.layers.Layer):
         for f, spec in self.features.items():
             shape = tuple(shapes[f])
             dim = self.tables[spec["table"]]["embedding_dim"]
+            if spec["combiner"] is not None:
+                check_pooled_rank(shape, spec["combiner"],
+                                   f"{self._where()}, feature '{f}'")
             if spec["combiner"] is not None or len(shape) == 1:
                 out[f] = (shape[0], dim)
             else:

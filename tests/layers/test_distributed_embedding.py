@@ -150,6 +150,22 @@ def test_keras_embedding_argument_names():
                        r"mean over the batch.*times sok.num_ranks\(\).*"
                        r"Received: embeddings_regularizer='l2'"):
         sok.layers.DistributedEmbedding(30, 4, embeddings_regularizer="l2")
+    with pytest.raises(ValueError, match=r"`quantization_config`.*"
+                       r"quantized.*not supported"):
+        sok.layers.DistributedEmbedding(30, 4, quantization_config="int8")
+
+
+def test_a_keras_embedding_config_makes_a_sok_layer():
+    """The config of a `keras.layers.Embedding` (every key Keras 3 writes,
+    `quantization_config` included) makes a sok layer of the same table
+    shape and initializer (before: "Unrecognized keyword arguments:
+    {'quantization_config': None}")."""
+    config = keras.layers.Embedding(30, 4, name="e").get_config()
+    for cls in (sok.layers.DistributedEmbedding,
+                sok.layers.LocalizedEmbedding):
+        layer = cls.from_config(dict(config, combiner=None))
+        assert (layer.vocabulary_size, layer.embedding_dim) == (30, 4)
+        assert layer(np.array([[1, 2]])).shape == (1, 2, 4)
 
 
 def test_keras_embedding_weights_argument():
@@ -519,3 +535,18 @@ def test_unpooled_ids_with_no_columns_give_an_empty_output_like_keras():
     traced = tf.function(layer, input_signature=[
         tf.TensorSpec([None, 0], tf.int64)])
     assert traced(ids).shape == (2, 0, 2)
+
+
+def test_pooled_layer_refuses_3d_ids_when_the_model_is_built():
+    """A pooled layer's output is [batch, dim] from ids [batch, n]: ids of
+    more dimensions are refused when the model is built, naming the layer
+    (before: the output shape said (None, 4) and `fit` failed at its first
+    batch). Unpooled, any shape is taken."""
+    ids = keras.Input((3, 5), dtype="int64")
+    with pytest.raises(ValueError, match=r"'pooled3d': a pooled lookup "
+                       r"\(combiner='sum'\).*shape \(None, 3, 5\)"):
+        sok.layers.DistributedEmbedding(10, 4, combiner="sum",
+                                        name="pooled3d")(ids)
+    out = sok.layers.DistributedEmbedding(10, 4, combiner=None)(ids)
+    assert tuple(out.shape) == (None, 3, 5, 4)
+

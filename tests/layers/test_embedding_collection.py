@@ -260,3 +260,14 @@ def test_the_outputs_keep_the_features_order():
         {"user": {"vocabulary_size": 30, "embedding_dim": 4}}, features)
     out = layer({"z": np.array([1, 2]), "a": np.array([3, 4])})
     assert list(out) == ["z", "a"]
+
+
+def test_pooled_feature_refuses_3d_ids_when_the_model_is_built():
+    """As the layers: a pooled feature's ids of more than 2 dimensions are
+    refused when the model is built, naming the collection and feature."""
+    layer = sok.layers.EmbeddingCollection(
+        {"t": {"vocabulary_size": 10, "embedding_dim": 4}},
+        {"f": {"table": "t", "combiner": "sum"}}, name="coll")
+    with pytest.raises(ValueError, match=r"EmbeddingCollection 'coll', "
+                       r"feature 'f': a pooled lookup"):
+        layer({"f": keras.Input((3, 5), dtype="int64")})
