@@ -170,9 +170,11 @@ def _collect(model_or_variables, optimizer, fn):
             f"{type(model_or_variables).__name__}.")
     if optimizer is not None and not isinstance(
             optimizer, keras.optimizers.Optimizer):
+        from sok_keras.optimizers.wrapper import keras2_hint
+
         raise TypeError(
             f"sok_keras.{fn}: `optimizer` must be a keras optimizer or None. "
-            f"Received: {type(optimizer).__name__}.")
+            f"Received: {type(optimizer).__name__}.{keras2_hint(optimizer)}")
     slot_ids = set()
     for v in variables:
         if isinstance(v, Variable):

@@ -12,7 +12,8 @@ the wrong collectives. sok_keras compares, across ranks:
   rule) and the lookups of the step, in order (table and kind);
 - when a layer loads its table (`load_own_variables`), and the first time
   a table is looked up eagerly (a subclassed model called on a batch, a
-  custom loop): that table.
+  custom loop) or traced outside those steps (a custom loop's
+  `tf.function`): that table.
 
 A difference raises `InconsistentRanksError` on every rank, naming the
 model, the table, the field and the values of both ranks, e.g. "table
@@ -39,6 +40,11 @@ _LOCAL = threading.local()
 class InconsistentRanksError(ValueError):
     """Ranks built different tables or look them up in different orders."""
 
+    # Exception's own constructor: AutoGraph re-raises an error from a
+    # traced function (its message with the user's code) as the same class
+    # only for such classes, as a StagingError otherwise.
+    __init__ = Exception.__init__
+
 
 # -- lookup order ---------------------------------------------------------
 
@@ -58,6 +64,19 @@ def record_lookup(table, what):
         return
     stack = getattr(_LOCAL, "stack", None)
     if not stack:
+        # Traced outside a checked Keras step (a custom loop's
+        # tf.function, SOK's way): compare each table the first time one
+        # of its lookups is traced, before any collective of the function
+        # runs (a table of another size trained on silently, one of
+        # another width waited in the exchange until the timeout). Not
+        # under a tf.distribute strategy, whose replicas trace in threads
+        # of one process.
+        from sok_keras.optimizers.wrapper import under_strategy
+
+        if world.num_ranks() > 1 and not under_strategy():
+            for t in tables:
+                if not getattr(t, "_sok_compared", False):
+                    check_table(t, "the first traced lookup")
         return
     names = ",".join(str(getattr(t, "path", None) or getattr(t, "name", t))
                      for t in tables)
@@ -359,11 +378,13 @@ def wrap_step(model, attr, kind):
         state["done"] = True
         # An uncompiled model (predict only) has no optimizer attribute.
         optimizer = getattr(model, "optimizer", None)
-        compare({"tables": [table_signature(t, optimizer)
-                            for t in model_tables(model)],
+        tables = model_tables(model)
+        compare({"tables": [table_signature(t, optimizer) for t in tables],
                  "lookups": lookups, "dense": dense_signature(model)},
                 f"consistency/{attr}",
                 f"the first step of {kind} of model '{model.name}'")
+        for t in tables:
+            t._sok_compared = True
         return out
 
     step._sok_checked = True

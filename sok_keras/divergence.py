@@ -69,6 +69,11 @@ _LOG = logging.getLogger("sok_keras")
 class RankDivergedError(RuntimeError):
     """Another rank failed, exited, or ran a different number of steps."""
 
+    # Exception's own constructor: AutoGraph re-raises an error from a
+    # traced function (its message with the user's code) as the same class
+    # only for such classes, as a StagingError otherwise.
+    __init__ = Exception.__init__
+
 
 # Added to a divergence in step counts.
 _SAME_STEPS = (

@@ -64,9 +64,13 @@ def check_mode_form(mode, name=None):
     m = _LOCALIZED_RE.match(mode) if isinstance(mode, str) else None
     if m is None:
         where = f" of table '{name}'" if name else ""
+        hint = ("" if not isinstance(mode, bool) else
+                " sok.Variable's second argument is `mode`; SOK's passed "
+                "its positional arguments on to tf.Variable (`trainable` "
+                "second): give `trainable=` by name.")
         raise ValueError(
             f"`mode`{where} must be 'distributed' or 'localized:<rank>'. "
-            f"Received: mode={mode!r}."
+            f"Received: mode={mode!r}.{hint}"
         )
     return int(m.group(1))
 
@@ -458,6 +462,9 @@ class Variable(keras.Variable):
         table sharded over a strategy's replicas, the current replica's
         id inside `strategy.run`, else 0)."""
         return self._current_rank()
+
+    # SOK's name for `rank` (one GPU per rank).
+    global_gpu_id = rank
 
     def _current_rank(self):
         if self._sok_shards:

@@ -738,7 +738,8 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             `sok.init`: `comm_tool` (`None`, `"tf"` or SOK's default
             `"horovod"`, all the same runtime: `hvd` calls go to
             `sok_keras.compat.horovod`) and `use_legacy_optimizer`
-            (ignored).
+            (ignored). SOK's positional form, `init("horovod")` or
+            `init("horovod", True)`, is taken as those two.
 
     Returns:
         The `World`.
@@ -755,6 +756,13 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
     (0, 1)
     """
     global _WORLD
+    # SOK's positional form, `init(comm_tool, use_legacy_optimizer)`: a
+    # comm_tool is never a timeout, nor a bool a heartbeat timeout.
+    if timeout in ("horovod", "tf", "tensorflow"):
+        kwargs.setdefault("comm_tool", timeout)
+        timeout = None
+        if isinstance(heartbeat_timeout, bool):
+            heartbeat_timeout = None  # use_legacy_optimizer: ignored
     if global_metrics is not None:
         from sok_keras import callbacks
 

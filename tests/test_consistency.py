@@ -22,6 +22,8 @@ CASES = [
                            "mode", "optimizer", "table_optimizer", "count")],
     ("vocabulary_size", "evaluate"), ("vocabulary_size", "predict"),
     ("vocabulary_size", "load"), ("vocabulary_size", "eager"),
+    ("vocabulary_size", "function"), ("embedding_dim", "function"),
+    ("none", "function"),
     ("dense", "fit"), ("metrics", "fit"), ("metric_args", "fit"),
     ("order", "eager"), ("order", "fit"),
 ]
@@ -166,6 +168,30 @@ def test_checked_at_the_first_eager_lookup(field, expected, _run):
         assert r["type"] == "InconsistentRanksError", detail
         assert "the first lookup of table" in r["error"], detail
         assert expected in r["error"], detail
+
+
+@pytest.mark.parametrize("field, expected", [
+    ("vocabulary_size",
+     f"table '{A}': vocabulary_size is 16 on rank 0 and 17 on rank 1"),
+    ("embedding_dim",
+     f"table '{A}': embedding_dim is 4 on rank 0 and 5 on rank 1"),
+])
+def test_checked_when_a_custom_step_is_traced(field, expected, _run):
+    """A custom training step in a `tf.function` (SOK's way): the tables
+    are compared when their lookups are traced, before the step's
+    collectives run (before: tables of other sizes trained on silently,
+    of other widths waited in the exchange until SOK_COMM_TIMEOUT)."""
+    r0, r1, detail = _run(field, "function")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert "the first traced lookup of table" in r["error"], detail
+        assert "train_step" in r["error"], detail  # the user's code
+        assert expected in r["error"], detail
+
+
+def test_equal_ranks_train_a_custom_step_without_error(_run):
+    r0, r1, detail = _run("none", "function")
+    assert r0["error"] is None and r1["error"] is None, detail
 
 
 def test_equal_ranks_train_without_error(_run):

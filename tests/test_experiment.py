@@ -74,6 +74,46 @@ def test_sok_names_sok_keras_lacks_say_what_to_use():
     assert not hasattr(sok, "raw_ops")
     v = sok.Variable(np.ones((3, 2)), dtype="float32", validate_shape=True)
     assert v.num_gpus == v.num_ranks == 1
+    assert v.global_gpu_id == v.rank == 0  # SOK's name for this GPU's id
+    # SOK's Variable passed its positional arguments on to tf.Variable
+    # (trainable second); here the second is `mode` (before: no hint).
+    with pytest.raises(ValueError, match=r"Received: mode=False\. "
+                       r"sok.Variable's second argument is `mode`.*"
+                       r"`trainable=` by name"):
+        sok.Variable(np.ones((3, 2), np.float32), False)
+
+
+def test_sok_s_positional_init(monkeypatch):
+    """SOK's `init(comm_tool="horovod", use_legacy_optimizer=True)`,
+    positionally (before: "`timeout` must be a number of seconds")."""
+    import sok_keras as sok
+    from sok_keras import world
+
+    monkeypatch.setattr(world, "_WORLD", None)
+    assert sok.init("horovod", True).initialized
+    monkeypatch.setattr(world, "_WORLD", None)
+    assert sok.init("tf").initialized
+
+
+def test_keras_2_optimizers_say_what_to_use():
+    """SOK's docs ask for `tf_keras.optimizers.legacy` optimizers on
+    TensorFlow >= 2.17; here they are refused with the Keras 3 name to use
+    (tf_keras itself is not installed: a class of that module stands in
+    for one)."""
+    import pytest
+
+    import sok_keras as sok
+
+    legacy = type("Adagrad", (), {"__module__":
+                                  "tf_keras.src.optimizers.legacy.adagrad"})()
+    hint = (r"Received: Adagrad\. tf_keras\.src\.optimizers\.legacy\.adagrad"
+            r"\.Adagrad is a Keras 2 \(tf_keras\) optimizer.*use "
+            r"keras\.optimizers\.Adagrad\(\.\.\.\)")
+    with pytest.raises(TypeError, match=hint):
+        sok.OptimizerWrapper(legacy)
+    v = sok.Variable(np.ones((4, 2), np.float32))
+    with pytest.raises(TypeError, match=hint):
+        sok.dump("/nonexistent/never-written", [v], legacy)
 
 
 def test_the_experimental_namespace_has_sok_2s_checkpoint_and_scope_names():

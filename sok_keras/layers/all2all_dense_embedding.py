@@ -78,6 +78,22 @@ class All2AllDenseEmbedding(BaseEmbedding):
                         "For unpooled ids of any shape use "
                         "`DistributedEmbedding(..., combiner=None)`.")
         cls = "All2AllDenseEmbedding"
+        # SOK 1's positional order goes on with dynamic_input,
+        # use_hashtable (bools) and key_dtype; here those places are
+        # embeddings_initializer, vocabulary_size and optimizer.
+        sok1 = [f"{name}={value!r}" for name, value in (
+            ("embeddings_initializer", embeddings_initializer),
+            ("vocabulary_size", vocabulary_size), ("optimizer", optimizer))
+            if isinstance(value, (bool, tf.dtypes.DType))]
+        if sok1:
+            raise ValueError(
+                f"{cls}: after `nnz_per_slot` this layer's arguments are "
+                "`embeddings_initializer`, `vocabulary_size` and "
+                "`optimizer`, not SOK 1's `dynamic_input`, "
+                "`use_hashtable` and `key_dtype`: give those by name "
+                "(`dynamic_input=False`, `use_hashtable=False`; the ids' "
+                "dtype is taken from the ids) or leave them out. Received: "
+                f"{', '.join(sok1)}.")
         if kwargs.get("combiner") is not None:
             raise ValueError(
                 f"{cls}: every id gets its own row (no pooling), so there "

@@ -333,6 +333,16 @@ class BaseEmbedding(keras.layers.Layer):
     def _table_mode(self):
         raise NotImplementedError
 
+    @property
+    def embedding_variable(self):
+        """SOK 1's name for `embeddings`: the table, a `sok.Variable`
+        (made when the layer is built)."""
+        if not self.built:
+            raise AttributeError(
+                f"Layer '{self.name}' has no table yet: it is made when "
+                "the layer is built (called on ids, or `layer.build()`).")
+        return self.embeddings
+
     def set_weights(self, weights):
         check_shard_weights(self, weights)
         super().set_weights(weights)

@@ -52,6 +52,19 @@ def under_strategy():
             and tf.distribute.get_strategy().num_replicas_in_sync > 1)
 
 
+def keras2_hint(optimizer):
+    """What to do instead of a Keras 2 (`tf_keras`) optimizer, as a
+    sentence for an error message; "" for anything else."""
+    module = type(optimizer).__module__ or ""
+    if not (module.startswith("tf_keras") or ".legacy" in module):
+        return ""
+    return (f" {type(optimizer).__module__}.{type(optimizer).__name__} is a "
+            "Keras 2 (tf_keras) optimizer, which SOK asked for on "
+            "TensorFlow >= 2.17; sok_keras works with Keras 3: use "
+            f"keras.optimizers.{type(optimizer).__name__}(...) (the "
+            "same hyperparameters).")
+
+
 def broadcast_variables(variables, root=0, key="broadcast_variables"):
     """Copies the values of `variables` on rank `root` to every rank.
 
@@ -593,6 +606,7 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
             raise TypeError(
                 "OptimizerWrapper wraps a keras.optimizers.Optimizer. "
                 f"Received: {type(inner_optimizer).__name__}."
+                f"{keras2_hint(inner_optimizer)}"
             )
         if isinstance(inner_optimizer, OptimizerWrapper):
             raise ValueError("OptimizerWrapper cannot wrap another one.")

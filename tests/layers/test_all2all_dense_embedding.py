@@ -36,6 +36,30 @@ def test_shape_errors_and_hashtable():
         sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, combiner="sum")
 
 
+def test_sok_1_positional_arguments_and_embedding_variable():
+    """SOK 1's positional `(max_vocabulary_size_per_gpu,
+    embedding_vec_size, slot_num, nnz_per_slot, dynamic_input,
+    use_hashtable, key_dtype)`: the first four are this layer's; the
+    others' places hold other arguments here, refused with what to do
+    (before: "Could not interpret initializer identifier: False" and the
+    like). SOK 1's `embedding_variable` is the table."""
+    for args in ((False,), (False, False), (False, False, tf.int64)):
+        with pytest.raises(ValueError, match=r"not SOK 1's `dynamic_input`"
+                           r".*by name.*Received: embeddings_initializer="
+                           r"False"):
+            sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, *args)
+    with pytest.raises(ValueError, match=r"Received: optimizer=tf.int64"):
+        sok.layers.All2AllDenseEmbedding(10, 4, 3, 2, "uniform", None,
+                                         tf.int64)
+    layer = sok.layers.All2AllDenseEmbedding(
+        10, 4, 3, 2, dynamic_input=False, use_hashtable=False,
+        key_dtype=tf.int64)
+    with pytest.raises(AttributeError, match="no table yet"):
+        layer.embedding_variable
+    layer(np.zeros((1, 3, 2), np.int64))
+    assert layer.embedding_variable is layer.embeddings
+
+
 def test_config_and_saving(tmp_path):
     layer = sok.layers.All2AllDenseEmbedding(
         16, 3, slot_num=2, nnz_per_slot=2, vocabulary_size=40, name="a2a")

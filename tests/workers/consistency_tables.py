@@ -5,7 +5,8 @@ argv: FIELD [STAGE]. FIELD is what rank 1 does differently: "none",
 "table_optimizer", "order", "count", "dense" (a Dense of another
 width), "metrics" (compiled with AUC, rank 1 also with MAE),
 "metric_args" (AUC with another number of thresholds). STAGE: "fit" (default), "evaluate",
-"predict", "eager" (the model called on a batch before fit) or "load"
+"predict", "eager" (the model called on a batch before fit), "function"
+(a custom training step in a `tf.function`, SOK's way) or "load"
 (`load_weights` into the differing model).
 """
 
@@ -90,7 +91,22 @@ try:
         model = compiled(FIELD)
         if STAGE == "eager":  # lookups before any step
             model(ids[:1])
-        if STAGE in ("fit", "eager"):
+        if STAGE == "function":
+            import tensorflow as tf
+
+            @tf.function
+            def train_step(x, target):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(
+                        (model(x, training=True) - target) ** 2)
+                variables = model.trainable_variables
+                model.optimizer.apply_gradients(
+                    zip(tape.gradient(loss, variables), variables))
+                return loss
+
+            for i in range(2):
+                train_step(ids[4 * i:4 * i + 4], y[4 * i:4 * i + 4])
+        elif STAGE in ("fit", "eager"):
             model.fit(ids, y, batch_size=4, epochs=1, verbose=0)
         elif STAGE == "evaluate":
             model.evaluate(ids, y, batch_size=4, verbose=0)
