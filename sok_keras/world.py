@@ -393,10 +393,20 @@ def _check_tf_not_started():
 _INIT_WATCH = """
 import os, select, signal, sys
 r, pid, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-if not select.select([r], [], [], timeout)[0]:
-    sys.stderr.write(sys.argv[4] + "\\n")
+def stop(message):
+    sys.stderr.write(message + "\\n")
     sys.stderr.flush()
     os.kill(pid, signal.SIGKILL)
+    os._exit(0)
+def interrupted(signum, frame):
+    stop(sys.argv[5].replace("SIGNAL", signal.Signals(signum).name))
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, interrupted)
+try:
+    if not select.select([r], [], [], timeout)[0]:
+        stop(sys.argv[4])
+except InterruptedError:
+    pass
 """
 
 
@@ -408,7 +418,8 @@ def _start_collectives_bounded(world):
     interrupt it), and its preemption notifier swallows SIGTERM meanwhile:
     without this a rank whose peer never started (a launcher other than
     sokrun) would hang. The watch is a small process that kills this one
-    (SIGKILL) unless this end of a pipe closes in time."""
+    (SIGKILL) unless this end of a pipe closes in time, or at once when
+    the process group is sent SIGINT, SIGTERM or SIGHUP."""
     import subprocess
     import sys
 
@@ -418,11 +429,18 @@ def _start_collectives_bounded(world):
         "sok_keras.init(timeout=...)): a rank did not start, or the "
         f"addresses from {world.source} are wrong "
         f"({', '.join(world.worker_addrs)}). Stopping this rank.")
+    # A signal to the process group (Ctrl-C in a terminal, `timeout`, a
+    # job scheduler) reaches the watch too: it stops this rank, which
+    # cannot act on the signal until TensorFlow returns.
+    interrupted = (
+        f"sok_keras.init(): rank {world.rank} of {world.num_ranks}: SIGNAL "
+        "while waiting for every rank to join (TensorFlow's coordination "
+        "service holds this rank until then). Stopping this rank.")
     r, w = os.pipe()
     try:
         watch = subprocess.Popen(
             [sys.executable, "-S", "-c", _INIT_WATCH, str(r), str(os.getpid()),
-             str(world.timeout), message], pass_fds=(r,),
+             str(world.timeout), message, interrupted], pass_fds=(r,),
             stdin=subprocess.DEVNULL)
     finally:
         os.close(r)

@@ -173,6 +173,49 @@ def test_a_rank_whose_peer_never_starts_stops_after_the_timeout():
             "4 s") in out, out
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_rank_waiting_for_its_peers_stops_on_a_signal_to_its_group(sig):
+    """Ctrl-C in a terminal, `timeout` or a scheduler signal the whole
+    process group while rank 0 waits in sok.init() for a peer that never
+    starts. The rank cannot act on it (TensorFlow holds it in C++); before,
+    the group's signal also ended sok's watch, and the rank waited for
+    ever. Now the watch stops it at once, saying why."""
+    import signal
+    import time
+
+    base = _free_port_block(2)
+    env = _lone_rank_0_env(base, timeout=300)
+    proc = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sok_keras as sok; sok.init(); print('INIT-DONE')"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        # Wait for the watch (a child process) to be running, and a moment
+        # for it to set up its handlers.
+        children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            with open(children) as f:
+                if f.read().split():
+                    break
+            time.sleep(0.1)
+        time.sleep(1.0)
+        start = time.monotonic()
+        os.killpg(proc.pid, getattr(signal, sig))
+        out, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, out
+    assert "INIT-DONE" not in out, out
+    assert (f"sok_keras.init(): rank 0 of 2: {sig} while waiting for every "
+            "rank to join") in out, out
+    assert elapsed < 30, (elapsed, out)
+
+
 def test_a_rank_whose_port_is_taken_says_which():
     """Rank 0's address is in use: an error naming it, at once (before:
     TensorFlow's "UnknownError: Could not start gRPC server", the port only
