@@ -73,7 +73,41 @@ def install():
     lib.load_model = guarded(_no_optimizer_state_without_compile(
         lib.load_model))
     _keep_optimizer_state_whole()
+    _interruptions_end_the_fallback()
     _INSTALLED = True
+
+
+def _interruptions_end_the_fallback():
+    """Keras' save and load open the weights file on disk in a `try`
+    whose bare `except:` falls back to the zip archive: a Ctrl-C or
+    SIGTERM (`_terminate`) during the extraction was swallowed, and the
+    ranks read the whole file from the zip, slowly (35 s at full CPU for
+    768 MB), before they stopped; sokrun's SIGKILL after its grace then
+    left each rank's extracted copy on disk. An `H5IOStore` made while its
+    caller handles such an interruption raised in that same frame raises
+    it again: Keras' `finally` removes the copy, and the process stops.
+    An interruption the program caught itself (`except KeyboardInterrupt:
+    model.save(...)`) was raised elsewhere and is left alone."""
+    import sys
+
+    from sok_keras._terminate import _Terminated
+
+    store = _saving_lib().H5IOStore
+    original = store.__init__
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        handled = sys.exc_info()[1]
+        if (isinstance(handled, (KeyboardInterrupt, SystemExit, _Terminated))
+                and handled.__traceback__ is not None
+                and handled.__traceback__.tb_frame is sys._getframe(1)):
+            raise handled
+        original(self, *args, **kwargs)
+
+    __init__._sok_keras = True
+    store.__init__ = __init__
 
 
 def _model_optimizer_state(original):

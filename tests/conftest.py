@@ -51,11 +51,11 @@ _KNOWN_SECONDS = {
     "tests/test_checkpoint.py::test_error_on_one_rank_fails_every_rank_"
     "and_loads_nothing": 30,
     # test_save_load_multirank.py (one unit): a 2-rank and a 3-rank job
-    # for three tests, and the timeout test.
+    # for three tests, and the lookup-order test.
     "tests/test_save_load_multirank.py::test_save_on_two_ranks_load_on_"
     "one_and_three": 230,
-    "tests/test_save_load_multirank.py::test_mismatched_collective_order_"
-    "times_out_with_a_clear_error": 35,
+    "tests/test_save_load_multirank.py::test_mismatched_lookup_order_in_"
+    "a_custom_function_is_refused": 20,
     # test_lookup_multirank.py (one unit).
     "tests/test_lookup_multirank.py::test_pooling_on_the_owner_equals_"
     "pooling_at_home": 130,
@@ -132,9 +132,9 @@ _OWN_UNITS = {
     "uninterrupted_result": "tests/test_checkpoint.py (fit)",
     "tests/test_checkpoint.py::test_backup_and_restore_resumes_a_killed_fit":
         "tests/test_checkpoint.py (fit)",
-    "tests/test_save_load_multirank.py::test_mismatched_collective_order_"
-    "times_out_with_a_clear_error": "tests/test_save_load_multirank.py "
-                                    "(timeout)",
+    "tests/test_save_load_multirank.py::test_mismatched_lookup_order_in_"
+    "a_custom_function_is_refused": "tests/test_save_load_multirank.py "
+                                    "(order)",
 }
 
 

@@ -184,9 +184,15 @@ def test_float_ids_that_may_not_be_exact_raise_a_type_error(rows, dtype):
 
 
 def test_fit_3d_ids_raise_a_value_error():
-    model, _, _ = _model(ids_shape=(2, 2))
+    # A model built on 3-D ids is refused when it is built, naming the
+    # layer; ids of 3 dimensions fed to a 2-D model fail at the first
+    # step, nothing changed.
+    with pytest.raises(ValueError, match=r"(?s)'emb': a pooled lookup.*"
+                       r"shape \(None, 2, 2\)"):
+        _model(ids_shape=(2, 2))
+    model, _, _ = _model(ids_shape=(2,))
     state = _state(model)
-    with pytest.raises(ValueError, match=r"(?s)emb.*shape"):
+    with pytest.raises(ValueError, match=r"(?s)shape"):
         _fit(model, np.ones((8, 2, 2), np.int64), Y)
     assert _unchanged(model, state)
 

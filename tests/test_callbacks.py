@@ -144,6 +144,9 @@ def test_global_logs_equal_one_process_on_all_samples(monkeypatch):
     R2 (not a mean) equal those of the 17 samples together."""
     model = _model()
     (xa, ya), (xb, yb) = _data(12, 1), _data(5, 2)
+    # The peer's targets are far from this rank's: the local values
+    # differ from the global ones whatever the Dense's random weights.
+    yb = yb + 3.0
     peer = _Peer()
     monkeypatch.setattr(cb.world, "num_ranks", lambda: 2)
     monkeypatch.setattr(cb.world, "control_communicator", lambda: peer)

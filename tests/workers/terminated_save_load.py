@@ -2,7 +2,8 @@
 `keras.models.load_model` ("load"), or rank 0 of a job of several in
 the middle of `model.save` ("save-ranks"), sent from inside the layer's own
 save/load of its table, when Keras' temporary weights file (save) or
-extracted weights folder (load) exists. "save-ranks-stream": rank 0 gets
+extracted weights folder (load) exists; "load-extract": while Keras
+extracts the weights file (STOP_SIGNAL: SIGTERM or SIGINT). "save-ranks-stream": rank 0 gets
 it right after telling the others to send a table's rows (they are inside
 that collective); "save-ranks-zip": while Keras copies its weights file
 into the zip, in a `finally` block that the signal cuts short. The folder
@@ -68,6 +69,31 @@ elif mode == "save-ranks-zip":
 
     zipfile.ZipFile.write = stopped_write
     model.save(path)
+elif mode == "load-extract":
+    # The signal while Keras extracts the weights file beside the model
+    # (its bare `except:` would fall back to reading the zip).
+    import zipfile
+
+    model.save(path)
+    extract = zipfile.ZipFile.extract
+    signalled = []
+
+    def stopped_extract(self, member, *args, **kwargs):
+        if member == "model.weights.h5" and not signalled:
+            signalled.append(True)
+            stop_rank_0()
+        return extract(self, member, *args, **kwargs)
+
+    load = cls.load_own_variables
+
+    def reported_load(self, store):
+        if signalled:
+            print("a table loaded after the signal", flush=True)
+        return load(self, store)
+
+    zipfile.ZipFile.extract = stopped_extract
+    cls.load_own_variables = reported_load
+    keras.models.load_model(path)
 elif mode.startswith("save"):
     cls.save_own_variables = terminate(cls.save_own_variables)
     model.save(path)
