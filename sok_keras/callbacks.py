@@ -686,6 +686,10 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             The checkpoint's metadata (`step`, `epoch`, `batch_in_epoch`,
             `steps_in_epoch`: the epoch's steps, None if unknown), or None
             if there is no complete checkpoint (nothing is loaded).
+
+        Raises:
+            sok_keras.RankMismatchError: if not every rank calls it within
+                `SOK_SAVE_TIMEOUT` seconds.
         """
         from sok_keras import checkpoint
 
@@ -694,6 +698,13 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             raise ValueError(
                 "ShardedCheckpoint.restore_latest needs a model (none given "
                 "and the callback is not attached to one).")
+        from sok_keras import global_views
+
+        # A call on some ranks only fails within SOK_SAVE_TIMEOUT, naming
+        # it (RankMismatchError), not at the collectives' timeout.
+        global_views.check_in(
+            f"ShardedCheckpoint('{self.directory}').restore_latest()",
+            key="sharded_checkpoint/restore")
         steps = self.checkpoints() if world.rank() == 0 else []
         # Every rank takes rank 0's choice (1 + step; 0: none).
         chosen = world.control_communicator().agree(

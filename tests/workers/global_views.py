@@ -107,6 +107,8 @@ sync("sync1")
 # one such call per job, last.
 calls = {"predict": lambda: model.predict(x, verbose=0),
          "load": lambda: keras.saving.load_model(path),
-         "gather": lambda: sok.gather_predictions(mine)}
+         "gather": lambda: sok.gather_predictions(mine),
+         "restore": lambda: sok.callbacks.ShardedCheckpoint(
+             os.path.join(folder, "ckpts")).restore_latest(model)}
 rank0_only(last, calls[last])
 write_result(result)
