@@ -490,10 +490,32 @@ def _start_collectives(world):
         raise RuntimeError(
             f"sok_keras.init(): rank {world.rank} of {world.num_ranks} could "
             "not listen on its address "
-            f"{world.worker_addrs[world.rank]} (from {world.source}): the "
-            "port is in use, by another job or a program still running; "
-            "choose another (MASTER_PORT, or your launcher's addresses) or stop that "
-            f"program. TensorFlow: {str(e).splitlines()[0]}") from e
+            f"{world.worker_addrs[world.rank]} (from {world.source}): "
+            f"{_why_not_listening(world.worker_addrs[world.rank])}. "
+            f"TensorFlow: {str(e).splitlines()[0]}") from e
+
+
+def _why_not_listening(addr):
+    """Why `addr` ("host:port") cannot be listened on, in words: not an
+    address of this host, or the port in use."""
+    import errno
+    import socket
+
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    if host not in _WILDCARDS:
+        try:
+            info = socket.getaddrinfo(host, None)[0]
+            with socket.socket(info[0], socket.SOCK_STREAM) as s:
+                s.bind((info[4][0], 0))  # any port: is the address ours?
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                return (f"{host} is not an address of this host (each "
+                        "rank listens on its own address: MASTER_ADDR is "
+                        "rank 0's host, reachable by the others; check "
+                        "your launcher's addresses)")
+    return ("the port is in use, by another job or a program still "
+            "running; choose another (MASTER_PORT, or your launcher's "
+            "addresses) or stop that program")
 
 
 _WILDCARDS = ("", "0.0.0.0", "::", "*")

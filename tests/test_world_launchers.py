@@ -237,3 +237,20 @@ def test_a_rank_whose_port_is_taken_says_which():
     assert (f"rank 0 of 2 could not listen on its address "
             f"127.0.0.1:{base + 1}") in out, out
     assert "MASTER_PORT" in out, out
+
+
+def test_a_master_addr_of_another_host_says_so():
+    """MASTER_ADDR (rank 0 listens there) is not an address of this host:
+    said so, not "the port is in use" (192.0.2.1: a documentation address,
+    never a host's)."""
+    base = _free_port_block(2)
+    env = dict(_lone_rank_0_env(base, timeout=30), MASTER_ADDR="192.0.2.1")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sok_keras as sok; sok.init()"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=90)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert (f"could not listen on its address 192.0.2.1:{base + 1}"
+            in out), out
+    assert "192.0.2.1 is not an address of this host" in out, out
+    assert "port is in use" not in out, out
