@@ -37,7 +37,9 @@ all raise. Ranks that run the same number of steps exchange nothing but
 one short message per step to rank 0.
 
 Limits. A rank alive but stalled says nothing: the communicator's watchdog
-(`SOK_COMM_TIMEOUT`) still finds it. A host that vanishes without closing
+(`SOK_COMM_TIMEOUT`) still finds it, and when rank 0 is the one that
+waited, its error lists where each other rank last reported and how long
+ago (the stalled rank's report is as old as the timeout). A host that vanishes without closing
 its connections (power loss, network partition) is found by the
 coordination service's heartbeat (`SOK_HEARTBEAT_TIMEOUT`, 10 s). If rank 0
 is gone, the others learn it but can no longer tell each other anything.
@@ -123,7 +125,9 @@ class _Channel:
         # may yet find its data empty (`diverged`, `_periodic`).
         self.pending_divergence = None
         self.gone = {}  # rank -> (monotonic time, message)
-        self.progress = {}  # rank -> "step k of epoch e of fit" (rank 0)
+        # rank -> ("step k of epoch e of fit", when it was reported);
+        # rank 0 only (progress is not relayed).
+        self.progress = {}
         self.failure = None  # why this rank's collectives were aborted
         self.reason = None  # the same, without "sok_keras: rank r: "
         self.reported = False  # this rank reported its own failure
@@ -285,7 +289,7 @@ class _Channel:
         with self.lock:
             self._peers.pop(r, None)
             said_bye = r in self.gone
-            where = self.progress.get(r)
+            where = self.progress.get(r, (None, 0))[0]
         if said_bye:
             return
         after = f" (it last reported {where})" if where else ""
@@ -335,7 +339,7 @@ class _Channel:
             return
         with self.lock:
             if kind == "progress":
-                self.progress[r] = msg.get("where")
+                self.progress[r] = (msg.get("where"), time.monotonic())
                 return
             if kind == "epoch_end":
                 self.peer_ends[(r, msg["lid"], msg["epoch"])] = msg["steps"]
@@ -590,6 +594,10 @@ class _Channel:
             cause = self.failure
             where = loop.where() if loop is not None else "outside a loop"
             self.reported = True
+            now = time.monotonic()
+            peers = [f"rank {r} at {w}, {now - t:.0f} s ago"
+                     for r, (w, t) in sorted(self.progress.items())
+                     if r not in self.failed and r not in self.gone]
         # A collective that failed after this rank aborted them: the abort's
         # reason is the error. Any other error is this rank's own.
         ours = isinstance(error, RankDivergedError) or (
@@ -605,6 +613,12 @@ class _Channel:
             if mine:
                 first = [f"{type(error).__name__}: {mine[0]}"]
             text = f"rank {self.rank} failed at {where}: {first[0][:500]}"
+            if peers and isinstance(error, tf.errors.DeadlineExceededError):
+                # A peer alive but stalled (or slow) says nothing; rank 0
+                # knows where each rank last was.
+                text += (f" (the other ranks' last reports: "
+                         f"{'; '.join(peers)}: a rank whose report is old "
+                         "is stalled or slow)")
         self.publish(t="failed", msg=text)
         print(f"sok_keras: rank {self.rank}: {text}", file=sys.stderr,
               flush=True)

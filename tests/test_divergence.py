@@ -179,6 +179,27 @@ def test_rank_that_raises_mid_fit():
                 detail)
 
 
+def test_a_stalled_rank_is_named_by_rank_0():
+    """Rank 1 stalls (alive, silent) before step 5: rank 0's collective
+    times out (SOK_COMM_TIMEOUT), and its error says where each other rank
+    last reported, and how long ago (before: only rank 0's own timeout,
+    which sokrun showed as "rank 0 failed")."""
+    job = launch(worker_path("divergence_fit"), 2, ["8", "8", "stall"],
+                 timeout=TIMEOUT, env=dict(ENV, SOK_COMM_TIMEOUT="6"))
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode == 0, detail
+    r0, r1 = job.results[0], job.results[1]
+    assert r0["type"] == "DeadlineExceededError", detail
+    assert r1["type"] == "RankDivergedError", detail
+    said = re.search(r"rank 0 failed at step 5 of epoch 1 of fit: "
+                     r"DeadlineExceededError: .*\(the other ranks' last "
+                     r"reports: rank 1 at step 5 of epoch 1 of fit, (\d+) s "
+                     r"ago: a rank whose report is old is stalled or slow\)",
+                     r1["error"])
+    assert said, detail
+    assert int(said.group(1)) >= 5, detail  # the timeout's age, not fresh
+
+
 def test_rank_that_raises_and_ends_the_program():
     # sokrun stops the job when rank 1 exits 1; rank 0 has said why first.
     job, detail = _job(8, 8, "raise_uncaught")

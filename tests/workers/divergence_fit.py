@@ -9,6 +9,7 @@ in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 validation data of unknown length, through `.filter`, and GlobalMetrics:
 Keras then begins one more step per epoch, which finds the data empty);
 "spe" (steps_per_execution=3: Keras reports one step per execution);
+"stall" (rank 1 sleeps 15 s before step 5: a stalled rank);
 "spe_validate" (the same, with validation data of 1 batch on rank 0 and
 2 on rank 1: both inside one execution).
 Each rank writes what fit (and save) raised.
@@ -54,6 +55,8 @@ class Trouble(keras.callbacks.Callback):
                 raise RuntimeError("rank 1 fails on purpose at step 5")
             if EXTRA == "exit":
                 os._exit(0)
+            if EXTRA == "stall":  # alive, but stuck (reports nothing)
+                time.sleep(15)
 
 
 inputs = keras.Input(shape=(2,), dtype="int64")
