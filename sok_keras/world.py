@@ -241,6 +241,21 @@ def world_from_env(env=None):
                     f"rank ({size} from {size_var}), got "
                     f"{env['SOK_WORKER_ADDRS']!r}."
                 )
+            for a in addrs:
+                port = a.rsplit(":", 1)[1]
+                if not (port.isdigit() and 0 < int(port) <= 65535):
+                    raise RuntimeError(
+                        f"sok_keras: SOK_WORKER_ADDRS: {a!r} has no port "
+                        "in 1..65535 (TensorFlow would listen on another). "
+                        f"Received: SOK_WORKER_ADDRS="
+                        f"{env['SOK_WORKER_ADDRS']!r}.")
+            twice = sorted({a for a in addrs if addrs.count(a) > 1})
+            if twice:
+                raise RuntimeError(
+                    f"sok_keras: SOK_WORKER_ADDRS names {twice} for more "
+                    "than one rank: each rank listens on an address of its "
+                    "own. Received: SOK_WORKER_ADDRS="
+                    f"{env['SOK_WORKER_ADDRS']!r}.")
         elif "MASTER_PORT" in env:
             host = env.get("MASTER_ADDR") or "127.0.0.1"
             port = _int_env("MASTER_PORT", env)

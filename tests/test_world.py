@@ -78,6 +78,16 @@ def test_world_from_env(env, want):
         ({"RANK": "3"}, "RANK=3 is set .* but WORLD_SIZE is not"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "65534"},
          "MASTER_PORT=65534: .* must be ports"),
+        # Before: port 99999 listened on 34463, the same address for two
+        # ranks waited.
+        ({"SOK_RANK": "0", "SOK_NUM_RANKS": "2",
+          "SOK_WORKER_ADDRS": "h:1,h:99999"},
+         "'h:99999' has no port in 1..65535"),
+        ({"SOK_RANK": "0", "SOK_NUM_RANKS": "2",
+          "SOK_WORKER_ADDRS": "h:1,h:x"}, "'h:x' has no port"),
+        ({"SOK_RANK": "0", "SOK_NUM_RANKS": "3",
+          "SOK_WORKER_ADDRS": "h:1,g:1,h:1"},
+         r"names \['h:1'\] for more than one rank"),
     ],
 )
 def test_world_from_env_errors(env, match):
