@@ -28,8 +28,9 @@ If a rank exits with a non-zero code, or the job runs longer than
 `--timeout` seconds, sokrun stops every other rank (SIGTERM to its process
 group, SIGKILL after `--grace` seconds), says which rank failed and why, and
 exits non-zero: with the failing rank's exit code (128 + signal number when
-it was killed by a signal), or 124 on timeout. Ctrl-C or SIGTERM to sokrun
-stops all ranks the same way (exit 130 / 143). sokrun exits 0 only if every
+it was killed by a signal), or 124 on timeout. Ctrl-C, SIGTERM or SIGHUP
+(a closed terminal) to sokrun stops all ranks the same way (exit 130 / 143
+/ 129). sokrun exits 0 only if every
 rank exited 0.
 
 Each rank runs in its own process group, and its first process dies with
@@ -273,7 +274,8 @@ def main(argv=None):
         stop["signal"] = signum
 
     old_handlers = {
-        s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)
+        s: signal.signal(s, on_signal)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     }
     ranks = []
     code = 0

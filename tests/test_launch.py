@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from multiprocess import REPO  # noqa: E402
@@ -113,15 +115,19 @@ def _wait_gone(marker, timeout=10):
     raise AssertionError(f"processes left running: {left}")
 
 
-def test_sigint_stops_all_ranks():
-    marker = f"sigint-{os.getpid()}-{time.time()}"
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGHUP"])
+def test_a_signal_to_sokrun_stops_all_ranks(sig):
+    """Ctrl-C, or SIGHUP (the terminal closed, an ssh session dropped;
+    before: sokrun died of it, saying nothing, and the ranks were
+    SIGKILLed by their parent-death signal, their clean-up skipped)."""
+    marker = f"{sig}-{os.getpid()}-{time.time()}"
     proc = _start_sokrun([], marker)
     try:
         _wait_ranks(marker, 2)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, sig))
         out, _ = proc.communicate(timeout=15)
-        assert proc.returncode == 130, out.decode()
-        assert b"received SIGINT" in out
+        assert proc.returncode == 128 + getattr(signal, sig), out.decode()
+        assert f"received {sig}".encode() in out
         _wait_gone(marker)
     finally:
         if proc.poll() is None:
