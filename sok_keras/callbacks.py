@@ -712,7 +712,17 @@ class ShardedCheckpoint(keras.callbacks.Callback):
             world.timeout())
         if not chosen:
             return None
-        manifest = checkpoint.load(self._path(chosen - 1), model)
+        path = self._path(chosen - 1)
+        try:
+            manifest = checkpoint.load(path, model)
+        except checkpoint.CheckpointError as e:
+            # (The newest complete checkpoint is damaged: the operator
+            # decides whether to fall back to an older one.)
+            raise checkpoint.CheckpointError(
+                f"{e} ShardedCheckpoint.restore_latest: the newest "
+                f"checkpoint, '{path}', could not be loaded; to resume from "
+                "the one before it, move that folder out of "
+                f"'{self.directory}' and restart.") from e
         self._last_saved = chosen - 1
         meta = manifest.get("metadata")
         self._resumed = dict(meta) if isinstance(meta, dict) else None

@@ -806,6 +806,21 @@ def test_sharded_checkpoint_one_rank_keeps_last_k_and_restores(tmp_path):
     _assert_same(saved, _state(fresh))
     empty = sok.callbacks.ShardedCheckpoint(str(tmp_path / "none"))
     assert empty.restore_latest(fresh) is None
+    # The newest checkpoint damaged (a shard cut short): the error says how
+    # to resume from the one before; once it is moved away, that one loads.
+    newest = tmp_path / "ckpt-0000000006"
+    shard = next(p for p in sorted(newest.rglob("*"))
+                 if p.is_file() and p.name != "manifest.json"
+                 and p.stat().st_size > 16)
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(sok.CheckpointError, match=r"the newest checkpoint, "
+                       r"'.*ckpt-0000000006', could not be loaded; to resume "
+                       r"from the one before it, move that folder out"):
+        sok.callbacks.ShardedCheckpoint(str(tmp_path)).restore_latest(fresh)
+    os.rename(newest, tmp_path.parent / f"{tmp_path.name}-damaged")
+    meta = sok.callbacks.ShardedCheckpoint(str(tmp_path)).restore_latest(
+        fresh)
+    assert meta["step"] == 4
 
 
 @pytest.fixture(scope="module")
