@@ -191,15 +191,28 @@ def test_a_rank_waiting_for_its_peers_stops_on_a_signal_to_its_group(sig):
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     try:
-        # Wait for the watch (a child process) to be running, and a moment
-        # for it to set up its handlers.
+        # Wait for the watch (a child process running sok's watch code:
+        # other children may come and go first) and a moment for it to
+        # set up its handlers.
         children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+
+        def watch_running():
+            try:
+                with open(children) as f:
+                    pids = f.read().split()
+                for pid in pids:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"select.select" in f.read():
+                            return True
+            except OSError:
+                pass
+            return False
+
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            with open(children) as f:
-                if f.read().split():
-                    break
+        while (time.monotonic() < deadline and proc.poll() is None
+               and not watch_running()):
             time.sleep(0.1)
+        assert watch_running(), "the watch did not start"
         time.sleep(1.0)
         start = time.monotonic()
         os.killpg(proc.pid, getattr(signal, sig))
