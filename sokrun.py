@@ -50,6 +50,7 @@ import argparse
 import collections
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -130,6 +131,25 @@ def _child_setup(parent_pid):
             os._exit(1)
 
     return setup
+
+
+_CAUSE_PATTERNS = (
+    # divergence.py: "sok_keras: rank 1: rank 0 failed at step 5 ..."
+    re.compile(r"sok_keras: rank (\d+): rank (\d+) failed"),
+    # saving.py: "sok_keras: rank 1: model.save('p') failed on rank 0 (of"
+    re.compile(r"sok_keras: rank (\d+): .* failed on rank (\d+) \(of "),
+)
+
+
+def _cause_named(rank):
+    """The other rank whose failure `rank`'s last output reports in
+    sok_keras' own words, or None."""
+    for line in reversed(rank.tail):
+        for pattern in _CAUSE_PATTERNS:
+            m = pattern.search(line)
+            if m and int(m.group(1)) == rank.rank != int(m.group(2)):
+                return int(m.group(2))
+    return None
 
 
 def _describe(code):
@@ -370,6 +390,13 @@ def _supervise(ranks, timeout, stop, printer, note=""):
                 t.join(timeout=1.0)
             others = [x.rank for x in ranks if x.proc.poll() is None]
             msg = f"rank {rank.rank} failed: it {_describe(rc)}{note}"
+            cause = _cause_named(rank)
+            if cause is not None:
+                # A rank that failed waits a little before it raises, so
+                # that its peers say why too: one of them often exits
+                # first, with an error naming the rank that failed.
+                msg += (f", after rank {cause} failed (rank {cause}'s error "
+                        f"is in its output, lines [{cause}])")
             if others:
                 msg += f"; stopping ranks {others}"
             if rank.tail:

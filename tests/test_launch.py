@@ -56,6 +56,20 @@ def test_the_rank_that_exited_first_is_named():
         assert not job.leftovers
 
 
+def test_a_rank_reporting_another_ranks_failure_names_it():
+    """sok_keras' failing rank waits for its peers to say why before it
+    exits, so a peer often exits first: sokrun names that peer and adds
+    the rank whose failure its output reports (before: only "rank 1
+    failed", the real error under another prefix)."""
+    job = launch(SCRIPT, 2, args=["reported"], timeout=30,
+                 forkserver=False)
+    assert job.returncode == 1, _details(job)
+    assert ("rank 1 failed: it exited with code 1, after rank 0 failed "
+            "(rank 0's error is in its output, lines [0])") in job.output, (
+                _details(job))
+    assert not job.leftovers
+
+
 def test_failing_rank_stops_the_others():
     job = launch(SCRIPT, 3, args=["fail"], timeout=60, grace=2, forkserver=False)
     assert job.returncode == 3, _details(job)
