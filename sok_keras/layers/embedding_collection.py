@@ -282,6 +282,20 @@ class EmbeddingCollection(keras.layers.Layer):
         check_shard_weights(self, weights)
         super().set_weights(weights)
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # TensorFlow's object graph (`tf.train.Checkpoint`,
+        # `CheckpointManager`) sees a layer's variables through its
+        # attributes; Keras' dict of the tables is not one of its
+        # trackables, so each table is added as a child of its own (before:
+        # the tables were checkpointed only through the optimizer, and not
+        # restored into a model whose optimizer was not built yet, or at
+        # all when frozen).
+        children = super()._trackable_children(save_type, **kwargs)
+        if self.built:
+            for t, var in self.embeddings.items():
+                children.setdefault(f"table_{t}", var)
+        return children
+
     def build(self, input_shape=None):
         if self.built:
             return

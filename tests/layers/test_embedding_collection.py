@@ -271,3 +271,46 @@ def test_pooled_feature_refuses_3d_ids_when_the_model_is_built():
     with pytest.raises(ValueError, match=r"EmbeddingCollection 'coll', "
                        r"feature 'f': a pooled lookup"):
         layer({"f": keras.Input((3, 5), dtype="int64")})
+
+
+def test_tf_train_checkpoint_restores_the_tables_before_the_first_step(
+        tmp_path):
+    """`tf.train.Checkpoint(model=..., optimizer=...)` restored into a new
+    model before its first step (its optimizer not built yet): the
+    collection's tables come back, as other sok tables do (before: they
+    were only in the checkpoint through the optimizer, and kept their
+    initial values, with no error); a frozen table is in the checkpoint."""
+    def make(seed, trainable=True):
+        keras.utils.set_random_seed(seed)
+        ids = keras.Input((2,), dtype="int64")
+        col = sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 30, "embedding_dim": 2},
+             "u": {"vocabulary_size": 10, "embedding_dim": 3}},
+            {"f": {"table": "t", "combiner": "sum"},
+             "h": {"table": "u", "combiner": "mean"}}, name="col",
+            trainable=trainable)
+        out = col({"f": ids, "h": ids % 10})
+        model = keras.Model(ids, keras.layers.Dense(1)(
+            keras.layers.Concatenate()([out["f"], out["h"]])))
+        model.compile(optimizer=sok.OptimizerWrapper(
+            keras.optimizers.Adam(0.05)), loss="mse")
+        return model, col
+
+    x = np.arange(16, dtype=np.int64).reshape(8, 2)
+    y = np.ones((8, 1), np.float32)
+    model, col = make(1)
+    model.fit(x, y, batch_size=4, verbose=0)
+    saved = {t: v.numpy() for t, v in col.embeddings.items()}
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ck"))
+    fresh, fresh_col = make(2)
+    assert not np.array_equal(fresh_col.embeddings["t"].numpy(), saved["t"])
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(
+        path).expect_partial()
+    for t, value in saved.items():
+        np.testing.assert_array_equal(fresh_col.embeddings[t].numpy(), value)
+    frozen, frozen_col = make(3, trainable=False)
+    frozen_path = tf.train.Checkpoint(model=frozen).save(
+        str(tmp_path / "frozen"))
+    shapes = [s for _, s in tf.train.list_variables(frozen_path)]
+    assert [30, 2] in shapes and [10, 3] in shapes, shapes
