@@ -358,6 +358,8 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
 
     Raises:
         ValueError: for a subclassed or unbuilt model.
+        sok_keras.RankMismatchError: if not every rank calls it within
+            `SOK_SAVE_TIMEOUT` seconds.
         FileExistsError: if `path` is a file, or a folder holding other
             files than an earlier export (nothing is written or removed).
         RuntimeError: if another rank failed (its error is in its output);
@@ -372,6 +374,13 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
     _check_exportable(model)
     n, rank = world.num_ranks(), world.rank()
     path = os.fspath(path)
+    from sok_keras import global_views
+
+    # A call on some ranks only (`if sok.rank() == 0: model.export(...)`)
+    # fails within SOK_SAVE_TIMEOUT, naming it (before: the gather of the
+    # tables waited for SOK_COMM_TIMEOUT, then TensorFlow's timeout).
+    global_views.check_in(f"sok.export_for_serving('{path}') (or "
+                          "model.export)", key="export_for_serving")
     _check_target(path, n, rank)
     layers = _sok_layers(model)
     error = None

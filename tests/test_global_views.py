@@ -143,14 +143,15 @@ def test_enter_timeout_is_checked(monkeypatch):
 
 @pytest.mark.parametrize("last,what", [
     ("predict", "model.predict"), ("load", "keras.saving.load_model"),
-    ("restore", "ShardedCheckpoint('")])
+    ("restore", "ShardedCheckpoint('"),
+    ("export", "sok.export_for_serving('")])
 def test_global_views_on_two_ranks(tmp_path, last, what):
     """Counts and summary are global (before: 918,560 shown for a
     1,837,120-parameter table's shard); gather_predictions returns every
-    rank's rows in rank order; predict, load_model or
-    ShardedCheckpoint.restore_latest on rank 0 only fails within
-    SOK_SAVE_TIMEOUT (before: waited for the 300-600 s communication
-    timeout); loading a plain Keras model on one rank is not
+    rank's rows in rank order; predict, load_model,
+    ShardedCheckpoint.restore_latest or model.export on rank 0 only fails
+    within SOK_SAVE_TIMEOUT (before: waited for the 300-600 s
+    communication timeout); loading a plain Keras model on one rank is not
     stopped; `set_weights` of a whole table says to use `assign_global`
     (before: Keras' bare shape mismatch)."""
     r0, r1 = run_workers(worker_path("global_views"), 2,

@@ -109,6 +109,7 @@ calls = {"predict": lambda: model.predict(x, verbose=0),
          "load": lambda: keras.saving.load_model(path),
          "gather": lambda: sok.gather_predictions(mine),
          "restore": lambda: sok.callbacks.ShardedCheckpoint(
-             os.path.join(folder, "ckpts")).restore_latest(model)}
+             os.path.join(folder, "ckpts")).restore_latest(model),
+         "export": lambda: model.export(os.path.join(folder, "served"))}
 rank0_only(last, calls[last])
 write_result(result)
