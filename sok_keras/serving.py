@@ -371,6 +371,15 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
     >>> served = tf.saved_model.load("/models/ranker/1")  # no sok_keras
     >>> scores = served.serve(ids)
     """
+    from sok_keras._terminate import on_sigterm_clean_up
+
+    # A SIGTERM mid-export removes rank 0's temporary folder (a copy of
+    # every table) before the process dies of it.
+    with on_sigterm_clean_up():
+        return _export(model, path, verbose, input_signature, **kwargs)
+
+
+def _export(model, path, verbose, input_signature, **kwargs):
     _check_exportable(model)
     n, rank = world.num_ranks(), world.rank()
     path = os.fspath(path)
@@ -395,6 +404,7 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
                 tables[id(v)] = _whole_table(v)
         if rank == 0:
             folder = os.path.dirname(os.path.abspath(path))
+            _remove_dead_exports(folder, os.path.basename(path))
             tmp = os.path.join(
                 folder, f".{os.path.basename(path)}.sok-tmp-{os.getpid()}")
             replaced = {id(layer) for layer in layers}
@@ -449,6 +459,28 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
     finally:
         if rank == 0 and tmp is not None and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_dead_exports(folder, name):
+    """Removes `.<name>.sok-tmp-<pid>` folders of exports whose process is
+    gone (killed mid-export: SIGKILL skips every clean-up)."""
+    prefix = f".{name}.sok-tmp-"
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix):]
+        if not (entry.startswith(prefix) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive: another export in progress
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # (another user's process: not ours to judge)
+        shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
 def install():

@@ -57,6 +57,21 @@ def test_a_signal_while_keras_extracts_the_weights_stops_the_load(
     assert sorted(os.listdir(tmp_path)) == ["model.keras"], out
 
 
+def test_sigterm_mid_export_leaves_no_temporary_folder(tmp_path):
+    """SIGTERM during `model.export`: the temporary SavedModel (a copy of
+    every table) is removed before the process dies of the signal, and a
+    folder left by an export killed earlier is removed by the next one
+    (before: both stayed, never cleaned up)."""
+    proc = subprocess.run(
+        [sys.executable, worker_path("terminated_save_load"), "export",
+         str(tmp_path)], env=_repo_env(), capture_output=True, text=True,
+        timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGTERM, out
+    assert "during: ['.served.sok-tmp-" in out, out  # the export's own
+    assert os.listdir(tmp_path) == [], out
+
+
 def test_a_program_that_catches_ctrl_c_can_still_save(tmp_path):
     """`except KeyboardInterrupt: model.save(...)` (save on Ctrl-C): the
     interruption the program handles is not raised again by the save."""

@@ -3,7 +3,8 @@
 the middle of `model.save` ("save-ranks"), sent from inside the layer's own
 save/load of its table, when Keras' temporary weights file (save) or
 extracted weights folder (load) exists; "load-extract": while Keras
-extracts the weights file (STOP_SIGNAL: SIGTERM or SIGINT). "save-ranks-stream": rank 0 gets
+extracts the weights file (STOP_SIGNAL: SIGTERM or SIGINT); "export":
+model.export, SIGTERM when its temporary folder is complete. "save-ranks-stream": rank 0 gets
 it right after telling the others to send a table's rows (they are inside
 that collective); "save-ranks-zip": while Keras copies its weights file
 into the zip, in a `finally` block that the signal cuts short. The folder
@@ -69,6 +70,20 @@ elif mode == "save-ranks-zip":
 
     zipfile.ZipFile.write = stopped_write
     model.save(path)
+elif mode == "export":
+    # A folder left by an export killed earlier (a pid that is gone), then
+    # SIGTERM once the export's temporary folder is complete.
+    from sok_keras import serving
+
+    os.makedirs(os.path.join(folder, ".served.sok-tmp-999999999", "x"))
+    replace = serving._replace_dir
+
+    def stopped_replace(tmp, target):
+        stop_rank_0()
+        return replace(tmp, target)
+
+    serving._replace_dir = stopped_replace
+    model.export(os.path.join(folder, "served"))
 elif mode == "load-extract":
     # The signal while Keras extracts the weights file beside the model
     # (its bare `except:` would fall back to reading the zip).
