@@ -158,10 +158,24 @@ class ServingEmbeddingCollection(keras.layers.Layer):
         **kwargs: base layer arguments.
     """
 
-    def __init__(self, tables, features, **kwargs):
+    def __init__(self, tables, features, structured_like=None, **kwargs):
         super().__init__(**kwargs)
         self.autocast = False  # ids as the sok layer takes them
         self.features = {f: dict(s) for f, s in features.items()}
+        # keras-rs' form (a single FeatureConfig, a list, nested dicts):
+        # the sok layer's own flattening of the inputs and nesting of the
+        # outputs, kept as plain functions (not the layer, whose sharded
+        # tables the export must not track).
+        self._structure = None
+        if structured_like is not None:
+            from sok_keras.layers import feature_config
+
+            skeleton = structured_like._keras_rs.skeleton
+            self._structure = (
+                structured_like._flat_keras_rs_inputs,
+                lambda out: feature_config.map_structure(
+                    lambda _, p: out[p], skeleton,
+                    is_leaf=feature_config.is_path))
         self.tables = {}
         for t, value in tables.items():
             var = self.add_weight(  # autocast=False: as ServingEmbedding
@@ -174,14 +188,21 @@ class ServingEmbeddingCollection(keras.layers.Layer):
     def compute_mask(self, inputs, mask=None):
         """As the sok layer's: `ids != -1` for each unpooled feature's
         dense ids; None when no feature is unpooled."""
-        if not isinstance(inputs, dict) or all(
-                spec["combiner"] is not None
-                for spec in self.features.values()):
-            return None
+        if self._structure is not None or not isinstance(
+                inputs, dict) or all(spec["combiner"] is not None
+                                     for spec in self.features.values()):
+            return None  # (keras-rs' form: as the sok layer, no mask)
         return {f: _unpooled_mask(inputs.get(f), spec["combiner"])
                 for f, spec in self.features.items()}
 
     def call(self, inputs, weights=None):
+        if self._structure is not None:
+            flatten, nest = self._structure
+            inputs, weights = flatten(inputs, weights)
+            return nest(self._lookups(inputs, weights))
+        return self._lookups(inputs, weights)
+
+    def _lookups(self, inputs, weights):
         from sok_keras.layers.base_embedding import as_int_ids
 
         weights = weights or {}
@@ -215,7 +236,8 @@ def _serving_layer(layer, tables):
     if isinstance(layer, EmbeddingCollection):
         return ServingEmbeddingCollection(
             {t: tables[id(v)] for t, v in layer.embeddings.items()},
-            layer.features, **kw)
+            layer.features, structured_like=(
+                layer if layer._keras_rs is not None else None), **kw)
     return ServingEmbedding(
         tables[id(layer.embeddings)], combiner=layer.combiner,
         fixed_shape=isinstance(layer, All2AllDenseEmbedding), **kw)

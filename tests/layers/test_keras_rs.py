@@ -569,3 +569,42 @@ def test_tables_left_at_keras_rs_default_adam_say_so_once(caplog):
     assert off.embeddings["t1"].optimizer is None
     assert not [r for r in caplog.records
                 if "use_table_optimizers" in r.getMessage()]
+
+
+@pytest.mark.parametrize("form", ["single", "list", "nested"])
+def test_structured_feature_configs_export_for_serving(tmp_path, form):
+    """A single FeatureConfig, a list of them, or nested dicts (keras-rs'
+    structures, which train as a flat dict does) export and serve without
+    sok_keras (before: Keras' "Could not automatically infer the output
+    shape" over a TypeError or KeyError of the serving layer)."""
+    from tests.test_serving import serve_without_sok
+
+    TC, FC = keras_rs.layers.TableConfig, keras_rs.layers.FeatureConfig
+    keras.utils.set_random_seed(1)
+    t = TC(name="t", vocabulary_size=30, embedding_dim=2)
+    ia = keras.Input((3,), dtype="int64", name="ia")
+    ib = keras.Input((2,), dtype="int64", name="ib")
+    if form == "single":
+        configs, ins, names = FC("a", t, (None, 3), (None, 2)), ia, ["ia"]
+    elif form == "list":
+        configs = [FC("a", t, (None, 3), (None, 2)),
+                   FC("b", t, (None, 2), (None, 2))]
+        ins, names = [ia, ib], ["ia", "ib"]
+    else:
+        configs = {"u": {"a": FC("a", t, (None, 3), (None, 2))},
+                   "b": FC("b", t, (None, 2), (None, 2))}
+        ins, names = {"u": {"a": ia}, "b": ib}, ["ia", "ib"]
+    out = keras.tree.flatten(sok.layers.EmbeddingCollection(
+        configs, name="c")(ins))
+    x = out[0] if len(out) == 1 else keras.layers.Concatenate()(out)
+    inputs = {"ia": ia, "ib": ib} if len(names) == 2 else {"ia": ia}
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    rng = np.random.default_rng(0)
+    probe = {"ia": rng.integers(-1, 30, (6, 3)),
+             "ib": rng.integers(-1, 30, (6, 2))}
+    probe = {k: v for k, v in probe.items() if k in names}
+    want = model.predict(probe, verbose=0)
+    path = str(tmp_path / "served")
+    sok.export_for_serving(model, path)
+    np.testing.assert_allclose(serve_without_sok(path, probe, tmp_path),
+                               want, rtol=1e-6, atol=1e-6)
