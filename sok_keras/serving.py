@@ -324,7 +324,12 @@ def _target_problem(path):
     path, an empty folder or an earlier SavedModel is replaced."""
     if not os.path.lexists(path):
         return None
-    if not os.path.isdir(path) or os.path.islink(path):
+    if os.path.islink(path):
+        return (f"'{path}' is a symbolic link (to '{os.readlink(path)}'); "
+                "export_for_serving replaces a folder, not a link, nor "
+                "what it points to. Export to a new folder (e.g. "
+                "'<models>/<name>/2') and point the link there.")
+    if not os.path.isdir(path):
         return (f"'{path}' exists and is not a folder; export_for_serving "
                 "writes a SavedModel folder there, replacing only an "
                 "earlier export. Give a new path (e.g. '<models>/<name>/1').")

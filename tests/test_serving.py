@@ -166,6 +166,13 @@ def test_export_refuses_a_file_or_a_folder_of_other_files(tmp_path):
     empty.mkdir()
     sok.export_for_serving(model, str(empty))
     assert os.path.isfile(empty / "saved_model.pb")
+    # A "latest" link to an earlier export: refused, saying it is a link
+    # (before: "exists and is not a folder").
+    (tmp_path / "latest").symlink_to(empty)
+    with pytest.raises(FileExistsError, match=r"'.*latest' is a symbolic "
+                       r"link \(to '.*empty'\).*point the link there"):
+        sok.export_for_serving(model, str(tmp_path / "latest"))
+    assert os.readlink(tmp_path / "latest") == str(empty)
 
 
 def test_export_of_a_sequential_with_no_input(tmp_path):
