@@ -150,17 +150,22 @@ def _lone_rank_0_env(base, timeout):
     return env
 
 
+def _start_lone_rank_0(timeout, **kwargs):
+    """Rank 0 of 2 (torchrun-style variables) alone, in sok.init(); prints
+    INIT-DONE if init returns."""
+    env = _lone_rank_0_env(_free_port_block(2), timeout=timeout)
+    return subprocess.Popen(
+        [sys.executable, "-c",
+         "import sok_keras as sok; sok.init(); print('INIT-DONE')"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, **kwargs)
+
+
 def test_a_rank_whose_peer_never_starts_stops_after_the_timeout():
     """torchrun-style rank 0 of 2 alone: TensorFlow's coordination service
     would wait for rank 1 for ever (swallowing SIGTERM); sok.init() stops
     the rank after SOK_COMM_TIMEOUT, saying why."""
-    base = _free_port_block(2)
-    env = _lone_rank_0_env(base, timeout=4)
-    proc = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sok_keras as sok; sok.init(); print('INIT-DONE')"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+    proc = _start_lone_rank_0(timeout=4)
     try:
         out, _ = proc.communicate(timeout=90)
     finally:
@@ -183,13 +188,7 @@ def test_a_rank_waiting_for_its_peers_stops_on_a_signal_to_its_group(sig):
     import signal
     import time
 
-    base = _free_port_block(2)
-    env = _lone_rank_0_env(base, timeout=300)
-    proc = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sok_keras as sok; sok.init(); print('INIT-DONE')"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+    proc = _start_lone_rank_0(timeout=300, start_new_session=True)
     try:
         # Wait for the watch (a child process running sok's watch code:
         # other children may come and go first) and a moment for it to

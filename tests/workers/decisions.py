@@ -212,15 +212,37 @@ def evaluate():
             "train_on_batch": {k: float(v) for k, v in trained.items()}}
 
 
+def under_mixed_float16(scenario):
+    """`scenario` run under Keras' mixed_float16 policy."""
+    def run():
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            return scenario()
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+
+    return run
+
+
+def own_grads_finite(model, x, y, w=None):
+    """This rank's own finite check of its gradients on (x, y) at the
+    initial loss scale, as Keras' LossScaleOptimizer computes it from this
+    rank's loss (before any all-reduce)."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        pred = model(x, training=True)
+        loss = model.compute_loss(x=x, y=y, y_pred=pred, sample_weight=w)
+        scaled = loss * 2.0 ** 15
+    grads = tape.gradient(scaled, model.trainable_variables)
+    return all(
+        bool(np.all(np.isfinite(
+            (g.values if isinstance(g, tf.IndexedSlices) else g).numpy())))
+        for g in grads if g is not None)
+
+
+@under_mixed_float16
 def mixed():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        return _mixed()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
-def _mixed():
     steps, b = 4, 8
     ids, y = task(steps * 2 * b, seed=40)
     y = y * 0.1
@@ -241,21 +263,9 @@ def _mixed():
     while opt is not None:
         nesting.append(type(opt).__name__)
         opt = getattr(opt, "inner_optimizer", None)
-    # This rank's own finite check on the overflowing batch (as Keras'
-    # LossScaleOptimizer computes it, before any all-reduce).
-    import tensorflow as tf
-
+    # This rank's own finite check on the overflowing batch.
     sl = slice(batch, 2 * batch)
-    with tf.GradientTape() as tape:
-        pred = model(x[sl], training=True)
-        loss = model.compute_loss(x=x[sl], y=y[sl], y_pred=pred,
-                                  sample_weight=w[sl])
-        scaled = loss * 2.0 ** 15
-    grads = tape.gradient(scaled, model.trainable_variables)
-    own_finite = all(
-        bool(np.all(np.isfinite(
-            (g.values if isinstance(g, tf.IndexedSlices) else g).numpy())))
-        for g in grads if g is not None)
+    own_finite = own_grads_finite(model, x[sl], y[sl], w[sl])
     table0 = emb.embeddings.read_global()
     model.fit(x, y, sample_weight=w, batch_size=batch, epochs=1,
               shuffle=False, verbose=0)
@@ -269,17 +279,8 @@ def _mixed():
     }
 
 
+@under_mixed_float16
 def share():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        return _share()
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-
-
-def _share():
-    import tensorflow as tf
-
     steps, b = 3, 8
     ids, y = task(steps * 2 * b, seed=50)
     model, emb = build()
@@ -294,17 +295,8 @@ def _share():
     x, batch = local(ids, steps, (b, b))
     yl, _ = local(y, steps, (b, b))
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    # This rank's own gradients on batch 0 at the full scale, as Keras'
-    # LossScaleOptimizer would compute them from this rank's loss.
-    with tf.GradientTape() as tape:
-        out = model(x[:batch], training=True)
-        loss = model.compute_loss(x=x[:batch], y=yl[:batch], y_pred=out)
-        scaled = loss * 2.0 ** 15
-    grads = tape.gradient(scaled, model.trainable_variables)
-    own_finite = all(
-        bool(np.all(np.isfinite(
-            (g.values if isinstance(g, tf.IndexedSlices) else g).numpy())))
-        for g in grads if g is not None)
+    # This rank's own gradients on batch 0 at the full scale.
+    own_finite = own_grads_finite(model, x[:batch], yl[:batch])
     model.fit(x, yl, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     return {
         "own_finite": own_finite,
