@@ -15,7 +15,7 @@ def as_rank(monkeypatch):
         monkeypatch.setenv("SOK_RANK", str(rank))
         monkeypatch.setenv("SOK_NUM_RANKS", str(n))
         monkeypatch.setenv(
-            "SOK_WORKER_ADDRS", ",".join(f"127.0.0.1:{i}" for i in range(n))
+            "SOK_WORKER_ADDRS", ",".join(f"127.0.0.1:{i + 1}" for i in range(n))
         )
 
     return set_rank
