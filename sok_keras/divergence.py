@@ -39,10 +39,10 @@ one short message per step to rank 0.
 Limits. A rank alive but stalled says nothing: the communicator's watchdog
 (`SOK_COMM_TIMEOUT`) still finds it, and when rank 0 is the one that
 waited, its error lists where each other rank last reported and how long
-ago (the stalled rank's report is as old as the timeout). A host that vanishes without closing
-its connections (power loss, network partition) is found by the
-coordination service's heartbeat (`SOK_HEARTBEAT_TIMEOUT`, 10 s). If rank 0
-is gone, the others learn it but can no longer tell each other anything.
+ago (the stalled rank's report is as old as the timeout). A host that
+vanishes without closing its connections (power loss, network partition)
+is found by the coordination service's heartbeat
+(`SOK_HEARTBEAT_TIMEOUT`, 10 s). If rank 0 is gone, the others learn it but can no longer tell each other anything.
 Under the NCCL backend the NCCL communicator is aborted too
 (`NcclCommunicator.abort`: the op library's watchdog calls
 `ncclCommAbort`), so a step waiting in an NCCL collective fails as well.

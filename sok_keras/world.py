@@ -417,11 +417,8 @@ def interrupted(signum, frame):
     stop(sys.argv[5].replace("SIGNAL", signal.Signals(signum).name))
 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, interrupted)
-try:
-    if not select.select([r], [], [], timeout)[0]:
-        stop(sys.argv[4])
-except InterruptedError:
-    pass
+if not select.select([r], [], [], timeout)[0]:
+    stop(sys.argv[4])
 """
 
 
@@ -510,13 +507,18 @@ def _start_collectives(world):
             f"TensorFlow: {str(e).splitlines()[0]}") from e
 
 
+def _host_of(addr):
+    """The host of a rank's address "host:port" ("[v6]:port" too)."""
+    return addr.rsplit(":", 1)[0].strip("[]")
+
+
 def _why_not_listening(addr):
     """Why `addr` ("host:port") cannot be listened on, in words: not an
     address of this host, or the port in use."""
     import errno
     import socket
 
-    host = addr.rsplit(":", 1)[0].strip("[]")
+    host = _host_of(addr)
     if host not in _WILDCARDS:
         try:
             info = socket.getaddrinfo(host, None)[0]
@@ -551,7 +553,7 @@ def _guard_servers(world):
 
     if os.environ.get("SOK_BIND_HOST") or _bind_guard_off():
         return
-    host = world.worker_addrs[world.rank].rsplit(":", 1)[0].strip("[]")
+    host = _host_of(world.worker_addrs[world.rank])
     if host in _WILDCARDS:
         return  # the user asked for every interface
     try:
