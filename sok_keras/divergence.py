@@ -15,7 +15,9 @@ Each rank reports:
   the step, tracked by a callback that the hooked loops put first);
 - "finished epoch e after step k" when its data for an epoch ran out;
 - "failed at step k: <error>" when a loop, or the program, raises;
-- "bye" when the process exits normally (`atexit`);
+- "bye" when the process exits normally (`atexit`); it then waits for
+  the others to end, fail or leave (at most `_EXIT_WAIT` s), since a peer
+  may still be fetching its part of the last collective from it;
 - nothing when it is killed or calls `os._exit`: its connection closes, and
   rank 0 reports the rank lost, with the last step it reported.
 
@@ -65,6 +67,8 @@ _POLL = 0.25  # seconds between the reader's periodic checks
 _PEER_REPORT = 2.0  # seconds a failed collective waits for a peer's report
 _DEPARTED_GRACE = 1.0  # a collective still in flight this long after a
 #                        peer left can never complete
+_EXIT_WAIT = 60.0  # seconds a rank whose program ended waits for the others
+_EXIT_NOTICE = 5.0  # ... before it says that it waits
 _LOG = logging.getLogger("sok_keras")
 
 
@@ -83,6 +87,11 @@ _SAME_STEPS = (
     "`drop_remainder=True` and split each global batch with "
     "`sok.shard_batches`, or give every rank as many batches of its own "
     "(pad the last ones: docs/failures.md)")
+
+# Added where a peer left while this rank waits in a collective.
+_SAME_CALLS = (
+    ". Every rank must make the same collective calls (lookups, their "
+    "gradients, updates) before any rank ends.")
 
 
 class _Loop:
@@ -132,6 +141,8 @@ class _Channel:
         self.reason = None  # the same, without "sok_keras: rank r: "
         self.reported = False  # this rank reported its own failure
         self.closing = False
+        self.leaving = False  # this rank's program ended (`close`)
+        self._hub_closed = False  # rank > 0: rank 0's connection closed
         self._send_lock = threading.Lock()
         self._threads = []
         self._sock = None  # rank > 0: the connection to rank 0
@@ -201,12 +212,27 @@ class _Channel:
         self._threads.append(t)
 
     def close(self):
-        """Says goodbye and stops the threads (at exit)."""
+        """Says goodbye, waits for the others to end too, and stops the
+        threads (at exit).
+
+        The wait: a collective that has completed here may not have
+        completed on a peer yet, which is still fetching this rank's part
+        of it from this process's TensorFlow server (gRPC). A rank that
+        exited as soon as its last step returned would take that server
+        down, and the peer's step would fail ("Socket closed"). So a rank
+        whose program ended stays until every other rank has ended, failed
+        or is gone (at most `_EXIT_WAIT` s; not after its own failure,
+        which waited already), as `hvd.shutdown` does in Horovod.
+        """
         with self.lock:
-            if self.closing:
+            if self.closing or self.leaving:
                 return
-            self.closing = True
+            self.leaving = True
         self.publish(t="bye")
+        if not self.reported:
+            self._wait_to_leave(_EXIT_WAIT)
+        with self.lock:
+            self.closing = True
         if self._sock is not None:
             _shut(self._sock)
         for t in self._threads:
@@ -312,6 +338,8 @@ class _Channel:
             if not data:
                 with self.lock:
                     known = 0 in self.gone or self.closing
+                    self._hub_closed = True
+                    self.changed.notify_all()
                 if not known:
                     self.receive({"t": "lost", "rank": 0, "who": 0,
                                   "msg": "rank 0 exited without a word"})
@@ -429,7 +457,8 @@ class _Channel:
             return
         waiting = self._collective_waits()
         if waiting:
-            self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}")
+            self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}"
+                       f"{_SAME_CALLS}")
 
     @staticmethod
     def _collective_waits():
@@ -445,7 +474,7 @@ class _Channel:
     def abort(self, reason):
         """Aborts this process's collectives with `reason` (once)."""
         with self.lock:
-            if self.failure is not None or self.closing:
+            if self.failure is not None or self.closing or self.leaving:
                 return
             self.reason = reason
             self.failure = f"sok_keras: rank {self.rank}: {reason}"
@@ -627,6 +656,29 @@ class _Channel:
             return RankDivergedError(cause)
         return None
 
+    def _wait_to_leave(self, timeout):
+        """Waits until every other rank has ended, failed or is gone, or
+        rank 0's connection closed (nothing more can be learnt), at most
+        `timeout` s; says so once the wait is long."""
+        start = time.monotonic()
+        told = False
+        with self.lock:
+            while True:
+                waiting = [r for r in range(self.n) if r != self.rank
+                           and r not in self.failed and r not in self.gone]
+                elapsed = time.monotonic() - start
+                if not waiting or self._hub_closed or elapsed >= timeout:
+                    return
+                if not told and elapsed >= _EXIT_NOTICE:
+                    told = True
+                    _LOG.warning(
+                        "sok_keras: rank %d has ended its program and waits "
+                        "(at most %g s) for rank(s) %s to end theirs: they "
+                        "may still be receiving its part of their last "
+                        "collective", self.rank, timeout,
+                        ", ".join(map(str, waiting)))
+                self.changed.wait(_POLL)
+
     def wait_for_peers(self, timeout):
         """Waits until every other rank has failed or left (at most
         `timeout` s), so that none is stopped before it said why."""
@@ -688,10 +740,8 @@ def explain_failed_collective(error, what, wait=1.0):
     first = (error.message or "").strip().splitlines()
     return type(error)(
         error.node_def, error.op,
-        f"sok_keras: rank {ch.rank}: {what} cannot complete: {why}. Every "
-        "rank must make the same collective calls (lookups, their "
-        "gradients, updates) before any rank ends. (TensorFlow: "
-        f"{first[0][:200] if first else ''})")
+        f"sok_keras: rank {ch.rank}: {what} cannot complete: {why}"
+        f"{_SAME_CALLS} (TensorFlow: {first[0][:200] if first else ''})")
 
 
 def _abort_collectives(message):

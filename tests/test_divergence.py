@@ -277,6 +277,28 @@ def test_custom_loop_rank_that_exits_normally():
                 "all_reduce:custom/loop") in r0["error"], detail
 
 
+def test_a_rank_whose_program_ended_waits_for_the_others():
+    """Before: rank 1 exited as soon as its last lookup returned, taking
+    its TensorFlow server down while rank 0 might still be fetching its
+    part of that lookup (rank 0: "UnavailableError: Socket closed", seen
+    once in CI)."""
+    job = launch(worker_path("exit_wait"), 2, args=["3"], timeout=120)
+    detail = f"{job}\n{job.output}"
+    assert job.returncode == 0, detail
+    assert job.results[0]["peer_alive"] is True, detail
+    assert job.leftovers == []
+
+
+def test_the_wait_at_exit_is_bounded_and_said():
+    job = launch(worker_path("exit_wait"), 2, args=["9", "6"], timeout=120)
+    detail = f"{job}\n{job.output}"
+    assert job.returncode == 0, detail
+    assert job.results[0]["peer_alive"] is False, detail
+    assert ("rank 1 has ended its program and waits (at most 6 s) for "
+            "rank(s) 0 to end theirs") in job.output, detail
+    assert job.leftovers == []
+
+
 # -- the decisions, in one process (no sockets) --------------------------
 
 

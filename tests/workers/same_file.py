@@ -52,10 +52,11 @@ for name in (f"w{RANK}.weights.h5", f"s{RANK}.keras"):
 attempt("save_weights", lambda: model.save_weights(
     os.path.join(folder, f"w{RANK}.weights.h5")))
 attempt("save", lambda: model.save(os.path.join(folder, f"s{RANK}.keras")))
-result["written"] = {
-    n: open(os.path.join(folder, n), "rb").read(3).decode("latin-1")
-    for n in sorted(os.listdir(folder))
-    if "weights" in n or n.startswith(("s", ".s"))}
+if RANK == 0:  # (rank 1 may list rank 0's temporary before it goes)
+    result["written"] = {
+        n: open(os.path.join(folder, n), "rb").read(3).decode("latin-1")
+        for n in sorted(os.listdir(folder))
+        if "weights" in n or n.startswith(("s", ".s"))}
 # sok.dump into another folder on each rank: refused, nothing left.
 own = os.path.join(folder, f"d{RANK}")
 attempt("sok_dump", lambda: sok.dump(own, model))
