@@ -39,10 +39,12 @@ all raise. Ranks that run the same number of steps exchange nothing but
 one short message per step to rank 0.
 
 Limits. A rank alive but stalled says nothing: the communicator's watchdog
-(`SOK_COMM_TIMEOUT`) still finds it, and when rank 0 is the one that
-waited, its error lists where each other rank last reported and how long
-ago (the stalled rank's report is as old as the timeout). A host that
-vanishes without closing its connections (power loss, network partition)
+(`SOK_COMM_TIMEOUT`) still finds it, and the error of a rank whose
+collective timed out lists where each other rank last reported and how
+long ago (the stalled rank's report is as old as the timeout; rank 0 keeps
+these reports, its own included, and its reader thread answers a rank
+that asks, even while its main thread stalls). A host that vanishes
+without closing its connections (power loss, network partition)
 is found by the coordination service's heartbeat
 (`SOK_HEARTBEAT_TIMEOUT`, 10 s). If rank 0 is gone, the others learn it but can no longer tell each other anything.
 Under the NCCL backend the NCCL communicator is aborted too
@@ -87,6 +89,10 @@ _SAME_STEPS = (
     "`drop_remainder=True` and split each global batch with "
     "`sok.shard_batches`, or give every rank as many batches of its own "
     "(pad the last ones: docs/failures.md)")
+
+# Reports that rank 0 keeps to itself: progress (one per step), and a
+# rank's question where every rank last was (answered to it alone).
+_LOCAL = ("progress", "where?")
 
 # Added where a peer left while this rank waits in a collective.
 _SAME_CALLS = (
@@ -135,8 +141,10 @@ class _Channel:
         self.pending_divergence = None
         self.gone = {}  # rank -> (monotonic time, message)
         # rank -> ("step k of epoch e of fit", when it was reported);
-        # rank 0 only (progress is not relayed).
+        # rank 0 only (progress is not relayed), its own included.
         self.progress = {}
+        # rank > 0: rank 0's answer to "where is everyone?" (`_ask_where`).
+        self.where_answer = None
         self.failure = None  # why this rank's collectives were aborted
         self.reason = None  # the same, without "sok_keras: rank r: "
         self.reported = False  # this rank reported its own failure
@@ -175,11 +183,11 @@ class _Channel:
     def _relay(self, msg):
         """Rank 0: forwards `msg` to every rank but its sender."""
         with self.lock:
-            if msg.get("t") != "progress" and self._backlog is not None:
+            if msg.get("t") not in _LOCAL and self._backlog is not None:
                 self._backlog.append(msg)
             peers = list(self._peers.items())
         for r, sock in peers:
-            if r != msg["rank"] and msg.get("t") != "progress":
+            if r != msg["rank"] and msg.get("t") not in _LOCAL:
                 self._send_to(sock, msg)
 
     # -- starting and stopping ---------------------------------------------
@@ -308,6 +316,10 @@ class _Channel:
                 self._send_to(sock, m)
             return
         msg["rank"] = state[1]  # a rank speaks for itself only
+        if msg.get("t") == "where?":
+            self._send_to(sock, {"t": "where", "rank": 0,
+                                 "reports": self._reports(state[1])})
+            return
         self._relay(msg)
         self.receive(msg)
 
@@ -368,6 +380,10 @@ class _Channel:
         with self.lock:
             if kind == "progress":
                 self.progress[r] = (msg.get("where"), time.monotonic())
+                return
+            if kind == "where":
+                self.where_answer = msg.get("reports") or []
+                self.changed.notify_all()
                 return
             if kind == "epoch_end":
                 self.peer_ends[(r, msg["lid"], msg["epoch"])] = msg["steps"]
@@ -508,6 +524,8 @@ class _Channel:
         with self.lock:
             loop.step = step
             where = loop.where()
+            if self.rank == 0:
+                self.progress[0] = (where, time.monotonic())
             reason = self.failure or self.diverged()
         self.publish(t="progress", where=where)
         if reason is not None:
@@ -623,10 +641,6 @@ class _Channel:
             cause = self.failure
             where = loop.where() if loop is not None else "outside a loop"
             self.reported = True
-            now = time.monotonic()
-            peers = [f"rank {r} at {w}, {now - t:.0f} s ago"
-                     for r, (w, t) in sorted(self.progress.items())
-                     if r not in self.failed and r not in self.gone]
         # A collective that failed after this rank aborted them: the abort's
         # reason is the error. Any other error is this rank's own.
         ours = isinstance(error, RankDivergedError) or (
@@ -642,9 +656,16 @@ class _Channel:
             if mine:
                 first = [f"{type(error).__name__}: {mine[0]}"]
             text = f"rank {self.rank} failed at {where}: {first[0][:500]}"
-            if peers and isinstance(error, tf.errors.DeadlineExceededError):
+            peers = []
+            if isinstance(error, tf.errors.DeadlineExceededError):
                 # A peer alive but stalled (or slow) says nothing; rank 0
-                # knows where each rank last was.
+                # knows where each rank last was (itself included), and
+                # tells the others.
+                reports = (self._reports(0) if self.rank == 0
+                           else self._ask_where())
+                peers = [f"rank {r} at {w}, {age:.0f} s ago"
+                         for r, w, age in reports]
+            if peers:
                 text += (f" (the other ranks' last reports: "
                          f"{'; '.join(peers)}: a rank whose report is old "
                          "is stalled or slow)")
@@ -655,6 +676,29 @@ class _Channel:
         if ours and not isinstance(error, RankDivergedError):
             return RankDivergedError(cause)
         return None
+
+    def _reports(self, asker):
+        """Rank 0: [(rank, where it last reported, seconds ago)] of the
+        ranks alive but `asker`."""
+        now = time.monotonic()
+        with self.lock:
+            return [(r, w, now - t) for r, (w, t) in sorted(
+                self.progress.items()) if r != asker
+                and r not in self.failed and r not in self.gone]
+
+    def _ask_where(self, wait=1.0):
+        """Rank > 0: rank 0's `_reports` for this rank (its reader thread
+        answers while its main thread stalls), or [] within `wait` s."""
+        with self.lock:
+            self.where_answer = None
+        if self._sock is None or self._hub_closed:
+            return []
+        self._send_to(self._sock, {"t": "where?", "rank": self.rank})
+        deadline = time.monotonic() + wait
+        with self.lock:
+            while self.where_answer is None and time.monotonic() < deadline:
+                self.changed.wait(max(0.0, deadline - time.monotonic()))
+            return [tuple(x) for x in self.where_answer or ()]
 
     def _wait_to_leave(self, timeout):
         """Waits until every other rank has ended, failed or is gone, or

@@ -200,6 +200,27 @@ def test_a_stalled_rank_is_named_by_rank_0():
     assert int(said.group(1)) >= 5, detail  # the timeout's age, not fresh
 
 
+def test_a_stalled_rank_0_is_named_by_the_others():
+    """Rank 0 stalls before step 5: rank 1's collective times out, and its
+    error says where rank 0 last reported (rank 0's reader thread answers
+    while its main thread sleeps; before: rank 1 named no rank, and rank 0
+    then failed "because rank 1 failed")."""
+    job = launch(worker_path("divergence_fit"), 2, ["8", "8", "stall0"],
+                 timeout=TIMEOUT, env=dict(ENV, SOK_COMM_TIMEOUT="6"))
+    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
+    assert job.returncode == 0, detail
+    r0, r1 = job.results[0], job.results[1]
+    assert r1["type"] == "DeadlineExceededError", detail
+    assert r0["type"] == "RankDivergedError", detail
+    said = re.search(r"rank 1 failed at step 5 of epoch 1 of fit: "
+                     r"DeadlineExceededError: .*\(the other ranks' last "
+                     r"reports: rank 0 at step 5 of epoch 1 of fit, (\d+) s "
+                     r"ago: a rank whose report is old is stalled or slow\)",
+                     r0["error"])
+    assert said, detail
+    assert int(said.group(1)) >= 5, detail
+
+
 def test_rank_that_raises_and_ends_the_program():
     # sokrun stops the job when rank 1 exits 1; rank 0 has said why first.
     job, detail = _job(8, 8, "raise_uncaught")

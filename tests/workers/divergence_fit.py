@@ -9,7 +9,8 @@ in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 validation data of unknown length, through `.filter`, and GlobalMetrics:
 Keras then begins one more step per epoch, which finds the data empty);
 "spe" (steps_per_execution=3: Keras reports one step per execution);
-"stall" (rank 1 sleeps 15 s before step 5: a stalled rank);
+"stall" (rank 1 sleeps 15 s before step 5: a stalled rank; "stall0":
+rank 0 does);
 "spe_validate" (the same, with validation data of 1 batch on rank 0 and
 2 on rank 1: both inside one execution).
 Each rank writes what fit (and save) raised.
@@ -50,6 +51,8 @@ class Trouble(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_train_batch_begin(self, batch, logs=None):
+        if RANK == 0 and batch == 4 and EXTRA == "stall0":
+            time.sleep(15)
         if RANK == 1 and batch == 4:
             if EXTRA.startswith("raise"):
                 raise RuntimeError("rank 1 fails on purpose at step 5")
