@@ -36,9 +36,12 @@ rank exited 0.
 Each rank runs in its own process group, and its first process dies with
 sokrun even if sokrun is killed with SIGKILL (PR_SET_PDEATHSIG on Linux).
 
-Limits: the ports are free when sokrun picks them and are released before
-the ranks bind them, so another program could take one in between (the
-job then fails at startup; run it again). If sokrun is killed with SIGKILL,
+sokrun holds each rank's port (a socket bound with SO_REUSEADDR, never
+listening) until the job ends: the rank's server binds it, no other
+program's `bind` gets it meanwhile.
+
+Limits: a program that binds with SO_REUSEADDR to one of these ports on
+purpose can still take it first. If sokrun is killed with SIGKILL,
 processes that a rank started itself (grandchildren) are not stopped by
 PR_SET_PDEATHSIG; with any other ending they are (process-group kill).
 With `SOK_BIND_GUARD=0`, or a program whose TensorFlow does not load the
@@ -64,18 +67,26 @@ _TAIL_LINES = 20
 
 
 def _free_ports(n):
-    """Returns `n` distinct free TCP ports (checked on every interface: TF's
-    gRPC server listens on all of them)."""
+    """Returns `n` distinct free TCP ports (free on every interface) and the
+    sockets that hold them until the job ends (close them then).
+
+    Each socket stays bound (with SO_REUSEADDR, never listening), so the
+    rank's own server (also SO_REUSEADDR) can bind and listen on the port,
+    while the kernel hands the port to no other `bind(port 0)` meanwhile:
+    another job started at the same moment cannot pick it.
+    """
     socks = []
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks], socks
+    except BaseException:
         for s in socks:
             s.close()
+        raise
 
 
 def bind_guard_library():
@@ -285,7 +296,7 @@ def main(argv=None):
     """
     ns = _parse(sys.argv[1:] if argv is None else list(argv))
     n = ns.np
-    ports = _free_ports(n)
+    ports, held = _free_ports(n)
     addrs = ",".join(f"127.0.0.1:{p}" for p in ports)
     printer = _Printer()
     stop = {"signal": None}
@@ -352,6 +363,8 @@ def main(argv=None):
                 t.join(timeout=2.0)
         for s, h in old_handlers.items():
             signal.signal(s, h)
+        for sock in held:
+            sock.close()
     return code
 
 

@@ -241,3 +241,30 @@ def test_sigterm_to_a_rank_stops_the_job_promptly():
     assert job.elapsed < 40, (job.elapsed, job.output)
     assert "SIGTERM" in job.output, job.output
     assert not job.leftovers
+
+
+def test_the_ranks_ports_are_held_until_the_job_ends():
+    """sokrun picks a free port per rank and keeps it bound (SO_REUSEADDR,
+    not listening) for the job: the rank's own server can listen on it,
+    no other program can bind it meanwhile (before: the port was released
+    at once, and a job starting at the same moment could be given it)."""
+    import socket
+
+    import sokrun
+
+    ports, held = sokrun._free_ports(2)
+    try:
+        assert len(set(ports)) == 2
+        for port in ports:
+            other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            with pytest.raises(OSError):
+                other.bind(("", port))  # another program: refused
+            other.close()
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))  # the rank's server: fine
+            server.listen()
+            server.close()
+    finally:
+        for s in held:
+            s.close()

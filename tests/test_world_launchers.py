@@ -13,26 +13,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "seed_example.py")
 
 
+_HELD = []  # the sockets holding the ports of this test's ranks
+
+
+@pytest.fixture(autouse=True)
+def _release_held_ports():
+    yield
+    while _HELD:
+        _HELD.pop().close()
+
+
 def _free_port_block(count):
-    """A base port p such that p+1..p+count were free just now."""
+    """A base port p such that p+1..p+count are free; they stay bound (with
+    SO_REUSEADDR, not listening) until the test ends, as sokrun holds its
+    ports: the ranks can listen on them, no other test's job can take one
+    while these ranks start."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
         if base + count >= 65535:
             continue
+        socks = []
         try:
-            socks = []
             for i in range(1, count + 1):
                 t = socket.socket()
                 socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
+                t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                t.bind(("", base + i))
         except OSError:
-            continue
-        finally:
             for t in socks:
                 t.close()
+            continue
+        _HELD.extend(socks)
+        return base
     raise RuntimeError("no free port block")
 
 
@@ -191,28 +205,34 @@ def test_a_rank_waiting_for_its_peers_stops_on_a_signal_to_its_group(sig):
     proc = _start_lone_rank_0(timeout=300, start_new_session=True)
     try:
         # Wait for the watch (a child process running sok's watch code:
-        # other children may come and go first) and a moment for it to
-        # set up its handlers.
+        # other children may come and go first) to catch SIGHUP, SIGINT
+        # and SIGTERM (its handlers are set up).
         children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+        wanted = ((1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1))
+                  | (1 << (signal.SIGTERM - 1)))
 
-        def watch_running():
+        def watch_ready():
             try:
                 with open(children) as f:
                     pids = f.read().split()
                 for pid in pids:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if b"select.select" in f.read():
-                            return True
-            except OSError:
+                        if b"select.select" not in f.read():
+                            continue
+                    with open(f"/proc/{pid}/status") as f:
+                        caught = next(int(line.split()[1], 16) for line in f
+                                      if line.startswith("SigCgt:"))
+                    if caught & wanted == wanted:
+                        return True
+            except (OSError, StopIteration):
                 pass
             return False
 
         deadline = time.monotonic() + 120
         while (time.monotonic() < deadline and proc.poll() is None
-               and not watch_running()):
+               and not watch_ready()):
             time.sleep(0.1)
-        assert watch_running(), "the watch did not start"
-        time.sleep(1.0)
+        assert watch_ready(), "the watch did not start"
         start = time.monotonic()
         os.killpg(proc.pid, getattr(signal, sig))
         out, _ = proc.communicate(timeout=60)

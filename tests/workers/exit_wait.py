@@ -1,8 +1,8 @@
 """Both ranks make one lookup; then rank 1's program ends at once while
 rank 0 stays on for `argv[1]` seconds (as if it were still fetching rank
 1's part of the last collective). Rank 0 records whether rank 1's process
-was still alive at the end; argv[2] (optional) lowers the exit wait's cap.
-Rank 1 records when its program ended, rank 0 when it looked."""
+was still alive at the end, and after how many seconds it went; argv[2]
+(optional) lowers the exit wait's cap."""
 
 import os
 import sys
@@ -47,5 +47,11 @@ else:
 
     with open(path) as f:
         peer = json.load(f)
-    time.sleep(stay)
-    write_result({"peer_alive": alive(peer["pid"]), "looked": time.time()})
+    # Stays `stay` s watching rank 1, or until it went: after how long
+    # (None: still alive)?
+    start, gone_after = time.monotonic(), None
+    while time.monotonic() - start < stay and gone_after is None:
+        if not alive(peer["pid"]):
+            gone_after = time.monotonic() - start
+        time.sleep(0.02)
+    write_result({"peer_alive": alive(peer["pid"]), "gone_after": gone_after})

@@ -16,7 +16,7 @@ table = sok.Variable(np.ones((20, 2)), dtype="float32", name="t")
 ids = tf.constant([[1, 2], [3, -1]], tf.int64)
 sok.lookup_sparse(table, ids).numpy()  # both ranks
 if RANK == 0:
-    time.sleep(1.0)  # rank 1 has ended by now
+    time.sleep(1.0)  # rank 1's program has ended by now (it waits at exit)
     t0 = time.monotonic()
     try:
         sok.lookup_sparse(table, ids).numpy()
