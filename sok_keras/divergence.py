@@ -15,9 +15,10 @@ Each rank reports:
   the step, tracked by a callback that the hooked loops put first);
 - "finished epoch e after step k" when its data for an epoch ran out;
 - "failed at step k: <error>" when a loop, or the program, raises;
-- "bye" when the process exits normally (`atexit`); it then waits for
-  the others to end, fail or leave (at most `_EXIT_WAIT` s), since a peer
-  may still be fetching its part of the last collective from it;
+- "bye" when the process exits normally (`atexit`); it then waits until
+  each other rank has ended, failed, left, or released it (no collective
+  begun before the goodbye in flight there; at most `_EXIT_WAIT` s),
+  since a peer may still be fetching its part of the last collective;
 - nothing when it is killed or calls `os._exit`: its connection closes, and
   rank 0 reports the rank lost, with the last step it reported.
 
@@ -55,6 +56,7 @@ Under the NCCL backend the NCCL communicator is aborted too
 import atexit
 import json
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -71,6 +73,8 @@ _DEPARTED_GRACE = 1.0  # a collective still in flight this long after a
 #                        peer left can never complete
 _EXIT_WAIT = 60.0  # seconds a rank whose program ended waits for the others
 _EXIT_NOTICE = 5.0  # ... before it says that it waits
+_FINISHING_GRACE = 10.0  # a collective begun before a peer left may still
+#                          complete (the peer serves its part) this long
 _LOG = logging.getLogger("sok_keras")
 
 
@@ -90,9 +94,9 @@ _SAME_STEPS = (
     "`sok.shard_batches`, or give every rank as many batches of its own "
     "(pad the last ones: docs/failures.md)")
 
-# Reports that rank 0 keeps to itself: progress (one per step), and a
-# rank's question where every rank last was (answered to it alone).
-_LOCAL = ("progress", "where?")
+# Reports that rank 0 keeps to itself: progress (one per step).
+# ("where?" and "released" go to one rank only: `_hub_line`.)
+_LOCAL = ("progress",)
 
 # Added where a peer left while this rank waits in a collective.
 _SAME_CALLS = (
@@ -151,6 +155,12 @@ class _Channel:
         self.closing = False
         self.leaving = False  # this rank's program ended (`close`)
         self._hub_closed = False  # rank > 0: rank 0's connection closed
+        # Peers whose program ended, waiting for this rank to release them
+        # (no collective begun before their goodbye in flight here):
+        # rank -> when the goodbye came.
+        self.to_release = {}
+        self.released = set()  # the ranks that released this one
+        self._pid = os.getpid()  # (a forked child has no channel)
         self._send_lock = threading.Lock()
         self._threads = []
         self._sock = None  # rank > 0: the connection to rank 0
@@ -230,17 +240,28 @@ class _Channel:
         down, and the peer's step would fail ("Socket closed"). So a rank
         whose program ended stays until every other rank has ended, failed
         or is gone (at most `_EXIT_WAIT` s; not after its own failure,
-        which waited already), as `hvd.shutdown` does in Horovod.
+        which waited already), as `hvd.shutdown` does in Horovod. A peer
+        that has no collective begun before the goodbye in flight releases
+        it at once (one that is preprocessing, say), so a program that ends
+        early after an error of its own is not held back.
         """
+        if os.getpid() != self._pid:
+            return  # a child forked by the program: not a rank
         with self.lock:
             if self.closing or self.leaving:
                 return
             self.leaving = True
-        self.publish(t="bye")
-        if not self.reported:
-            self._wait_to_leave(_EXIT_WAIT)
-        with self.lock:
-            self.closing = True
+        try:
+            self.publish(t="bye")
+            if not self.reported:
+                self._wait_to_leave(_EXIT_WAIT)
+        finally:  # (also after a Ctrl-C in the wait)
+            with self.lock:
+                self.closing = True
+            self._stop()
+
+    def _stop(self):
+        """Closes the sockets and stops the threads."""
         if self._sock is not None:
             _shut(self._sock)
         for t in self._threads:
@@ -320,6 +341,16 @@ class _Channel:
             self._send_to(sock, {"t": "where", "rank": 0,
                                  "reports": self._reports(state[1])})
             return
+        if msg.get("t") == "released":  # for one rank only
+            to = msg.get("to")
+            if to == 0:
+                self.receive(msg)
+            else:
+                with self.lock:
+                    target = self._peers.get(to)
+                if target is not None:
+                    self._send_to(target, msg)
+            return
         self._relay(msg)
         self.receive(msg)
 
@@ -385,6 +416,11 @@ class _Channel:
                 self.where_answer = msg.get("reports") or []
                 self.changed.notify_all()
                 return
+            if kind == "released":
+                if msg.get("to") == self.rank:
+                    self.released.add(r)
+                    self.changed.notify_all()
+                return
             if kind == "epoch_end":
                 self.peer_ends[(r, msg["lid"], msg["epoch"])] = msg["steps"]
             elif kind == "loop_done":
@@ -394,12 +430,44 @@ class _Channel:
             elif kind in ("bye", "lost"):
                 self.gone.setdefault(r, (time.monotonic(), msg.get(
                     "msg", f"rank {r} has exited (its program ended)")))
+                if kind == "bye":
+                    self.to_release.setdefault(r, time.monotonic())
                 if kind == "lost":
                     self.failed.setdefault(r, msg.get("msg", ""))
             self.changed.notify_all()
             reason = self.diverged()
         if reason is not None:
             self.abort(reason)
+        if kind == "bye":
+            self._release()
+
+    def _release(self):
+        """Tells each peer whose program ended, once no collective begun
+        before its goodbye is in flight here, that it may go."""
+        with self.lock:
+            if not self.to_release:
+                return
+            pending = dict(self.to_release)
+        now = time.monotonic()
+        try:
+            from sok_keras import inflight
+
+            running = [s for _, s in inflight.snapshot()]
+        except Exception:  # interpreter shutting down
+            running = []
+        for r, since in pending.items():
+            if any(s >= now - since for s in running):
+                continue  # begun before the goodbye: may need rank r
+            with self.lock:
+                self.to_release.pop(r, None)
+            msg = {"t": "released", "rank": self.rank, "to": r}
+            if self.rank == 0:
+                with self.lock:
+                    sock = self._peers.get(r)
+                if sock is not None:
+                    self._send_to(sock, msg)
+            elif self._sock is not None:
+                self._send_to(self._sock, msg)
 
     def diverged(self):
         """Why this rank cannot go on, or None (call with the lock)."""
@@ -464,25 +532,31 @@ class _Channel:
         if reason is not None:
             self.abort(reason)
             return
+        self._release()
         with self.lock:
             if self.failure is not None or not self.gone:
                 return
             left = min(t for t, _ in self.gone.values())
             r, (_, why) = min(self.gone.items())
-        if time.monotonic() - left < _DEPARTED_GRACE:
+        since = time.monotonic() - left
+        if since < _DEPARTED_GRACE:
             return
-        waiting = self._collective_waits()
+        # Begun after the peer left: never completes. Begun before: the
+        # peer (waiting at its exit) may still serve its part of it.
+        waiting = [k for k, s in self._collective_waits(with_age=True)
+                   if s < since or since > _FINISHING_GRACE]
         if waiting:
             self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}"
                        f"{_SAME_CALLS}")
 
     @staticmethod
-    def _collective_waits():
-        """The collectives in flight here for over `_DEPARTED_GRACE` s."""
+    def _collective_waits(with_age=False):
+        """The collectives in flight here for over `_DEPARTED_GRACE` s (with
+        `with_age`: as `(key, seconds)`)."""
         try:
             from sok_keras import inflight
 
-            return [k for k, s in inflight.snapshot()
+            return [(k, s) if with_age else k for k, s in inflight.snapshot()
                     if s > _DEPARTED_GRACE]
         except Exception:  # interpreter shutting down
             return []
@@ -709,7 +783,8 @@ class _Channel:
         with self.lock:
             while True:
                 waiting = [r for r in range(self.n) if r != self.rank
-                           and r not in self.failed and r not in self.gone]
+                           and r not in self.failed and r not in self.gone
+                           and r not in self.released]
                 elapsed = time.monotonic() - start
                 if not waiting or self._hub_closed or elapsed >= timeout:
                     return

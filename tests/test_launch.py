@@ -244,10 +244,11 @@ def test_sigterm_to_a_rank_stops_the_job_promptly():
 
 
 def test_the_ranks_ports_are_held_until_the_job_ends():
-    """sokrun picks a free port per rank and keeps it bound (SO_REUSEADDR,
-    not listening) for the job: the rank's own server can listen on it,
-    no other program can bind it meanwhile (before: the port was released
-    at once, and a job starting at the same moment could be given it)."""
+    """sokrun's `_free_ports` picks a free port per rank and keeps it bound
+    (SO_REUSEADDR, not listening; `main` closes the sockets when the job
+    ends): the rank's own server can listen on it, no other program can
+    bind it meanwhile (before: the port was released at once, and a job
+    starting at the same moment could be given it)."""
     import socket
 
     import sokrun

@@ -39,8 +39,11 @@ def _free_port_block(count):
             for i in range(1, count + 1):
                 t = socket.socket()
                 socks.append(t)
-                t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                # Bound first without SO_REUSEADDR, so that a port another
+                # job holds (bound with it) is refused, then marked so that
+                # the rank's own server can bind it over this socket.
                 t.bind(("", base + i))
+                t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         except OSError:
             for t in socks:
                 t.close()
