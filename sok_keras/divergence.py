@@ -443,9 +443,12 @@ class _Channel:
 
     def _release(self):
         """Tells each peer whose program ended, once no collective begun
-        before its goodbye is in flight here, that it may go."""
+        before its goodbye is in flight here and no loop runs here, that
+        it may go."""
         with self.lock:
-            if not self.to_release:
+            # Not inside fit / evaluate / predict: a step may run
+            # collectives that `inflight` does not see (a strategy's own).
+            if not self.to_release or self.stack:
                 return
             pending = dict(self.to_release)
         now = time.monotonic()

@@ -533,3 +533,21 @@ def test_a_peer_is_released_once_no_collective_begun_before_it_left_runs():
         assert sent == [{"t": "released", "rank": 0, "to": 2}]
     finally:
         inflight.end(x, token)
+
+
+def test_a_peer_is_not_released_while_a_loop_runs_here():
+    """Inside fit / evaluate / predict a step may run collectives that the
+    in-flight registry does not see (a tf.distribute strategy's own): the
+    peer is released when the loop has ended."""
+    ch, _ = _channel(rank=0)
+    sent = []
+    ch._send_to = lambda sock, msg: sent.append(msg)
+    ch._peers = {1: object()}
+    loop = ch.begin_loop("fit")
+    ch.loop_done[(1, loop.lid)] = 0  # rank 1 ended the same loop
+    ch.receive({"t": "bye", "rank": 1})
+    ch._release()
+    assert sent == []
+    ch.end_loop(loop)
+    ch._release()
+    assert sent == [{"t": "released", "rank": 0, "to": 1}]
