@@ -5,6 +5,8 @@ with a message naming the rank and the step, not after SOK_COMM_TIMEOUT."""
 import re
 import types
 
+import pytest
+
 from tests.multiprocess import launch
 from tests.multiprocess import worker_path
 
@@ -179,46 +181,30 @@ def test_rank_that_raises_mid_fit():
                 detail)
 
 
-def test_a_stalled_rank_is_named_by_rank_0():
-    """Rank 1 stalls (alive, silent) before step 5: rank 0's collective
-    times out (SOK_COMM_TIMEOUT), and its error says where each other rank
-    last reported, and how long ago (before: only rank 0's own timeout,
-    which sokrun showed as "rank 0 failed")."""
-    job = launch(worker_path("divergence_fit"), 2, ["8", "8", "stall"],
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_a_stalled_rank_is_named(stalled):
+    """Rank `stalled` stalls (alive, silent) before step 5: the other's
+    collective times out (SOK_COMM_TIMEOUT), and its error says where the
+    stalled rank last reported, and how long ago. Before: only rank 0 knew
+    (rank 1 stalled: rank 0's timeout alone, which sokrun showed as "rank 0
+    failed"); a stalled rank 0 was named by no rank, and then failed
+    "because rank 1 failed". Rank 0's reader thread answers while its main
+    thread sleeps."""
+    waited = 1 - stalled
+    job = launch(worker_path("divergence_fit"), 2,
+                 ["8", "8", "stall" if stalled else "stall0"],
                  timeout=TIMEOUT, env=dict(ENV, SOK_COMM_TIMEOUT="6"))
     detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
     assert job.returncode == 0, detail
-    r0, r1 = job.results[0], job.results[1]
-    assert r0["type"] == "DeadlineExceededError", detail
-    assert r1["type"] == "RankDivergedError", detail
-    said = re.search(r"rank 0 failed at step 5 of epoch 1 of fit: "
+    assert job.results[waited]["type"] == "DeadlineExceededError", detail
+    assert job.results[stalled]["type"] == "RankDivergedError", detail
+    said = re.search(rf"rank {waited} failed at step 5 of epoch 1 of fit: "
                      r"DeadlineExceededError: .*\(the other ranks' last "
-                     r"reports: rank 1 at step 5 of epoch 1 of fit, (\d+) s "
-                     r"ago: a rank whose report is old is stalled or slow\)",
-                     r1["error"])
+                     rf"reports: rank {stalled} at step 5 of epoch 1 of fit, "
+                     r"(\d+) s ago: a rank whose report is old is stalled "
+                     r"or slow\)", job.results[stalled]["error"])
     assert said, detail
     assert int(said.group(1)) >= 5, detail  # the timeout's age, not fresh
-
-
-def test_a_stalled_rank_0_is_named_by_the_others():
-    """Rank 0 stalls before step 5: rank 1's collective times out, and its
-    error says where rank 0 last reported (rank 0's reader thread answers
-    while its main thread sleeps; before: rank 1 named no rank, and rank 0
-    then failed "because rank 1 failed")."""
-    job = launch(worker_path("divergence_fit"), 2, ["8", "8", "stall0"],
-                 timeout=TIMEOUT, env=dict(ENV, SOK_COMM_TIMEOUT="6"))
-    detail = f"\n--- output ({job.elapsed:.1f} s) ---\n{job.output}"
-    assert job.returncode == 0, detail
-    r0, r1 = job.results[0], job.results[1]
-    assert r1["type"] == "DeadlineExceededError", detail
-    assert r0["type"] == "RankDivergedError", detail
-    said = re.search(r"rank 1 failed at step 5 of epoch 1 of fit: "
-                     r"DeadlineExceededError: .*\(the other ranks' last "
-                     r"reports: rank 0 at step 5 of epoch 1 of fit, (\d+) s "
-                     r"ago: a rank whose report is old is stalled or slow\)",
-                     r0["error"])
-    assert said, detail
-    assert int(said.group(1)) >= 5, detail
 
 
 def test_rank_that_raises_and_ends_the_program():
