@@ -182,6 +182,18 @@ class _Channel:
         except OSError:
             pass  # the peer is gone; its reader reports it
 
+    def _send_to_rank(self, r, msg):
+        """Sends `msg` to rank `r` alone: from rank 0 directly, from the
+        others through rank 0 (which routes it by its `to`)."""
+        if self.rank != 0:
+            if self._sock is not None:
+                self._send_to(self._sock, msg)
+            return
+        with self.lock:
+            sock = self._peers.get(r)
+        if sock is not None:
+            self._send_to(sock, msg)
+
     def publish(self, **msg):
         """Tells every other rank `msg` (a dict; `rank` is added)."""
         msg["rank"] = self.rank
@@ -238,8 +250,8 @@ class _Channel:
         of it from this process's TensorFlow server (gRPC). A rank that
         exited as soon as its last step returned would take that server
         down, and the peer's step would fail ("Socket closed"). So a rank
-        whose program ended stays until every other rank has ended, failed
-        or is gone (at most `_EXIT_WAIT` s; not after its own failure,
+        whose program ended stays until every other rank has ended, failed,
+        is gone or released it (at most `_EXIT_WAIT` s; not after its own failure,
         which waited already), as `hvd.shutdown` does in Horovod. A peer
         that has no collective begun before the goodbye in flight releases
         it at once (one that is preprocessing, say), so a program that ends
@@ -342,14 +354,10 @@ class _Channel:
                                  "reports": self._reports(state[1])})
             return
         if msg.get("t") == "released":  # for one rank only
-            to = msg.get("to")
-            if to == 0:
+            if msg.get("to") == 0:
                 self.receive(msg)
             else:
-                with self.lock:
-                    target = self._peers.get(to)
-                if target is not None:
-                    self._send_to(target, msg)
+                self._send_to_rank(msg.get("to"), msg)
             return
         self._relay(msg)
         self.receive(msg)
@@ -463,14 +471,8 @@ class _Channel:
                 continue  # begun before the goodbye: may need rank r
             with self.lock:
                 self.to_release.pop(r, None)
-            msg = {"t": "released", "rank": self.rank, "to": r}
-            if self.rank == 0:
-                with self.lock:
-                    sock = self._peers.get(r)
-                if sock is not None:
-                    self._send_to(sock, msg)
-            elif self._sock is not None:
-                self._send_to(self._sock, msg)
+            self._send_to_rank(r, {"t": "released", "rank": self.rank,
+                                   "to": r})
 
     def diverged(self):
         """Why this rank cannot go on, or None (call with the lock)."""
@@ -546,20 +548,20 @@ class _Channel:
             return
         # Begun after the peer left: never completes. Begun before: the
         # peer (waiting at its exit) may still serve its part of it.
-        waiting = [k for k, s in self._collective_waits(with_age=True)
+        waiting = [k for k, s in self._collective_waits()
                    if s < since or since > _FINISHING_GRACE]
         if waiting:
             self.abort(f"{why}; rank {self.rank} waits in {waiting[0]}"
                        f"{_SAME_CALLS}")
 
     @staticmethod
-    def _collective_waits(with_age=False):
-        """The collectives in flight here for over `_DEPARTED_GRACE` s (with
-        `with_age`: as `(key, seconds)`)."""
+    def _collective_waits():
+        """The collectives in flight here for over `_DEPARTED_GRACE` s, as
+        `(key, seconds)`."""
         try:
             from sok_keras import inflight
 
-            return [(k, s) if with_age else k for k, s in inflight.snapshot()
+            return [(k, s) for k, s in inflight.snapshot()
                     if s > _DEPARTED_GRACE]
         except Exception:  # interpreter shutting down
             return []
@@ -778,9 +780,9 @@ class _Channel:
             return [tuple(x) for x in self.where_answer or ()]
 
     def _wait_to_leave(self, timeout):
-        """Waits until every other rank has ended, failed or is gone, or
-        rank 0's connection closed (nothing more can be learnt), at most
-        `timeout` s; says so once the wait is long."""
+        """Waits until every other rank has ended, failed, is gone or has
+        released this one, or rank 0's connection closed (nothing more can
+        be learnt), at most `timeout` s; says so once the wait is long."""
         start = time.monotonic()
         told = False
         with self.lock:
@@ -896,8 +898,10 @@ def start(world):
         return
     ch = _Channel(world.rank, world.num_ranks, _abort_collectives)
     if world.rank == 0:
-        host = world.worker_addrs[0].rsplit(":", 1)[0].strip("[]")
-        if host in ("", "0.0.0.0", "::", "*"):
+        from sok_keras import world as world_module
+
+        host = world_module._host_of(world.worker_addrs[0])
+        if host in world_module._WILDCARDS:
             host = ""
         ch.start_hub(host)
     else:

@@ -381,7 +381,7 @@ def test_peer_that_ran_out_of_data_aborts_the_rank_that_did_not():
     ch.step(loop, 5)
     ch._periodic()
     assert aborted == [] and ch.pending_divergence is not None
-    ch._collective_waits = lambda: ["all_to_all:t/ids"]
+    ch._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]
     ch._periodic()
     assert len(aborted) == 1
     assert "rank 1 finished after step 4; rank 0 is at step 5" in aborted[0]
@@ -416,7 +416,7 @@ def test_a_step_that_finds_the_data_empty_is_not_counted():
     ch.receive({"t": "epoch_end", "rank": 1, "lid": loop.lid, "epoch": 0,
                 "steps": 3})
     ch.end_epoch(loop)
-    ch._collective_waits = lambda: ["all_reduce:global_metrics/epoch"]
+    ch._collective_waits = lambda: [("all_reduce:global_metrics/epoch", 2.0)]
     ch._periodic()
     assert aborted == [] and ch.my_ends[(loop.lid, 0)] == 3
 
@@ -428,7 +428,7 @@ def test_peer_report_while_this_rank_waits_in_a_step_aborts():
         ch.step(loop, step)
         if step < 3:
             ch.step_done(loop, step)
-    ch._collective_waits = lambda: ["all_to_all:t/ids"]  # step 3 waits
+    ch._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]  # step 3 waits
     ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
                 "steps": 2})
     ch._periodic()
