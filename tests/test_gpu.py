@@ -164,6 +164,12 @@ RULES = {
     "rmsprop": (3, lambda v, s, i, g: sparse_kernels.sparse_rmsprop(
         v, s[0], i, g, 0.01, 0.9, 0.5, 1e-7, momentum_slot=s[1],
         average_gradient=s[2])),
+    "adamax": (2, lambda v, s, i, g: sparse_kernels.sparse_adamax(
+        v, s[0], s[1], i, g, 0.01, 3, beta_1=0.85, beta_2=0.99)),
+    "adadelta": (2, lambda v, s, i, g: sparse_kernels.sparse_adadelta(
+        v, s[0], s[1], i, g, 0.5, rho=0.9, epsilon=1e-6)),
+    "lion": (1, lambda v, s, i, g: sparse_kernels.sparse_lion(
+        v, s[0], i, g, 0.01, beta_1=0.8, beta_2=0.95)),
 }
 
 

@@ -300,6 +300,89 @@ Status ApplyRmsprop(T* var, AccOf<T>* vel, AccOf<T>* mom, AccOf<T>* avg,
   return Status::Ok();
 }
 
+template <typename T>
+Status ApplyAdamax(T* var, AccOf<T>* m, AccOf<T>* u, int64_t num_rows,
+                   int64_t dim, const int64_t* rows_idx, const AccOf<T>* grad,
+                   int64_t n, AccOf<T> lr, AccOf<T> beta_1, AccOf<T> beta_2,
+                   AccOf<T> epsilon, AccOf<T> step, const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  Status s = CheckRows(num_rows, dim, rows_idx, n);
+  if (!s.ok()) return s;
+  // Same operation order and precision as Keras' Adamax.update_step.
+  const A one_minus_b1_power = A(1) - std::pow(beta_1, step);
+  const A one_minus_b1 = A(1) - beta_1;
+  ForEachRow(var, dim, rows_idx, grad, n, 20, pf,
+             [&](int64_t off, const A* g) {
+               T* w = var + off;
+               A* mr = m + off;
+               A* ur = u + off;
+               for (int64_t j = 0; j < dim; ++j) {
+                 const A mj = mr[j] + (g[j] - mr[j]) * one_minus_b1;
+                 const A uj = std::max(beta_2 * ur[j], std::abs(g[j]));
+                 mr[j] = mj;
+                 ur[j] = uj;
+                 w[j] = S::Store(S::Load(w[j]) -
+                                 (lr * mj) / (one_minus_b1_power * (uj + epsilon)));
+               }
+             });
+  return Status::Ok();
+}
+
+template <typename T>
+Status ApplyAdadelta(T* var, AccOf<T>* acc_grad, AccOf<T>* acc_delta,
+                     int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                     const AccOf<T>* grad, int64_t n, AccOf<T> lr,
+                     AccOf<T> rho, AccOf<T> epsilon, const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  Status s = CheckRows(num_rows, dim, rows_idx, n);
+  if (!s.ok()) return s;
+  const A one_minus_rho = A(1) - rho;
+  ForEachRow(var, dim, rows_idx, grad, n, 40, pf,
+             [&](int64_t off, const A* g) {
+               T* w = var + off;
+               A* ag = acc_grad + off;
+               A* ad = acc_delta + off;
+               for (int64_t j = 0; j < dim; ++j) {
+                 const A gj = g[j];
+                 const A agj = rho * ag[j] + one_minus_rho * (gj * gj);
+                 ag[j] = agj;
+                 const A delta = -((std::sqrt(ad[j] + epsilon) * gj) /
+                                   std::sqrt(agj + epsilon));
+                 ad[j] = rho * ad[j] + one_minus_rho * (delta * delta);
+                 w[j] = S::Store(S::Load(w[j]) + lr * delta);
+               }
+             });
+  return Status::Ok();
+}
+
+template <typename T>
+Status ApplyLion(T* var, AccOf<T>* m, int64_t num_rows, int64_t dim,
+                 const int64_t* rows_idx, const AccOf<T>* grad, int64_t n,
+                 AccOf<T> lr, AccOf<T> beta_1, AccOf<T> beta_2,
+                 const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  Status s = CheckRows(num_rows, dim, rows_idx, n);
+  if (!s.ok()) return s;
+  const A one_minus_b1 = A(1) - beta_1;
+  const A one_minus_b2 = A(1) - beta_2;
+  ForEachRow(var, dim, rows_idx, grad, n, 10, pf,
+             [&](int64_t off, const A* g) {
+               T* w = var + off;
+               A* mr = m + off;
+               for (int64_t j = 0; j < dim; ++j) {
+                 const A c = mr[j] * beta_1 + g[j] * one_minus_b1;
+                 // sign() as tf.sign: +-1, and 0 (or NaN) stays itself.
+                 const A sign = c > A(0) ? A(1) : (c < A(0) ? A(-1) : c);
+                 w[j] = S::Store(S::Load(w[j]) - lr * sign);
+                 mr[j] = mr[j] * beta_2 + g[j] * one_minus_b2;
+               }
+             });
+  return Status::Ok();
+}
+
 #define SOK_INSTANTIATE_INDEX(Index)                                       \
   template Status BuildUniqueIndex<Index>(const Index*, int64_t, int64_t, \
                                           UniqueIndex*);
@@ -333,7 +416,19 @@ SOK_INSTANTIATE_INDEX(int64_t)
                                   int64_t, int64_t, const int64_t*,           \
                                   const AccOf<T>*, int64_t, AccOf<T>,         \
                                   AccOf<T>, AccOf<T>, AccOf<T>,               \
-                                  const ParallelFor&);
+                                  const ParallelFor&);                        \
+  template Status ApplyAdamax<T>(T*, AccOf<T>*, AccOf<T>*, int64_t, int64_t,  \
+                                 const int64_t*, const AccOf<T>*, int64_t,    \
+                                 AccOf<T>, AccOf<T>, AccOf<T>, AccOf<T>,      \
+                                 AccOf<T>, const ParallelFor&);               \
+  template Status ApplyAdadelta<T>(T*, AccOf<T>*, AccOf<T>*, int64_t,         \
+                                   int64_t, const int64_t*, const AccOf<T>*,  \
+                                   int64_t, AccOf<T>, AccOf<T>, AccOf<T>,     \
+                                   const ParallelFor&);                       \
+  template Status ApplyLion<T>(T*, AccOf<T>*, int64_t, int64_t,               \
+                               const int64_t*, const AccOf<T>*, int64_t,      \
+                               AccOf<T>, AccOf<T>, AccOf<T>,                  \
+                               const ParallelFor&);
 SOK_INSTANTIATE(float)
 SOK_INSTANTIATE(double)
 SOK_INSTANTIATE(Half)

@@ -262,6 +262,61 @@ struct RmspropFn {
   }
 };
 
+template <typename T>
+struct AdamaxFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  T* var;
+  A* m;
+  A* u;
+  A lr, beta_2, epsilon, one_minus_b1, one_minus_b1_power;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A mr = m[i];
+    const A mj = Add(mr, Mul(Sub(g, mr), one_minus_b1));
+    const A uj = StdMax(Mul(beta_2, u[i]), g < A(0) ? -g : g);
+    m[i] = mj;
+    u[i] = uj;
+    var[i] = S::Store(Sub(S::Load(var[i]),
+                          Div(Mul(lr, mj),
+                              Mul(one_minus_b1_power, Add(uj, epsilon)))));
+  }
+};
+
+template <typename T>
+struct AdadeltaFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  T* var;
+  A* acc_grad;
+  A* acc_delta;
+  A lr, rho, one_minus_rho, epsilon;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A agj = Add(Mul(rho, acc_grad[i]), Mul(one_minus_rho, Mul(g, g)));
+    acc_grad[i] = agj;
+    const A adr = acc_delta[i];
+    const A delta =
+        -Div(Mul(Sqrt(Add(adr, epsilon)), g), Sqrt(Add(agj, epsilon)));
+    acc_delta[i] = Add(Mul(rho, adr), Mul(one_minus_rho, Mul(delta, delta)));
+    var[i] = S::Store(Add(S::Load(var[i]), Mul(lr, delta)));
+  }
+};
+
+template <typename T>
+struct LionFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  T* var;
+  A* m;
+  A lr, beta_1, beta_2, one_minus_b1, one_minus_b2;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A mr = m[i];
+    const A c = Add(Mul(mr, beta_1), Mul(g, one_minus_b1));
+    const A sign = c > A(0) ? A(1) : (c < A(0) ? A(-1) : c);
+    var[i] = S::Store(Sub(S::Load(var[i]), Mul(lr, sign)));
+    m[i] = Add(Mul(mr, beta_2), Mul(g, one_minus_b2));
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Vectorised element updates: VecApply<Fn, VEC>::Apply(fn, i, g, valid)
 // updates elements i .. i + valid - 1 (valid <= VEC) with the summed
@@ -635,6 +690,40 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
       const A rho = static_cast<A>(h.rho);
       RmspropFn<T> fn{var, s1, s2, s3, lr, rho, A(1) - rho,
                       static_cast<A>(h.momentum), static_cast<A>(h.epsilon)};
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
+    }
+    case Rule::kAdamax: {
+      if (s1 == nullptr) return MissingSlot("Adamax", "m");
+      if (s2 == nullptr) return MissingSlot("Adamax", "u");
+      // Same host expressions as ApplyAdamax.
+      const A beta_1 = static_cast<A>(h.beta_1);
+      const A one_minus_b1_power =
+          A(1) - std::pow(beta_1, static_cast<A>(h.step));
+      AdamaxFn<T> fn{var,
+                     s1,
+                     s2,
+                     lr,
+                     static_cast<A>(h.beta_2),
+                     static_cast<A>(h.epsilon),
+                     A(1) - beta_1,
+                     one_minus_b1_power};
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
+    }
+    case Rule::kAdadelta: {
+      if (s1 == nullptr) return MissingSlot("Adadelta", "accumulated_grad");
+      if (s2 == nullptr) {
+        return MissingSlot("Adadelta", "accumulated_delta_var");
+      }
+      const A rho = static_cast<A>(h.rho);
+      AdadeltaFn<T> fn{var, s1, s2, lr, rho, A(1) - rho,
+                       static_cast<A>(h.epsilon)};
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
+    }
+    case Rule::kLion: {
+      if (s1 == nullptr) return MissingSlot("Lion", "m");
+      const A beta_1 = static_cast<A>(h.beta_1);
+      const A beta_2 = static_cast<A>(h.beta_2);
+      LionFn<T> fn{var, s1, lr, beta_1, beta_2, A(1) - beta_1, A(1) - beta_2};
       return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
   }

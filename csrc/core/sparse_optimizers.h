@@ -148,6 +148,37 @@ Status ApplyRmsprop(T* var, AccOf<T>* vel, AccOf<T>* mom, AccOf<T>* avg,
                     const ParallelFor& pf);
 
 
+// Keras Adamax (keras/src/optimizers/adamax.py), with
+// beta_1_power = beta_1^step:
+//   m += (g - m) * (1 - beta_1)
+//   u = max(beta_2 * u, |g|)
+//   w -= (lr * m) / ((1 - beta_1_power) * (u + epsilon))
+template <typename T>
+Status ApplyAdamax(T* var, AccOf<T>* m, AccOf<T>* u, int64_t num_rows,
+                   int64_t dim, const int64_t* rows_idx, const AccOf<T>* grad,
+                   int64_t n, AccOf<T> lr, AccOf<T> beta_1, AccOf<T> beta_2,
+                   AccOf<T> epsilon, AccOf<T> step, const ParallelFor& pf);
+
+// Keras Adadelta (keras/src/optimizers/adadelta.py):
+//   acc_g = rho * acc_g + (1 - rho) * g^2
+//   delta = -(sqrt(acc_d + epsilon) * g) / sqrt(acc_g + epsilon)
+//   acc_d = rho * acc_d + (1 - rho) * delta^2
+//   w += lr * delta
+template <typename T>
+Status ApplyAdadelta(T* var, AccOf<T>* acc_grad, AccOf<T>* acc_delta,
+                     int64_t num_rows, int64_t dim, const int64_t* rows_idx,
+                     const AccOf<T>* grad, int64_t n, AccOf<T> lr,
+                     AccOf<T> rho, AccOf<T> epsilon, const ParallelFor& pf);
+
+// Keras Lion (keras/src/optimizers/lion.py):
+//   w -= lr * sign(m * beta_1 + g * (1 - beta_1))
+//   m = m * beta_2 + g * (1 - beta_2)
+template <typename T>
+Status ApplyLion(T* var, AccOf<T>* m, int64_t num_rows, int64_t dim,
+                 const int64_t* rows_idx, const AccOf<T>* grad, int64_t n,
+                 AccOf<T> lr, AccOf<T> beta_1, AccOf<T> beta_2,
+                 const ParallelFor& pf);
+
 // ===========================================================================
 // GPU entry points (implemented in core/sparse_optimizers.cu.cc; defined
 // only in builds with SOK_WITH_CUDA). Plain C++ declarations, so the host
@@ -205,7 +236,17 @@ inline std::string InvalidIndexMessage(int64_t position, int64_t value,
          ") (the variable has " + std::to_string(num_rows) + " rows)";
 }
 
-enum class Rule { kSgd, kMomentum, kAdagrad, kAdam, kFtrl, kRmsprop };
+enum class Rule {
+  kSgd,
+  kMomentum,
+  kAdagrad,
+  kAdam,
+  kFtrl,
+  kRmsprop,
+  kAdamax,
+  kAdadelta,
+  kLion,
+};
 
 // The op's scalar hyperparameters (read on the host as AccOf<T>; stored as
 // double, which is exact for float and double, and converted back to
@@ -214,17 +255,17 @@ enum class Rule { kSgd, kMomentum, kAdagrad, kAdam, kFtrl, kRmsprop };
 struct Hyper {
   double lr = 0;
   double momentum = 0;      // Momentum, Rmsprop
-  double epsilon = 0;       // Adagrad, Adam, Rmsprop
-  double beta_1 = 0;        // Adam
-  double beta_2 = 0;        // Adam
-  double step = 0;          // Adam
+  double epsilon = 0;       // Adagrad, Adam, Rmsprop, Adamax, Adadelta
+  double beta_1 = 0;        // Adam, Adamax, Lion
+  double beta_2 = 0;        // Adam, Adamax, Lion
+  double step = 0;          // Adam, Adamax
   double weight_decay = 0;  // Adam with apply_weight_decay (AdamW)
   double lr_power = 0;      // Ftrl
   double l1 = 0;            // Ftrl
   double l2 = 0;            // Ftrl
   double l2_shrinkage = 0;  // Ftrl
   double beta = 0;          // Ftrl
-  double rho = 0;           // Rmsprop
+  double rho = 0;           // Rmsprop, Adadelta
   bool nesterov = false;            // Momentum
   bool apply_weight_decay = false;  // Adam -> AdamW
 };
@@ -242,6 +283,9 @@ struct Hyper {
 //   kFtrl:     s1 = accumulator, s2 = linear
 //   kRmsprop:  s1 = velocity, s2 = mom (nullptr unless momentum),
 //              s3 = mg (nullptr unless centered)
+//   kAdamax:   s1 = m, s2 = u
+//   kAdadelta: s1 = accumulated_grad, s2 = accumulated_delta_var
+//   kLion:     s1 = m
 // U == 0 or dim == 0: no-op.
 template <typename T>
 Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,

@@ -239,6 +239,59 @@ use_momentum: mom = momentum * mom + inc, var -= mom; else var -= inc.
 mom is ignored unless use_momentum, mg unless centered.
 )doc");
 
+REGISTER_OP("SokSparseApplyAdamax")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("u: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: Tacc")
+    .Input("beta_1: Tacc")
+    .Input("beta_2: Tacc")
+    .Input("epsilon: Tacc")
+    .Input("step: Tacc")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(3, 5))
+    .Doc(R"doc(
+Lazy Keras Adamax, per unique row: m += (g - m)(1 - beta_1);
+u = max(beta_2 * u, |g|); var -= lr * m / ((1 - beta_1^step)(u + epsilon)).
+)doc");
+
+REGISTER_OP("SokSparseApplyAdadelta")
+    .Input("var: resource")
+    .Input("accumulated_grad: resource")
+    .Input("accumulated_delta_var: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: Tacc")
+    .Input("rho: Tacc")
+    .Input("epsilon: Tacc")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(3, 3))
+    .Doc(R"doc(
+Lazy Keras Adadelta, per unique row: ag = rho * ag + (1 - rho) g^2;
+delta = -sqrt(ad + epsilon) g / sqrt(ag + epsilon);
+ad = rho * ad + (1 - rho) delta^2; var += lr * delta.
+)doc");
+
+REGISTER_OP("SokSparseApplyLion")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: Tacc")
+    .Input("beta_1: Tacc")
+    .Input("beta_2: Tacc")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(2, 3))
+    .Doc(R"doc(
+Lazy Keras Lion, per unique row: var -= lr * sign(beta_1 m + (1 - beta_1) g);
+m = beta_2 m + (1 - beta_2) g.
+)doc");
+
 #undef SOK_SHAPE_FN
 #undef SOK_COMMON_ATTRS
 
@@ -807,6 +860,93 @@ class RmspropOp : public SokSparseApplyBase<Device, T, Index> {
 };
 
 template <typename Device, typename T, typename Index>
+class AdamaxOp : public SokSparseApplyBase<Device, T, Index> {
+ public:
+  explicit AdamaxOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<Device, T, Index>(c, {"var", "m", "u"}, 5) {}
+
+ protected:
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyAdamax<C>(::sok::CorePtr(b.var), b.slot[1], b.slot[2],
+                              a.rows, a.dim, a.uniq_rows, g, a.n,
+                              this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                              this->Scalar(ctx, 2), this->Scalar(ctx, 3),
+                              this->Scalar(ctx, 4), a.pf);
+  }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->beta_1 = this->Scalar(ctx, 1);
+    h->beta_2 = this->Scalar(ctx, 2);
+    h->epsilon = this->Scalar(ctx, 3);
+    h->step = this->Scalar(ctx, 4);
+    return so::gpu::Rule::kAdamax;
+  }
+#endif
+};
+
+template <typename Device, typename T, typename Index>
+class AdadeltaOp : public SokSparseApplyBase<Device, T, Index> {
+ public:
+  explicit AdadeltaOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<Device, T, Index>(
+            c, {"var", "accumulated_grad", "accumulated_delta_var"}, 3) {}
+
+ protected:
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyAdadelta<C>(::sok::CorePtr(b.var), b.slot[1], b.slot[2],
+                                a.rows, a.dim, a.uniq_rows, g, a.n,
+                                this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                                this->Scalar(ctx, 2), a.pf);
+  }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->rho = this->Scalar(ctx, 1);
+    h->epsilon = this->Scalar(ctx, 2);
+    return so::gpu::Rule::kAdadelta;
+  }
+#endif
+};
+
+template <typename Device, typename T, typename Index>
+class LionOp : public SokSparseApplyBase<Device, T, Index> {
+ public:
+  explicit LionOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<Device, T, Index>(c, {"var", "m"}, 3) {}
+
+ protected:
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyLion<C>(::sok::CorePtr(b.var), b.slot[1], a.rows, a.dim,
+                            a.uniq_rows, g, a.n, this->Scalar(ctx, 0),
+                            this->Scalar(ctx, 1), this->Scalar(ctx, 2), a.pf);
+  }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->beta_1 = this->Scalar(ctx, 1);
+    h->beta_2 = this->Scalar(ctx, 2);
+    return so::gpu::Rule::kLion;
+  }
+#endif
+};
+
+template <typename Device, typename T, typename Index>
 using AdamNoWd = AdamOp<Device, T, Index, false>;
 template <typename Device, typename T, typename Index>
 using AdamWd = AdamOp<Device, T, Index, true>;
@@ -827,7 +967,10 @@ using AdamWd = AdamOp<Device, T, Index, true>;
   SOK_REGISTER("SokSparseApplyAdam", AdamNoWd, T, Index)           \
   SOK_REGISTER("SokSparseApplyAdamW", AdamWd, T, Index)            \
   SOK_REGISTER("SokSparseApplyFtrl", FtrlOp, T, Index)             \
-  SOK_REGISTER("SokSparseApplyRmsprop", RmspropOp, T, Index)
+  SOK_REGISTER("SokSparseApplyRmsprop", RmspropOp, T, Index)       \
+  SOK_REGISTER("SokSparseApplyAdamax", AdamaxOp, T, Index)         \
+  SOK_REGISTER("SokSparseApplyAdadelta", AdadeltaOp, T, Index)     \
+  SOK_REGISTER("SokSparseApplyLion", LionOp, T, Index)
 
 SOK_REGISTER_ALL(float, int32)
 SOK_REGISTER_ALL(float, int64_t)
@@ -868,6 +1011,13 @@ SOK_REGISTER_ALL(bfloat16, int64_t)
 #define SOK_HOST_RMSPROP                                           \
   .HostMemory("lr").HostMemory("rho").HostMemory("momentum")       \
       .HostMemory("epsilon")
+#define SOK_HOST_ADAMAX                                            \
+  .HostMemory("lr").HostMemory("beta_1").HostMemory("beta_2")      \
+      .HostMemory("epsilon").HostMemory("step")
+#define SOK_HOST_ADADELTA                                          \
+  .HostMemory("lr").HostMemory("rho").HostMemory("epsilon")
+#define SOK_HOST_LION                                              \
+  .HostMemory("lr").HostMemory("beta_1").HostMemory("beta_2")
 
 #define SOK_REGISTER_GPU_ALL(T, Index)                                        \
   SOK_REGISTER_GPU("SokSparseApplySgd", SgdOp, T, Index, SOK_HOST_SGD)       \
@@ -879,7 +1029,12 @@ SOK_REGISTER_ALL(bfloat16, int64_t)
   SOK_REGISTER_GPU("SokSparseApplyAdamW", AdamWd, T, Index, SOK_HOST_ADAMW)  \
   SOK_REGISTER_GPU("SokSparseApplyFtrl", FtrlOp, T, Index, SOK_HOST_FTRL)    \
   SOK_REGISTER_GPU("SokSparseApplyRmsprop", RmspropOp, T, Index,             \
-                   SOK_HOST_RMSPROP)
+                   SOK_HOST_RMSPROP)                                          \
+  SOK_REGISTER_GPU("SokSparseApplyAdamax", AdamaxOp, T, Index,               \
+                   SOK_HOST_ADAMAX)                                           \
+  SOK_REGISTER_GPU("SokSparseApplyAdadelta", AdadeltaOp, T, Index,           \
+                   SOK_HOST_ADADELTA)                                         \
+  SOK_REGISTER_GPU("SokSparseApplyLion", LionOp, T, Index, SOK_HOST_LION)
 
 SOK_REGISTER_GPU_ALL(float, int32)
 SOK_REGISTER_GPU_ALL(float, int64_t)
@@ -891,6 +1046,9 @@ SOK_REGISTER_GPU_ALL(bfloat16, int32)
 SOK_REGISTER_GPU_ALL(bfloat16, int64_t)
 
 #undef SOK_REGISTER_GPU_ALL
+#undef SOK_HOST_LION
+#undef SOK_HOST_ADADELTA
+#undef SOK_HOST_ADAMAX
 #undef SOK_HOST_RMSPROP
 #undef SOK_HOST_FTRL
 #undef SOK_HOST_ADAMW

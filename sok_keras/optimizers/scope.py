@@ -7,7 +7,8 @@ import keras
 from sok_keras.variable import is_sok_variable
 
 _LOCK = threading.RLock()
-_NAMES = ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop")
+_NAMES = ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
+          "Adadelta", "Lion")
 
 
 class OptimizerScope:

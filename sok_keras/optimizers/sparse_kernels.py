@@ -51,6 +51,9 @@ __all__ = [
     "sparse_adamw",
     "sparse_ftrl",
     "sparse_rmsprop",
+    "sparse_adamax",
+    "sparse_adadelta",
+    "sparse_lion",
 ]
 
 
@@ -501,4 +504,112 @@ def sparse_rmsprop(
         epsilon=_scalar(epsilon, dt, "epsilon"),
         centered=average_gradient is not None,
         use_momentum=momentum_slot is not None,
+    )
+
+
+def sparse_adamax(var, m, u, indices, grad, learning_rate, step, beta_1=0.9,
+                  beta_2=0.999, epsilon=1e-7):
+    """Lazy Adamax (Keras ``Adamax``).
+
+    For each unique row ``r`` with summed gradient ``g``, at 1-based step
+    ``step``::
+
+        m[r] += (g - m[r]) * (1 - beta_1)
+        u[r] = max(beta_2 * u[r], |g|)
+        var[r] -= learning_rate * m[r] / ((1 - beta_1 ** step) * (u[r] + epsilon))
+
+    Args:
+      var: the table ``[rows, D]``.
+      m: the first-moment slot, same shape as ``var``.
+      u: the exponentially weighted infinity norm slot, same shape.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate, beta_1, beta_2, epsilon: floats or scalar tensors.
+      step: the 1-based step count (float or scalar tensor).
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
+    return ops().sok_sparse_apply_adamax(
+        var=v.handle,
+        m=_tf_var(m, "m").handle,
+        u=_tf_var(u, "u").handle,
+        indices=indices,
+        indices_are_unique=unique,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        beta_1=_scalar(beta_1, dt, "beta_1"),
+        beta_2=_scalar(beta_2, dt, "beta_2"),
+        epsilon=_scalar(epsilon, dt, "epsilon"),
+        step=_scalar(step, dt, "step"),
+    )
+
+
+def sparse_adadelta(var, accumulated_grad, accumulated_delta_var, indices,
+                    grad, learning_rate, rho=0.95, epsilon=1e-7):
+    """Lazy Adadelta (Keras ``Adadelta``).
+
+    For each unique row ``r`` with summed gradient ``g``::
+
+        ag[r] = rho * ag[r] + (1 - rho) * g ** 2
+        delta = -sqrt(ad[r] + epsilon) * g / sqrt(ag[r] + epsilon)
+        ad[r] = rho * ad[r] + (1 - rho) * delta ** 2
+        var[r] += learning_rate * delta
+
+    Args:
+      var: the table ``[rows, D]``.
+      accumulated_grad: the slot ``ag``, same shape as ``var``.
+      accumulated_delta_var: the slot ``ad``, same shape as ``var``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate, rho, epsilon: floats or scalar tensors.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
+    return ops().sok_sparse_apply_adadelta(
+        var=v.handle,
+        accumulated_grad=_tf_var(accumulated_grad, "accumulated_grad").handle,
+        accumulated_delta_var=_tf_var(
+            accumulated_delta_var, "accumulated_delta_var").handle,
+        indices=indices,
+        indices_are_unique=unique,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        rho=_scalar(rho, dt, "rho"),
+        epsilon=_scalar(epsilon, dt, "epsilon"),
+    )
+
+
+def sparse_lion(var, m, indices, grad, learning_rate, beta_1=0.9,
+                beta_2=0.99):
+    """Lazy Lion (Keras ``Lion``).
+
+    For each unique row ``r`` with summed gradient ``g``::
+
+        var[r] -= learning_rate * sign(beta_1 * m[r] + (1 - beta_1) * g)
+        m[r] = beta_2 * m[r] + (1 - beta_2) * g
+
+    Args:
+      var: the table ``[rows, D]``.
+      m: the momentum slot, same shape as ``var``.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate, beta_1, beta_2: floats or scalar tensors.
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
+    return ops().sok_sparse_apply_lion(
+        var=v.handle,
+        m=_tf_var(m, "m").handle,
+        indices=indices,
+        indices_are_unique=unique,
+        grad=grad,
+        lr=_scalar(learning_rate, dt, "learning_rate"),
+        beta_1=_scalar(beta_1, dt, "beta_1"),
+        beta_2=_scalar(beta_2, dt, "beta_2"),
     )

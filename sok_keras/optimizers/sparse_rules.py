@@ -124,8 +124,44 @@ class _RMSprop(SparseRule):
             average_gradient=slots.get("average_gradient"))
 
 
+class _Adamax(SparseRule):
+    name, keras_class = "Adamax", keras.optimizers.Adamax
+
+    def slots(self, opt):
+        return [("momentum", 0.0), ("norm", 0.0)]
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_adamax(
+            var, slots["momentum"], slots["norm"], indices, grad, lr, step,
+            beta_1=opt.beta_1, beta_2=opt.beta_2, epsilon=opt.epsilon)
+
+
+class _Adadelta(SparseRule):
+    name, keras_class = "Adadelta", keras.optimizers.Adadelta
+
+    def slots(self, opt):
+        return [("accumulated_grad", 0.0), ("accumulated_delta_var", 0.0)]
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_adadelta(
+            var, slots["accumulated_grad"], slots["accumulated_delta_var"],
+            indices, grad, lr, rho=opt.rho, epsilon=opt.epsilon)
+
+
+class _Lion(SparseRule):
+    name, keras_class = "Lion", keras.optimizers.Lion
+
+    def slots(self, opt):
+        return [("momentum", 0.0)]
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_lion(var, slots["momentum"], indices, grad, lr,
+                             beta_1=opt.beta_1, beta_2=opt.beta_2)
+
+
 # Subclasses first: AdamW is an Adam.
-_RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd())
+_RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd(),
+          _Adamax(), _Adadelta(), _Lion())
 SUPPORTED = tuple(r.name for r in _RULES)
 
 

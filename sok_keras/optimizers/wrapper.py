@@ -542,7 +542,8 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
       all-reduced, only divided by the number of ranks (data-parallel mean).
 
     Supported inner optimizers: SGD (with momentum / Nesterov), Adagrad,
-    Adam (with amsgrad), AdamW, Ftrl, RMSprop (centered, with momentum).
+    Adam (with amsgrad), AdamW, Ftrl, RMSprop (centered, with momentum),
+    Adamax, Adadelta, Lion.
     Clipping set on the inner optimizer (`clipnorm`, `global_clipnorm`,
     `clipvalue`) covers tables too: see `clip_gradients`.
 

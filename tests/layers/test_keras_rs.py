@@ -189,7 +189,7 @@ def test_use_table_optimizers_false_leaves_tables_to_the_model():
 
 
 @pytest.mark.parametrize("optimizer", [
-    keras.optimizers.Lion(), "nadam", keras.optimizers.Adam(clipnorm=1.0),
+    keras.optimizers.Lamb(), "nadam", keras.optimizers.Adam(clipnorm=1.0),
     keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())])
 def test_ignored_table_optimizers_are_not_checked(optimizer):
     """With `use_table_optimizers=False` the tables' optimizers are ignored
@@ -275,7 +275,7 @@ def _feature(table, **kw):
     (_feature(_table(dim=2)), {}, r"unknown keys \['dim'\]"),
     (_feature(_table(name="")), {}, "needs a `name`"),
     (_feature(_table(initializer="no_such_init")), {}, "initializer"),
-    (_feature(_table(optimizer=keras.optimizers.Lion())), {},
+    (_feature(_table(optimizer=keras.optimizers.Lamb())), {},
      "Supported optimizers"),
     (_feature(_table(optimizer=keras.optimizers.SGD(clipnorm=1.0))), {},
      "may not set `clipnorm`"),

@@ -15,7 +15,8 @@ from tests.optimizers.test_sparse_rules import lazy_reference
 from tests.optimizers.test_sparse_rules import make_steps
 from tests.optimizers.test_sparse_rules import run_sok
 
-NAMES = ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop")
+NAMES = ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
+         "Adadelta", "Lion")
 KERAS = {n: getattr(keras.optimizers, n) for n in NAMES}
 
 

@@ -164,6 +164,28 @@ def _ref_rmsprop(centered, use_mom):
     return ref
 
 
+def _ref_adamax(w, s, g, t):
+    b1, b2 = _f(HP["beta_1"]), _f(HP["beta_2"])
+    s["m"] += (g - s["m"]) * (_f(1) - b1)
+    s["u"][...] = np.maximum(b2 * s["u"], np.abs(g))
+    w -= (_f(HP["lr"]) * s["m"]) / (
+        (_f(1) - b1 ** _f(t)) * (s["u"] + _f(HP["epsilon"])))
+
+
+def _ref_adadelta(w, s, g, t):
+    rho, eps = _f(HP["rho"]), _f(HP["epsilon"])
+    s["ag"][...] = rho * s["ag"] + (_f(1) - rho) * (g * g)
+    delta = -(np.sqrt(s["ad"] + eps) * g) / np.sqrt(s["ag"] + eps)
+    s["ad"][...] = rho * s["ad"] + (_f(1) - rho) * (delta * delta)
+    w += _f(HP["lr"]) * delta
+
+
+def _ref_lion(w, s, g, t):
+    b1, b2 = _f(HP["beta_1"]), _f(HP["beta_2"])
+    w -= _f(HP["lr"]) * np.sign(s["m"] * b1 + g * (_f(1) - b1))
+    s["m"][...] = s["m"] * b2 + g * (_f(1) - b2)
+
+
 def _adam_rule(name, amsgrad, wd):
     slots = [("m", 0.0), ("v", 0.0)] + ([("vhat", 0.0)] if amsgrad else [])
 
@@ -323,6 +345,43 @@ RULES = {
         _rmsprop_rule("rmsprop_momentum", False, True),
         _rmsprop_rule("rmsprop_centered", True, False),
         _rmsprop_rule("rmsprop_centered_momentum", True, True),
+        Rule(
+            "adamax",
+            [("m", 0.0), ("u", 0.0)],
+            lambda var, s, idx, g, t: sk.sparse_adamax(
+                var, s["m"], s["u"], idx, g, HP["lr"], t,
+                beta_1=HP["beta_1"], beta_2=HP["beta_2"],
+                epsilon=HP["epsilon"]),
+            _ref_adamax,
+            lambda: keras.optimizers.Adamax(
+                learning_rate=HP["lr"], beta_1=HP["beta_1"],
+                beta_2=HP["beta_2"], epsilon=HP["epsilon"]),
+            lambda opt: {"m": opt._m[0], "u": opt._u[0]},
+        ),
+        Rule(
+            "adadelta",
+            [("ag", 0.0), ("ad", 0.0)],
+            lambda var, s, idx, g, t: sk.sparse_adadelta(
+                var, s["ag"], s["ad"], idx, g, HP["lr"], rho=HP["rho"],
+                epsilon=HP["epsilon"]),
+            _ref_adadelta,
+            lambda: keras.optimizers.Adadelta(
+                learning_rate=HP["lr"], rho=HP["rho"], epsilon=HP["epsilon"]),
+            lambda opt: {"ag": opt._accumulated_grads[0],
+                         "ad": opt._accumulated_delta_vars[0]},
+        ),
+        Rule(
+            "lion",
+            [("m", 0.0)],
+            lambda var, s, idx, g, t: sk.sparse_lion(
+                var, s["m"], idx, g, HP["lr"], beta_1=HP["beta_1"],
+                beta_2=HP["beta_2"]),
+            _ref_lion,
+            lambda: keras.optimizers.Lion(
+                learning_rate=HP["lr"], beta_1=HP["beta_1"],
+                beta_2=HP["beta_2"]),
+            lambda opt: {"m": opt._momentums[0]},
+        ),
     ]
 }
 

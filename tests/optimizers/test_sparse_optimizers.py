@@ -22,6 +22,9 @@ CASES = {
     "Ftrl": dict(learning_rate=0.05, l1_regularization_strength=0.01,
                  l2_shrinkage_regularization_strength=0.01, beta=0.1),
     "RMSprop": dict(learning_rate=0.05, momentum=0.5, centered=True),
+    "Adamax": dict(learning_rate=0.05, beta_1=0.8, beta_2=0.99),
+    "Adadelta": dict(learning_rate=0.5, rho=0.9),
+    "Lion": dict(learning_rate=0.01, beta_1=0.8, beta_2=0.95),
 }
 
 
@@ -74,6 +77,19 @@ def test_model_save_round_trip_continues_identically(tmp_path):
         build_model(),
         sok.optimizers.RMSprop(schedule, momentum=0.5, centered=True),
         tmp_path, ["average_gradient", "momentum", "velocity"])
+
+
+@pytest.mark.parametrize("make,slots", [
+    (lambda: sok.optimizers.Lion(0.01), ["momentum"]),
+    (lambda: sok.OptimizerWrapper(keras.optimizers.Adamax(0.05)),
+     ["momentum", "norm"]),
+    (lambda: sok.OptimizerWrapper(keras.optimizers.Adadelta(0.5)),
+     ["accumulated_delta_var", "accumulated_grad"]),
+], ids=["Lion", "Adamax", "Adadelta"])
+def test_newer_rules_save_and_continue_identically(make, slots, tmp_path):
+    """Adamax, Adadelta and Lion (rules added after the first six): their
+    slots are saved with the table and a loaded model continues exactly."""
+    check_save_load_continue(build_model(), make(), tmp_path, slots)
 
 
 @pytest.mark.parametrize("kwargs", [{"use_ema": True},

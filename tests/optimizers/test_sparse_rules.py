@@ -32,12 +32,17 @@ DENSE_SHAPE = (3, 2)
 _SLOT_NAMES = {"acc": "accumulator", "lin": "linear", "vel": "velocity",
                "mom": "momentum", "mg": "average_gradient", "m": "m",
                "v": "v", "vhat": "vhat"}
+# ... where a rule names them otherwise (Keras' names).
+_RULE_SLOT_NAMES = {
+    "momentum": {"m": "momentum"}, "nesterov": {"m": "momentum"},
+    "adamax": {"m": "momentum", "u": "norm"},
+    "adadelta": {"ag": "accumulated_grad", "ad": "accumulated_delta_var"},
+    "lion": {"m": "momentum"}}
 
 
 def slot_name(rule_name, kernel_slot):
-    if rule_name in ("momentum", "nesterov"):
-        return "momentum"
-    return _SLOT_NAMES[kernel_slot]
+    own = _RULE_SLOT_NAMES.get(rule_name, {})
+    return own.get(kernel_slot) or _SLOT_NAMES[kernel_slot]
 
 
 def make_steps(seed, steps=STEPS, none_step=NONE_STEP):
@@ -233,7 +238,11 @@ def test_rule_in_tf_function_equals_eager():
     (keras.optimizers.AdamW(), "AdamW"),
     (keras.optimizers.Ftrl(), "Ftrl"),
     (keras.optimizers.RMSprop(centered=True), "RMSprop"),
+    (keras.optimizers.Adamax(), "Adamax"),
+    (keras.optimizers.Adadelta(), "Adadelta"),
+    (keras.optimizers.Lion(), "Lion"),
     (sok.optimizers.Adam(), "Adam"),
+    (sok.optimizers.Lion(), "Lion"),
     (sok.optimizers.AdamW(), "AdamW"),
 ])
 def test_rule_for_supported(opt, rule):
@@ -245,19 +254,21 @@ class _MyAdam(keras.optimizers.Adam):
 
 
 @pytest.mark.parametrize("opt", [keras.optimizers.Nadam(),
-                                 keras.optimizers.Lion(),
-                                 keras.optimizers.Adamax(),
+                                 keras.optimizers.Lamb(),
+                                 keras.optimizers.Adafactor(),
                                  _MyAdam()],
-                         ids=["Nadam", "Lion", "Adamax", "subclass"])
+                         ids=["Nadam", "Lamb", "Adafactor", "subclass"])
 def test_rule_for_unsupported_lists_supported(opt):
     with pytest.raises(ValueError) as e:
         sparse_rules.rule_for(opt)
     msg = str(e.value)
     assert type(opt).__name__ in msg
-    for name in ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop"):
+    for name in ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop",
+                 "Adamax", "Adadelta", "Lion"):
         assert name in msg
     assert sorted(sparse_rules.SUPPORTED) == sorted(
-        ["SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop"])
+        ["SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
+         "Adadelta", "Lion"])
 
 
 def test_weight_decay_only_for_adam_family():
@@ -323,6 +334,10 @@ def test_ensure_slots_initial_values_once_and_sharding():
     (keras.optimizers.RMSprop(), ["velocity"]),
     (keras.optimizers.RMSprop(momentum=0.5, centered=True),
      ["average_gradient", "momentum", "velocity"]),
+    (keras.optimizers.Adamax(), ["momentum", "norm"]),
+    (keras.optimizers.Adadelta(),
+     ["accumulated_delta_var", "accumulated_grad"]),
+    (keras.optimizers.Lion(), ["momentum"]),
 ])
 def test_slot_names(opt, names):
     rule = sparse_rules.rule_for(opt)
