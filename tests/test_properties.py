@@ -282,6 +282,11 @@ def _optimizers():
         "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
         "rmsprop_momentum_centered": lambda: keras.optimizers.RMSprop(
             0.01, momentum=0.5, centered=True),
+        "adamax": lambda: keras.optimizers.Adamax(0.01),
+        "adadelta": lambda: keras.optimizers.Adadelta(0.5),
+        # (A small rate: a sign that float64 and a 16-bit table see
+        # differently moves a row by 2 x the rate.)
+        "lion": lambda: keras.optimizers.Lion(0.001),
     }
 
 
