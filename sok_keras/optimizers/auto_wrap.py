@@ -96,20 +96,33 @@ def wrap_for(model, optimizer):
             wrap_for(model, opt.inner_optimizer),
             initial_scale=opt.initial_scale,
             dynamic_growth_steps=opt.dynamic_growth_steps, name=opt.name)
-    from sok_keras.optimizers.wrapper import OptimizerWrapper
-
-    _LOG.warning(
-        "sok_keras: model '%s' holds sok embedding tables; its optimizer %s "
-        "is wrapped in sok_keras.optimizers.OptimizerWrapper (sparse table "
-        "updates, dense gradients averaged over ranks).", model.name,
-        type(opt).__name__)
-    # A model whose tables are all frozen may train with any optimizer (no
-    # table is updated), as with frozen keras.layers.Embedding tables.
+    from sok_keras import world
     from sok_keras.consistency import model_tables
+    from sok_keras.optimizers import sparse_rules
+    from sok_keras.optimizers.wrapper import OptimizerWrapper
+    from sok_keras.optimizers.wrapper import rule_for_table
 
+    # The optimizer needs a sparse rule only for the tables it trains: not
+    # for frozen ones (any optimizer may train a model whose tables are all
+    # frozen, as with frozen keras.layers.Embedding tables), nor for those
+    # with an optimizer of their own (a layer's `optimizer=`). Those it
+    # trains are checked now, each error naming its table.
     tables = model_tables(model)
-    frozen = bool(tables) and not any(t.trainable for t in tables)
-    return OptimizerWrapper(opt, check_sparse_rule=not frozen)
+    for table in tables:
+        if table.trainable and table.optimizer is None:
+            rule_for_table(opt, table)
+    try:
+        sparse_rules.rule_for(opt)
+        check = True
+    except ValueError:
+        check = not tables  # tables unknown yet (an unbuilt model): refuse
+    if world.rank() == 0:
+        _LOG.warning(
+            "sok_keras: model '%s' holds sok embedding tables; its optimizer "
+            "%s is wrapped in sok_keras.optimizers.OptimizerWrapper (sparse "
+            "table updates, dense gradients averaged over ranks).",
+            model.name, type(opt).__name__)
+    return OptimizerWrapper(opt, check_sparse_rule=check)
 
 
 def _install_global_finite_check():

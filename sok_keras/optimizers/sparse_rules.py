@@ -165,12 +165,27 @@ _RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd(),
 SUPPORTED = tuple(r.name for r in _RULES)
 
 
-def rule_for(optimizer):
+def _excludes_some_weights(optimizer):
+    """Whether `exclude_from_weight_decay` was called on `optimizer`."""
+    return bool(getattr(optimizer, "_exclude_from_weight_decay", None) or
+                getattr(optimizer, "_exclude_from_weight_decay_names", None))
+
+
+def rule_for(optimizer, table=None):
     """Returns the `SparseRule` of a Keras optimizer, or raises ValueError.
 
     The match is on the exact class (a user's subclass may change the update,
     so it has no sparse rule); sok_keras' own sparse optimizers name the Keras
     class they implement in `_sok_keras_class`.
+
+    Args:
+        optimizer: a Keras optimizer.
+        table: the `sok_keras.Variable` it is to update, if known: a
+            `weight_decay` the rule cannot apply is refused only where it
+            would apply to that table (not for a table excluded with
+            `exclude_from_weight_decay`). Without a table, such a
+            `weight_decay` is refused unless the optimizer excludes some
+            weights (then each table is checked when it is updated).
     """
     cls = getattr(type(optimizer), "_sok_keras_class", type(optimizer))
     for rule in _RULES:
@@ -183,6 +198,10 @@ def rule_for(optimizer):
             f"{', '.join(SUPPORTED)}."
         )
     if optimizer.weight_decay and rule.name not in ("Adam", "AdamW"):
+        if table is not None and not optimizer._use_weight_decay(table):
+            return rule
+        if table is None and _excludes_some_weights(optimizer):
+            return rule
         raise ValueError(
             f"sok_keras: `weight_decay` on {rule.name} is not supported for "
             "sharded tables (only Adam and AdamW decay lazily). Received: "

@@ -43,7 +43,11 @@ class TableSlots:
         if _saving_a_saved_model():
             return []
         rule_of = getattr(self, "inner_optimizer", self)
-        names = {n for n, _ in sparse_rules.rule_for(rule_of).slots(rule_of)}
+        try:
+            names = {n for n, _ in sparse_rules.rule_for(rule_of).slots(
+                rule_of)}
+        except ValueError:  # it trains no table (each has its own)
+            names = set()
         for table in self._tables():
             names.update(self._slots_of(table))
         return sorted(names)

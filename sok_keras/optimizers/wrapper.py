@@ -336,13 +336,28 @@ def table_optimizer(opt, table):
     return table.optimizer if table.optimizer is not None else opt
 
 
+def rule_for_table(opt, table):
+    """`sparse_rules.rule_for(opt, table)`, its error naming the table."""
+    try:
+        return sparse_rules.rule_for(opt, table)
+    except ValueError as e:
+        own = table.optimizer is not None
+        whose = "its own" if own else "the model's"
+        raise ValueError(
+            f"sok_keras: table '{table.path}' is trained by {whose} "
+            f"optimizer {type(opt).__name__}: {e}"
+            + ("" if own else " (Or give the table's layer an optimizer "
+               "of its own, `optimizer=` of the sok layer: the model's "
+               "optimizer then trains only the other weights.)")) from e
+
+
 def create_table_slots(opt, variables):
     """Creates the slot tables of every sharded table in `variables`."""
     for table in variables:
         if is_sok_variable(table):
             topt = table_optimizer(opt, table)
             sparse_rules.ensure_slots(
-                sparse_rules.rule_for(topt), topt, table)
+                rule_for_table(topt, table), topt, table)
 
 
 def build_once(optimizer, variables):
@@ -490,7 +505,7 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
     table_updates = []  # their ops, in a traced step
     for s, table in zip(slices, tables):
         topt = table_optimizer(opt, table)
-        rule = sparse_rules.rule_for(topt)
+        rule = rule_for_table(topt, table)
         # In the slot dtype: float32 for a 16-bit table (exact steps).
         step = tf.cast(topt.iterations + 1,
                        sparse_kernels.slot_dtype(table.dtype))

@@ -226,3 +226,66 @@ def test_a_model_whose_tables_are_all_frozen_trains_with_any_optimizer(
     emb.trainable = True
     with pytest.raises(ValueError, match="no sparse update rule for Nadam"):
         model.compile(keras.optimizers.Nadam(0.01), "mse")
+
+
+def test_tables_with_their_own_optimizers_free_the_model_optimizer(
+        tmp_path):
+    """Each table trained by its own optimizer (a layer's `optimizer=`, a
+    keras-rs `TableConfig.optimizer`): the model's optimizer trains only
+    the dense weights, so one with no sparse rule (Nadam, Lamb) is taken,
+    and the model saves, loads and trains on (before: compile refused it).
+    A table the model's optimizer would train is still refused, by name."""
+    import pytest
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 48, (32, 3))
+    y = rng.random((32, 1)).astype(np.float32)
+
+    def model(table_optimizer):
+        ids = keras.Input((3,), dtype="int64")
+        emb = sok.layers.DistributedEmbedding(48, 4, name="user_table",
+                                              optimizer=table_optimizer)
+        return keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+
+    for opt in (keras.optimizers.Nadam(0.01), "nadam", keras.optimizers.Lamb()):
+        m = model(keras.optimizers.Adagrad(0.1))
+        table0 = m.get_layer("user_table").embeddings.numpy()
+        m.compile(opt, "mse")
+        m.fit(x, y, batch_size=8, verbose=0)
+        table = m.get_layer("user_table").embeddings
+        assert sorted(table.slots) == ["accumulator"]  # Adagrad's
+        assert not np.array_equal(table.numpy(), table0)
+    path = str(tmp_path / "own.keras")
+    m.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match=(
+            r"table 'user_table/embeddings' is trained by the model's "
+            r"optimizer Nadam: .*no sparse update rule for Nadam.*"
+            r"optimizer of its own")):
+        model(None).compile(keras.optimizers.Nadam(0.01), "mse")
+
+
+def test_weight_decay_refused_only_for_tables_it_would_decay():
+    """SGD's `weight_decay` has no lazy rule: refused for a table it would
+    decay (naming the table), taken when `exclude_from_weight_decay`
+    leaves the tables out (Keras' way; the dense weights still decay)."""
+    import pytest
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 500, (32, 3))
+    y = rng.random((32, 1)).astype(np.float32)
+    excluded = keras.optimizers.SGD(0.1, weight_decay=0.01)
+    excluded.exclude_from_weight_decay(var_names=["embeddings"])
+    model = _model()
+    model.compile(excluded, "mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    decayed = keras.optimizers.SGD(0.1, weight_decay=0.01)
+    decayed.exclude_from_weight_decay(var_names=["bias"])
+    with pytest.raises(ValueError, match=(
+            r"table '.*embeddings' is trained by the model's optimizer SGD: "
+            r".*`weight_decay` on SGD is not supported")):
+        _model().compile(decayed, "mse")
+    # Without exclusions the wrapper refuses it at construction, as before.
+    with pytest.raises(ValueError, match="weight_decay"):
+        sok.OptimizerWrapper(keras.optimizers.SGD(0.1, weight_decay=0.01))
