@@ -49,6 +49,7 @@ import keras
 _ORIGINAL_COMPILE = None
 _ORIGINAL_CHECK_FINITE = None
 _ORIGINAL_LSO = {}
+_ORIGINAL_BUILD = None
 _ORIGINAL_LOOPS = {}
 _STEPS = {"fit": (("train_step", "train_function"),),
           "evaluate": (("test_step", "test_function"),),
@@ -202,13 +203,54 @@ def _install_rank_loss_scaling():
     cls.apply = apply
 
 
+def _install_plain_optimizer_check():
+    """Makes a plain Keras optimizer refuse, on several ranks, to build
+    for sok tables (idempotent): outside `compile` (a custom training
+    loop's `opt.apply_gradients`) nothing wraps it, and it would train
+    wrongly without a word (each rank applies its own dense gradients, the
+    dense weights drift apart, and the tables get Keras' dense update of
+    one rank's share)."""
+    global _ORIGINAL_BUILD
+    from keras.src.optimizers import base_optimizer
+
+    if _ORIGINAL_BUILD is not None:
+        return
+    cls = base_optimizer.BaseOptimizer
+    original = _ORIGINAL_BUILD = cls.build
+
+    @functools.wraps(original)
+    def build(self, variables):
+        from sok_keras import world
+        from sok_keras.variable import is_sok_variable
+
+        if world.num_ranks() > 1 and not is_sok_aware(self):
+            tables = [v for v in variables if is_sok_variable(v)]
+            if tables:
+                name = type(self).__name__
+                raise ValueError(
+                    f"sok_keras: the Keras optimizer {name} was given sok "
+                    f"table(s) {', '.join(repr(t.path) for t in tables)} to "
+                    f"update on {world.num_ranks()} ranks. A plain Keras "
+                    "optimizer trains them wrongly there (it neither "
+                    "averages the dense gradients across ranks nor updates "
+                    "the tables' rows sparsely). Wrap it: "
+                    f"`sok.OptimizerWrapper(keras.optimizers.{name}(...))`"
+                    f", or use `sok.optimizers.{name}(...)` (`model."
+                    "compile` wraps it for you).")
+        return original(self, variables)
+
+    cls.build = build
+
+
 def install():
     """Routes `keras.Model.compile` through `wrap_for`, makes loss
-    scaling's finite check global and its scale one rank's share
+    scaling's finite check global and its scale one rank's share, and
+    makes plain Keras optimizers refuse sok tables on several ranks
     (idempotent)."""
     global _ORIGINAL_COMPILE
     _install_global_finite_check()
     _install_rank_loss_scaling()
+    _install_plain_optimizer_check()
     if _ORIGINAL_COMPILE is not None:
         return
     # Patch the class that defines compile (Keras' Trainer), not
