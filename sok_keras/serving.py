@@ -251,6 +251,18 @@ def _check_exportable(model):
     if not model.built:
         raise ValueError(
             f"export_for_serving: model '{model.name}' is not built.")
+    from keras.src.models.functional import Functional
+
+    if not isinstance(model, (Functional, keras.Sequential)):
+        # (Checked on every rank: cloning, which would find out, runs on
+        # rank 0 only.)
+        raise ValueError(
+            f"export_for_serving: model '{model.name}' is a subclassed "
+            f"model ({type(model).__name__}): only functional and "
+            "Sequential models can be exported (cloning swaps their sok "
+            "layers for serving lookups). Build the model with the "
+            "functional API (`keras.Model(inputs, outputs)`), or export a "
+            "functional model that calls the same layers.")
     held = _held_sok_layers(model)
     if held:
         raise ValueError(
@@ -476,8 +488,8 @@ def _export(model, path, verbose, input_signature, **kwargs):
             if error is not None:
                 raise error
             raise RuntimeError(
-                f"sok_keras: export_for_serving('{path}') failed on another "
-                f"rank ({failed} of {n}); its error is in that rank's "
+                f"sok_keras: export_for_serving('{path}') failed on "
+                f"{failed} other rank(s) of the {n}; the error is in their "
                 "output. Nothing was written.")
         if rank == 0:
             _replace_dir(tmp, path)

@@ -126,6 +126,13 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
     assert 0 < r0["max_received"] <= r0["chunk_bytes"]
     assert "disk full (injected)" in r0["failure"], r0["failure"]
+    # A subclassed model: the same ValueError on every rank (before: rank
+    # 1 got "failed on another rank"), and nothing written.
+    for r in (r0, r1):
+        assert r["subclassed_error"].startswith(
+            "ValueError: export_for_serving: model 'subclassed' is a "
+            "subclassed model (Subclassed)"), r["subclassed_error"]
+    assert not os.path.exists(os.path.join(folder, "serving_subclassed"))
     assert "rank 1: model.save(" in r1["failure"], r1["failure"]
     assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"] and r0["leftovers"] == [] == r1["leftovers"]

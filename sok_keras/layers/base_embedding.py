@@ -123,6 +123,11 @@ _SOK1_ARGUMENTS = ("max_vocabulary_size_per_gpu", "embedding_vec_size",
                    "slot_num", "max_nnz", "max_feature_num")
 
 
+# The default combiner: "sum" (SOK's, keras-rs'), or None (unpooled, as
+# keras.layers.Embedding) when the sizes are given by Keras' names.
+DEFAULT_COMBINER = "default"
+
+
 def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     """`(vocabulary_size, embedding_dim)`, also from Keras' names
     `input_dim` / `output_dim`; refuses Keras' other Embedding arguments
@@ -296,13 +301,16 @@ class BaseEmbedding(keras.layers.Layer):
         self,
         vocabulary_size=None,
         embedding_dim=None,
-        combiner="sum",
+        combiner=DEFAULT_COMBINER,
         embeddings_initializer="uniform",
         optimizer=None,
         pooling="auto",
         **kwargs,
     ):
         cls = type(self).__name__
+        if combiner == DEFAULT_COMBINER:
+            keras_names = "input_dim" in kwargs or "output_dim" in kwargs
+            combiner = None if keras_names else "sum"
         vocabulary_size, embedding_dim = _keras_embedding_arguments(
             cls, vocabulary_size, embedding_dim, kwargs)
         initial = kwargs.pop("weights", None)
@@ -332,6 +340,16 @@ class BaseEmbedding(keras.layers.Layer):
 
     def _table_mode(self):
         raise NotImplementedError
+
+    @property
+    def input_dim(self):
+        """Keras' name for `vocabulary_size` (`keras.layers.Embedding`)."""
+        return self.vocabulary_size
+
+    @property
+    def output_dim(self):
+        """Keras' name for `embedding_dim` (`keras.layers.Embedding`)."""
+        return self.embedding_dim
 
     @property
     def embedding_variable(self):

@@ -17,11 +17,14 @@ class DistributedEmbedding(BaseEmbedding):
     Args:
         vocabulary_size: int, the number of rows of the whole table.
         embedding_dim: int, the width of each row. Keras' names
-            `input_dim` / `output_dim` are accepted for these two.
-        combiner: `"sum"` (default), `"mean"`, `"sqrtn"`, or `None` to
-            return the rows unpooled (`[batch, n, dim]` for dense
-            `[batch, n]` input, a ragged `[batch, None, dim]` for ragged
-            input).
+            `input_dim` / `output_dim` are accepted for these two (and
+            readable as attributes).
+        combiner: `"sum"`, `"mean"`, `"sqrtn"`, or `None` to return the
+            rows unpooled (`[batch, n, dim]` for dense `[batch, n]` input,
+            a ragged `[batch, None, dim]` for ragged input). Defaults to
+            `"sum"` (SOK's and keras-rs' pooled lookup), or to `None` when
+            the sizes are given by Keras' names `input_dim` / `output_dim`
+            (a drop-in `keras.layers.Embedding`, whose output is unpooled).
         embeddings_initializer: initializer of the table. Defaults to
             `"uniform"`. Each rank initializes only its own rows.
         pooling: where pooled rows are summed with several ranks: `"auto"`

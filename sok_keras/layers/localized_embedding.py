@@ -7,6 +7,7 @@ import threading
 import keras
 
 from sok_keras import replicas
+from sok_keras.layers.base_embedding import DEFAULT_COMBINER
 from sok_keras.layers.base_embedding import BaseEmbedding
 
 _ROUND_ROBIN = itertools.count()
@@ -31,7 +32,9 @@ class LocalizedEmbedding(BaseEmbedding):
         vocabulary_size: int, the number of rows.
         embedding_dim: int, the width of each row. Keras' names
             `input_dim` / `output_dim` are accepted for these two.
-        combiner: `"sum"` (default), `"mean"`, `"sqrtn"` or `None`.
+        combiner: `"sum"`, `"mean"`, `"sqrtn"` or `None`; the default is
+            `DistributedEmbedding`'s (`"sum"`, or `None` with Keras' names
+            `input_dim` / `output_dim`).
         embeddings_initializer: initializer. Defaults to `"uniform"`.
         rank: int or `None`, the rank that holds the table. `None` (default)
             places localized tables round-robin over the ranks in the order
@@ -71,7 +74,8 @@ class LocalizedEmbedding(BaseEmbedding):
     """
 
     def __init__(self, vocabulary_size=None, embedding_dim=None,
-                 combiner="sum", embeddings_initializer="uniform", rank=None,
+                 combiner=DEFAULT_COMBINER, embeddings_initializer="uniform",
+                 rank=None,
                  pooling="auto", optimizer=None, **kwargs):
         super().__init__(
             vocabulary_size, embedding_dim, combiner=combiner,

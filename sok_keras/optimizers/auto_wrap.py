@@ -204,12 +204,15 @@ def _install_rank_loss_scaling():
 
 
 def _install_plain_optimizer_check():
-    """Makes a plain Keras optimizer refuse, on several ranks, to build
-    for sok tables (idempotent): outside `compile` (a custom training
-    loop's `opt.apply_gradients`) nothing wraps it, and it would train
-    wrongly without a word (each rank applies its own dense gradients, the
-    dense weights drift apart, and the tables get Keras' dense update of
-    one rank's share)."""
+    """Makes a plain Keras optimizer built for sok tables and dense weights
+    on several ranks say what it does (once, on rank 0; idempotent).
+    Outside `compile` (a custom training loop's `opt.apply_gradients`)
+    nothing wraps it: it applies each rank's own dense gradients (the
+    ranks' dense weights drift apart unless the loop averages them, as
+    Horovod's `DistributedGradientTape` does) and SOK's summed table
+    gradients with Keras' dense update. SOK's own recipes do that on
+    purpose (and the seed's plain SGD on tables alone is SOK's semantics),
+    so it is said, not refused."""
     global _ORIGINAL_BUILD
     from keras.src.optimizers import base_optimizer
 
@@ -223,20 +226,25 @@ def _install_plain_optimizer_check():
         from sok_keras import world
         from sok_keras.variable import is_sok_variable
 
-        if world.num_ranks() > 1 and not is_sok_aware(self):
+        if world.num_ranks() > 1 and not is_sok_aware(self) and (
+                world.rank() == 0):
             tables = [v for v in variables if is_sok_variable(v)]
-            if tables:
+            dense = len(variables) - len(tables)
+            if tables and dense:
                 name = type(self).__name__
-                raise ValueError(
-                    f"sok_keras: the Keras optimizer {name} was given sok "
-                    f"table(s) {', '.join(repr(t.path) for t in tables)} to "
-                    f"update on {world.num_ranks()} ranks. A plain Keras "
-                    "optimizer trains them wrongly there (it neither "
-                    "averages the dense gradients across ranks nor updates "
-                    "the tables' rows sparsely). Wrap it: "
-                    f"`sok.OptimizerWrapper(keras.optimizers.{name}(...))`"
-                    f", or use `sok.optimizers.{name}(...)` (`model."
-                    "compile` wraps it for you).")
+                _LOG.warning(
+                    "sok_keras: the plain Keras optimizer %s updates sok "
+                    "table(s) %s and %d dense weight(s) on %d ranks. It "
+                    "does not average the dense gradients across ranks (the "
+                    "ranks' dense weights drift apart unless your loop "
+                    "averages them, as Horovod's DistributedGradientTape "
+                    "does), and it updates every row of the tables with "
+                    "Keras' dense rule and SOK's summed (not averaged) "
+                    "table gradients. For data-parallel training wrap it: "
+                    "sok.OptimizerWrapper(keras.optimizers.%s(...)), or use "
+                    "sok.optimizers.%s(...) (model.compile wraps it for "
+                    "you).", name, ", ".join(repr(t.path) for t in tables),
+                    dense, world.num_ranks(), name, name)
         return original(self, variables)
 
     cls.build = build
@@ -286,6 +294,17 @@ def _check_first_steps(model, kind):
              "dense": consistency.dense_signature(model)},
             "consistency/start",
             f"the start of {kind} of model '{model.name}'")
+        # Rank 0's dense weights everywhere, also for a `predict` or
+        # `evaluate` before any training (each rank initialized its own:
+        # the ranks would predict with N different models, and evaluate
+        # would average their losses). A trained or loaded model's are
+        # equal already; this copies them once.
+        from sok_keras.optimizers.wrapper import broadcast_variables
+        from sok_keras.variable import is_sok_variable
+
+        broadcast_variables(
+            [v for v in model.weights if not is_sok_variable(v)],
+            key="consistency/align")
     for step, function in _STEPS[kind]:
         if getattr(model, function, None) is None:
             consistency.wrap_step(model, step, kind)

@@ -140,8 +140,20 @@ def test_keras_embedding_argument_names():
                 sok.layers.LocalizedEmbedding):
         layer = cls(input_dim=30, output_dim=4, combiner=None)
         assert (layer.vocabulary_size, layer.embedding_dim) == (30, 4)
+        assert (layer.input_dim, layer.output_dim) == (30, 4)
         assert layer(np.array([[1, 2]])).shape == (1, 2, 4)
         assert cls(30, 4, mask_zero=False).vocabulary_size == 30
+        # Keras' names, no combiner: unpooled, as keras.layers.Embedding
+        # (before: summed, (1, 4), and a Flatten after it hid that).
+        keras_like = cls(input_dim=30, output_dim=4)
+        assert keras_like.combiner is None
+        assert keras_like(np.array([[1, 2]])).shape == (1, 2, 4)
+        assert cls.from_config(keras_like.get_config()).combiner is None
+        # sok's names: SOK's default, pooled.
+        assert cls(30, 4).combiner == "sum"
+        assert cls(30, 4)(np.array([[1, 2]])).shape == (1, 4)
+        assert cls(input_dim=30, output_dim=4, combiner="mean").combiner == (
+            "mean")
     with pytest.raises(ValueError, match="not both"):
         sok.layers.DistributedEmbedding(30, 4, input_dim=30)
     with pytest.raises(ValueError, match=r"`mask_zero`.*-1 as padding"):

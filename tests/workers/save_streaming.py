@@ -201,6 +201,23 @@ if action == "save":
               for k, t in model.input.items()}
     nested = keras.Model(inputs, model(inputs))
     sok.export_for_serving(nested, os.path.join(folder, "serving_nested"))
+
+    class Subclassed(keras.Model):
+        def __init__(self, layer):
+            super().__init__(name="subclassed")
+            self.layer = layer
+
+        def call(self, x):
+            return self.layer(x)
+
+    subclassed = Subclassed(model.get_layer("dist"))
+    subclassed(probe["ids"])
+    try:
+        sok.export_for_serving(subclassed,
+                               os.path.join(folder, "serving_subclassed"))
+        subclassed_error = "no error"
+    except Exception as e:  # noqa: BLE001 - the type and message are checked
+        subclassed_error = f"{type(e).__name__}: {e}"
     stage("exported")
     if RANK == 0:
         np.savez(os.path.join(folder, "expected.npz"), predictions=expected,
@@ -210,6 +227,7 @@ if action == "save":
                   "chunk_bytes": sok_variable.CHUNK_BYTES,
                   "failure": failure, "unchanged": unchanged,
                   "leftovers": leftovers,
+                  "subclassed_error": subclassed_error,
                   "predictions": expected.ravel().tolist()})
     sys.exit(0)
 
