@@ -172,6 +172,29 @@ def _prep(var, indices, grad):
     return var, slot_dtype(dtype), indices, grad, unique
 
 
+def _apply(op, var, indices, grad, slots=(), scalars=(), **attrs):
+    """Runs the update op `op` (a name in the op library) on `var`.
+
+    Args:
+      op: e.g. "sok_sparse_apply_lion".
+      var, indices, grad: as the public functions take them.
+      slots: `(input name, slot variable, argument name)` triples.
+      scalars: `(input name, value, argument name)` triples: hyperparameters,
+        cast to the slot dtype (the argument name is the one errors use).
+      **attrs: the op's other attributes (flags).
+
+    Returns:
+      The op (`None` when eager).
+    """
+    v, dt, indices, grad, unique = _prep(var, indices, grad)
+    kwargs = {name: _tf_var(slot, what).handle for name, slot, what in slots}
+    kwargs.update({name: _scalar(value, dt, what)
+                   for name, value, what in scalars})
+    return getattr(ops(), op)(var=v.handle, indices=indices,
+                              indices_are_unique=unique, grad=grad,
+                              **kwargs, **attrs)
+
+
 def sparse_sgd(var, indices, grad, learning_rate):
     """Lazy SGD (Keras ``SGD`` with ``momentum=0``).
 
@@ -188,14 +211,8 @@ def sparse_sgd(var, indices, grad, learning_rate):
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    return ops().sok_sparse_apply_sgd(
-        var=v.handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-    )
+    return _apply("sok_sparse_apply_sgd", var, indices, grad,
+                  scalars=[("lr", learning_rate, "learning_rate")])
 
 
 def sparse_momentum(
@@ -221,18 +238,11 @@ def sparse_momentum(
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    m = _tf_var(momentum_slot, "momentum_slot")
-    return ops().sok_sparse_apply_momentum(
-        var=v.handle,
-        m=m.handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        momentum=_scalar(momentum, dt, "momentum"),
-        nesterov=bool(nesterov),
-    )
+    return _apply("sok_sparse_apply_momentum", var, indices, grad,
+                  slots=[("m", momentum_slot, "momentum_slot")],
+                  scalars=[("lr", learning_rate, "learning_rate"),
+                           ("momentum", momentum, "momentum")],
+                  nesterov=bool(nesterov))
 
 
 def sparse_adagrad(var, accumulator, indices, grad, learning_rate, epsilon=1e-7):
@@ -255,17 +265,10 @@ def sparse_adagrad(var, accumulator, indices, grad, learning_rate, epsilon=1e-7)
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    acc = _tf_var(accumulator, "accumulator")
-    return ops().sok_sparse_apply_adagrad(
-        var=v.handle,
-        accumulator=acc.handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        epsilon=_scalar(epsilon, dt, "epsilon"),
-    )
+    return _apply("sok_sparse_apply_adagrad", var, indices, grad,
+                  slots=[("accumulator", accumulator, "accumulator")],
+                  scalars=[("lr", learning_rate, "learning_rate"),
+                           ("epsilon", epsilon, "epsilon")])
 
 
 def _adam(var, m, v, indices, grad, learning_rate, step, beta_1, beta_2,
@@ -530,20 +533,13 @@ def sparse_adamax(var, m, u, indices, grad, learning_rate, step, beta_1=0.9,
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    return ops().sok_sparse_apply_adamax(
-        var=v.handle,
-        m=_tf_var(m, "m").handle,
-        u=_tf_var(u, "u").handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        beta_1=_scalar(beta_1, dt, "beta_1"),
-        beta_2=_scalar(beta_2, dt, "beta_2"),
-        epsilon=_scalar(epsilon, dt, "epsilon"),
-        step=_scalar(step, dt, "step"),
-    )
+    return _apply("sok_sparse_apply_adamax", var, indices, grad,
+                  slots=[("m", m, "m"), ("u", u, "u")],
+                  scalars=[("lr", learning_rate, "learning_rate"),
+                           ("beta_1", beta_1, "beta_1"),
+                           ("beta_2", beta_2, "beta_2"),
+                           ("epsilon", epsilon, "epsilon"),
+                           ("step", step, "step")])
 
 
 def sparse_adadelta(var, accumulated_grad, accumulated_delta_var, indices,
@@ -568,19 +564,14 @@ def sparse_adadelta(var, accumulated_grad, accumulated_delta_var, indices,
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    return ops().sok_sparse_apply_adadelta(
-        var=v.handle,
-        accumulated_grad=_tf_var(accumulated_grad, "accumulated_grad").handle,
-        accumulated_delta_var=_tf_var(
-            accumulated_delta_var, "accumulated_delta_var").handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        rho=_scalar(rho, dt, "rho"),
-        epsilon=_scalar(epsilon, dt, "epsilon"),
-    )
+    return _apply("sok_sparse_apply_adadelta", var, indices, grad,
+                  slots=[("accumulated_grad", accumulated_grad,
+                          "accumulated_grad"),
+                         ("accumulated_delta_var", accumulated_delta_var,
+                          "accumulated_delta_var")],
+                  scalars=[("lr", learning_rate, "learning_rate"),
+                           ("rho", rho, "rho"),
+                           ("epsilon", epsilon, "epsilon")])
 
 
 def sparse_lion(var, m, indices, grad, learning_rate, beta_1=0.9,
@@ -602,14 +593,8 @@ def sparse_lion(var, m, indices, grad, learning_rate, beta_1=0.9,
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    return ops().sok_sparse_apply_lion(
-        var=v.handle,
-        m=_tf_var(m, "m").handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        beta_1=_scalar(beta_1, dt, "beta_1"),
-        beta_2=_scalar(beta_2, dt, "beta_2"),
-    )
+    return _apply("sok_sparse_apply_lion", var, indices, grad,
+                  slots=[("m", m, "m")],
+                  scalars=[("lr", learning_rate, "learning_rate"),
+                           ("beta_1", beta_1, "beta_1"),
+                           ("beta_2", beta_2, "beta_2")])
