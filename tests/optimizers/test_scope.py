@@ -76,7 +76,13 @@ def test_seed_usage_lazy_tables_and_keras_dense():
     np.testing.assert_allclose(_np(table.slots["m"]), s_ref["m"], rtol=1e-5,
                                atol=1e-6)
     kvar, kdense, _ = keras_dense(keras.optimizers.Adam(**hp), steps, w0, d0)
-    np.testing.assert_array_equal(_np(dense), _np(kdense))
+    if tf.config.list_logical_devices("GPU"):
+        # There the traced step's dense update is XLA-compiled
+        # (jit_compile="auto"), Keras' eager one is not: an ulp apart.
+        np.testing.assert_allclose(_np(dense), _np(kdense), rtol=1e-6,
+                                   atol=1e-7)
+    else:
+        np.testing.assert_array_equal(_np(dense), _np(kdense))
     # Keras' own Adam would have moved rows that were not looked up.
     assert not np.allclose(_np(kvar), w_ref, rtol=1e-5, atol=1e-6)
 
