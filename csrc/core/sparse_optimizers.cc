@@ -309,7 +309,9 @@ Status ApplyAdamax(T* var, AccOf<T>* m, AccOf<T>* u, int64_t num_rows,
   using S = Storage<T>;
   Status s = CheckRows(num_rows, dim, rows_idx, n);
   if (!s.ok()) return s;
-  // Same operation order and precision as Keras' Adamax.update_step.
+  // Same operation order as Keras' Adamax.update_step. (Keras rounds
+  // 1 - beta_1 from the Python float; here it is 1 - float(beta_1), which
+  // may differ in its last bit, as for Adam's and RMSprop's factors.)
   const A one_minus_b1_power = A(1) - std::pow(beta_1, step);
   const A one_minus_b1 = A(1) - beta_1;
   ForEachRow(var, dim, rows_idx, grad, n, 20, pf,

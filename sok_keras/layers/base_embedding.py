@@ -123,8 +123,8 @@ _SOK1_ARGUMENTS = ("max_vocabulary_size_per_gpu", "embedding_vec_size",
                    "slot_num", "max_nnz", "max_feature_num")
 
 
-# The default combiner: "sum" (SOK's, keras-rs'), or None (unpooled, as
-# keras.layers.Embedding) when the sizes are given by Keras' names.
+# The default combiner: "sum" (SOK's), or None (unpooled, as
+# keras.layers.Embedding) when both sizes are given by Keras' names.
 DEFAULT_COMBINER = "default"
 
 
@@ -309,7 +309,7 @@ class BaseEmbedding(keras.layers.Layer):
     ):
         cls = type(self).__name__
         if combiner == DEFAULT_COMBINER:
-            keras_names = "input_dim" in kwargs or "output_dim" in kwargs
+            keras_names = "input_dim" in kwargs and "output_dim" in kwargs
             combiner = None if keras_names else "sum"
         vocabulary_size, embedding_dim = _keras_embedding_arguments(
             cls, vocabulary_size, embedding_dim, kwargs)

@@ -205,7 +205,8 @@ def _install_rank_loss_scaling():
 
 def _install_plain_optimizer_check():
     """Makes a plain Keras optimizer built for sok tables and dense weights
-    on several ranks say what it does (once, on rank 0; idempotent).
+    on several ranks say what it does (when it is built, on rank 0;
+    idempotent).
     Outside `compile` (a custom training loop's `opt.apply_gradients`)
     nothing wraps it: it applies each rank's own dense gradients (the
     ranks' dense weights drift apart unless the loop averages them, as
@@ -226,8 +227,10 @@ def _install_plain_optimizer_check():
         from sok_keras import world
         from sok_keras.variable import is_sok_variable
 
+        # (A LossScaleOptimizer builds its inner optimizer, which says it.)
         if world.num_ranks() > 1 and not is_sok_aware(self) and (
-                world.rank() == 0):
+                world.rank() == 0) and not isinstance(
+                    self, keras.optimizers.LossScaleOptimizer):
             tables = [v for v in variables if is_sok_variable(v)]
             dense = len(variables) - len(tables)
             if tables and dense:
@@ -253,8 +256,8 @@ def _install_plain_optimizer_check():
 def install():
     """Routes `keras.Model.compile` through `wrap_for`, makes loss
     scaling's finite check global and its scale one rank's share, and
-    makes plain Keras optimizers refuse sok tables on several ranks
-    (idempotent)."""
+    makes plain Keras optimizers built for sok tables on several ranks say
+    what they do (idempotent)."""
     global _ORIGINAL_COMPILE
     _install_global_finite_check()
     _install_rank_loss_scaling()
@@ -294,14 +297,22 @@ def _check_first_steps(model, kind):
              "dense": consistency.dense_signature(model)},
             "consistency/start",
             f"the start of {kind} of model '{model.name}'")
+    optimizer = getattr(model, "optimizer", None)
+    trained = optimizer is not None and optimizer.built
+    if tables and model.built and not trained and not getattr(
+            model, "_sok_dense_aligned", False):
         # Rank 0's dense weights everywhere, also for a `predict` or
         # `evaluate` before any training (each rank initialized its own:
         # the ranks would predict with N different models, and evaluate
-        # would average their losses). A trained or loaded model's are
-        # equal already; this copies them once.
+        # would average their losses). Once the model is built (a
+        # subclassed model that made its tables in __init__ builds its
+        # other layers in its first step), and not once it trained: its
+        # optimizer's build aligned the trainable ones, and each rank's
+        # own statistics (BatchNormalization's) stay its own.
         from sok_keras.optimizers.wrapper import broadcast_variables
         from sok_keras.variable import is_sok_variable
 
+        object.__setattr__(model, "_sok_dense_aligned", True)
         broadcast_variables(
             [v for v in model.weights if not is_sok_variable(v)],
             key="consistency/align")

@@ -72,6 +72,12 @@ def _tf_var(v, what):
     return inner
 
 
+def table_variable(var):
+    """The `tf.Variable` holding a table's local rows (of a
+    `keras.Variable`, a `sok_keras.Variable` or a `tf.Variable`)."""
+    return _tf_var(var, "var")
+
+
 def _scalar(x, dtype, what):
     if hasattr(x, "value") and isinstance(getattr(x, "value"), tf.Variable):
         x = x.value  # keras.Variable

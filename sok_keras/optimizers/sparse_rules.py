@@ -24,6 +24,8 @@ class SparseRule:
 
     name = None
     keras_class = None
+    # Adam's kernel applies the decoupled weight decay itself.
+    fused_weight_decay = False
 
     def slots(self, opt):
         """Returns `[(slot_name, initial_value)]` for `opt`."""
@@ -38,6 +40,24 @@ class SparseRule:
         if opt.weight_decay is None or not opt._use_weight_decay(var):
             return 0.0
         return opt.weight_decay
+
+    def decay(self, opt, var, indices, lr):
+        """Keras' decoupled weight decay, lazily: `w -= w * weight_decay *
+        lr` once on each distinct row of `indices`, before the rule's
+        update (Keras applies it to every weight before its update step).
+
+        Returns:
+            The op (None when eager, or when no decay applies).
+        """
+        wd = self.weight_decay(opt, var)
+        if self.fused_weight_decay or not wd:
+            return None
+        rows = tf.unique(tf.reshape(tf.convert_to_tensor(indices), [-1]))[0]
+        values = tf.gather(k.table_variable(var), rows)
+        # sparse_sgd's w - g * lr with g = w * weight_decay: Keras'
+        # `w - w * weight_decay * lr`, operation for operation.
+        return k.sparse_sgd(var, rows, values * tf.cast(wd, values.dtype),
+                            lr)
 
 
 class _Sgd(SparseRule):
@@ -67,6 +87,7 @@ class _Adagrad(SparseRule):
 
 class _Adam(SparseRule):
     name, keras_class = "Adam", keras.optimizers.Adam
+    fused_weight_decay = True
 
     def slots(self, opt):
         names = [("m", 0.0), ("v", 0.0)]
@@ -165,27 +186,13 @@ _RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd(),
 SUPPORTED = tuple(r.name for r in _RULES)
 
 
-def _excludes_some_weights(optimizer):
-    """Whether `exclude_from_weight_decay` was called on `optimizer`."""
-    return bool(getattr(optimizer, "_exclude_from_weight_decay", None) or
-                getattr(optimizer, "_exclude_from_weight_decay_names", None))
-
-
-def rule_for(optimizer, table=None):
+def rule_for(optimizer):
     """Returns the `SparseRule` of a Keras optimizer, or raises ValueError.
 
     The match is on the exact class (a user's subclass may change the update,
     so it has no sparse rule); sok_keras' own sparse optimizers name the Keras
-    class they implement in `_sok_keras_class`.
-
-    Args:
-        optimizer: a Keras optimizer.
-        table: the `sok_keras.Variable` it is to update, if known: a
-            `weight_decay` the rule cannot apply is refused only where it
-            would apply to that table (not for a table excluded with
-            `exclude_from_weight_decay`). Without a table, such a
-            `weight_decay` is refused unless the optimizer excludes some
-            weights (then each table is checked when it is updated).
+    class they implement in `_sok_keras_class`. Every rule takes Keras'
+    `weight_decay` (applied lazily, to the rows a step updates).
     """
     cls = getattr(type(optimizer), "_sok_keras_class", type(optimizer))
     for rule in _RULES:
@@ -196,16 +203,6 @@ def rule_for(optimizer, table=None):
             "sok_keras has no sparse update rule for "
             f"{type(optimizer).__name__}. Supported optimizers: "
             f"{', '.join(SUPPORTED)}."
-        )
-    if optimizer.weight_decay and rule.name not in ("Adam", "AdamW"):
-        if table is not None and not optimizer._use_weight_decay(table):
-            return rule
-        if table is None and _excludes_some_weights(optimizer):
-            return rule
-        raise ValueError(
-            f"sok_keras: `weight_decay` on {rule.name} is not supported for "
-            "sharded tables (only Adam and AdamW decay lazily). Received: "
-            f"weight_decay={optimizer.weight_decay}."
         )
     return rule
 

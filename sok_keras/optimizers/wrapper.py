@@ -337,9 +337,9 @@ def table_optimizer(opt, table):
 
 
 def rule_for_table(opt, table):
-    """`sparse_rules.rule_for(opt, table)`, its error naming the table."""
+    """`sparse_rules.rule_for(opt)`, its error naming the table."""
     try:
-        return sparse_rules.rule_for(opt, table)
+        return sparse_rules.rule_for(opt)
     except ValueError as e:
         own = table.optimizer is not None
         whose = "its own" if own else "the model's"
@@ -510,6 +510,9 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
         step = tf.cast(topt.iterations + 1,
                        sparse_kernels.slot_dtype(table.dtype))
         slots = sparse_rules.ensure_slots(rule, topt, table)
+        decay = rule.decay(topt, table, s.indices, topt.learning_rate)
+        if decay is not None:
+            table_updates.append(decay)
         update = rule.apply(topt, table, slots, s.indices, s.values,
                             topt.learning_rate, step)
         if update is not None:

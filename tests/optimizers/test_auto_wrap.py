@@ -295,26 +295,31 @@ def test_tables_with_their_own_optimizers_free_the_model_optimizer(
         model(None).compile(keras.optimizers.Nadam(0.01), "mse")
 
 
-def test_weight_decay_refused_only_for_tables_it_would_decay():
-    """SGD's `weight_decay` has no lazy rule: refused for a table it would
-    decay (naming the table), taken when `exclude_from_weight_decay`
-    leaves the tables out (Keras' way; the dense weights still decay)."""
-    import pytest
-
+def test_sgd_weight_decay_with_excluded_tables_saves_and_loads(tmp_path):
+    """SGD's `weight_decay` decays the tables lazily (before: refused), and
+    `exclude_from_weight_decay` leaves them out: one step moves the table
+    as with no decay (the dense weights decay; a second step would see
+    them). The model saves and loads (Keras
+    does not save the exclusions: the loaded optimizer decays the table
+    too, as Keras' own would), and trains on."""
     rng = np.random.default_rng(1)
     x = rng.integers(0, 500, (32, 3))
     y = rng.random((32, 1)).astype(np.float32)
-    excluded = keras.optimizers.SGD(0.1, weight_decay=0.01)
-    excluded.exclude_from_weight_decay(var_names=["embeddings"])
-    model = _model()
-    model.compile(excluded, "mse")
-    model.fit(x, y, batch_size=8, verbose=0)
-    decayed = keras.optimizers.SGD(0.1, weight_decay=0.01)
-    decayed.exclude_from_weight_decay(var_names=["bias"])
-    with pytest.raises(ValueError, match=(
-            r"table '.*embeddings' is trained by the model's optimizer SGD: "
-            r".*`weight_decay` on SGD is not supported")):
-        _model().compile(decayed, "mse")
-    # Without exclusions the wrapper refuses it at construction, as before.
-    with pytest.raises(ValueError, match="weight_decay"):
-        sok.OptimizerWrapper(keras.optimizers.SGD(0.1, weight_decay=0.01))
+    tables = {}
+    for kind in ("excluded", "none", "decayed"):
+        keras.utils.set_random_seed(2)
+        model = _model()
+        opt = keras.optimizers.SGD(0.1, weight_decay=(
+            0.0 if kind == "none" else 0.5))
+        if kind == "excluded":
+            opt.exclude_from_weight_decay(var_names=["embeddings"])
+        model.compile(opt, "mse")
+        model.fit(x, y, batch_size=32, verbose=0, shuffle=False)  # 1 step
+        tables[kind] = model.layers[1].embeddings.numpy()
+        if kind == "excluded":
+            path = str(tmp_path / "wd.keras")
+            model.save(path)
+            loaded = keras.saving.load_model(path)
+            loaded.fit(x, y, batch_size=8, verbose=0)
+    np.testing.assert_array_equal(tables["excluded"], tables["none"])
+    assert not np.allclose(tables["decayed"], tables["none"])
