@@ -323,3 +323,28 @@ def test_sgd_weight_decay_with_excluded_tables_saves_and_loads(tmp_path):
             loaded.fit(x, y, batch_size=8, verbose=0)
     np.testing.assert_array_equal(tables["excluded"], tables["none"])
     assert not np.allclose(tables["decayed"], tables["none"])
+
+
+def test_the_plain_optimizer_warning_is_said_once_per_build(monkeypatch,
+                                                            caplog):
+    """(As if on rank 0 of 2.) A LossScaleOptimizer around a plain one
+    warns once, for the inner optimizer (before: twice, the second telling
+    to wrap the LossScaleOptimizer, which OptimizerWrapper refuses); a
+    table alone (SOK's seed: plain SGD on tables) and a wrapped optimizer
+    say nothing."""
+    from sok_keras import world
+
+    monkeypatch.setattr(world, "num_ranks", lambda: 2)
+    monkeypatch.setattr(world, "rank", lambda: 0)
+    table = sok.Variable(np.ones((4, 2), np.float32), name="t")
+    dense = keras.Variable(np.ones((2,), np.float32), name="d")
+    with caplog.at_level(logging.WARNING, logger="sok_keras"):
+        keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam()).build([table, dense])
+        keras.optimizers.SGD().build([table])
+        sok.OptimizerWrapper(keras.optimizers.Adam()).inner_optimizer.build(
+            [dense])
+    said = [r.getMessage() for r in caplog.records
+            if "plain Keras optimizer" in r.getMessage()]
+    assert len(said) == 1 and "optimizer Adam updates sok table(s) 't'" in (
+        said[0]), said
