@@ -314,7 +314,8 @@ def _check_first_steps(model, kind):
 
         object.__setattr__(model, "_sok_dense_aligned", True)
         broadcast_variables(
-            [v for v in model.weights if not is_sok_variable(v)],
+            [v for v in model.weights if not is_sok_variable(v)
+             and keras.backend.is_float_dtype(v.dtype)],
             key="consistency/align")
     for step, function in _STEPS[kind]:
         if getattr(model, function, None) is None:
