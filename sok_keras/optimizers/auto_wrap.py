@@ -310,12 +310,12 @@ def _check_first_steps(model, kind):
         # optimizer's build aligned the trainable ones, and each rank's
         # own statistics (BatchNormalization's) stay its own.
         from sok_keras.optimizers.wrapper import broadcast_variables
-        from sok_keras.variable import is_sok_variable
 
         object.__setattr__(model, "_sok_dense_aligned", True)
+        # (broadcast_variables leaves the sharded tables out itself.)
         broadcast_variables(
-            [v for v in model.weights if not is_sok_variable(v)
-             and keras.backend.is_float_dtype(v.dtype)],
+            [v for v in model.weights
+             if keras.backend.is_float_dtype(v.dtype)],
             key="consistency/align")
     for step, function in _STEPS[kind]:
         if getattr(model, function, None) is None:

@@ -279,30 +279,19 @@ def sparse_adagrad(var, accumulator, indices, grad, learning_rate, epsilon=1e-7)
 
 def _adam(var, m, v, indices, grad, learning_rate, step, beta_1, beta_2,
           epsilon, vhat, weight_decay):
-    tv, dt, indices, grad, unique = _prep(var, indices, grad)
-    m = _tf_var(m, "m")
-    v = _tf_var(v, "v")
     amsgrad = vhat is not None
-    vh = _tf_var(vhat, "vhat") if amsgrad else tv  # ignored unless amsgrad
-    kwargs = dict(
-        var=tv.handle,
-        m=m.handle,
-        v=v.handle,
-        vhat=vh.handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        beta_1=_scalar(beta_1, dt, "beta_1"),
-        beta_2=_scalar(beta_2, dt, "beta_2"),
-        epsilon=_scalar(epsilon, dt, "epsilon"),
-        step=_scalar(step, dt, "step"),
-        amsgrad=amsgrad,
-    )
-    if weight_decay is None:
-        return ops().sok_sparse_apply_adam(**kwargs)
-    kwargs["weight_decay"] = _scalar(weight_decay, dt, "weight_decay")
-    return ops().sok_sparse_apply_adam_w(**kwargs)
+    scalars = [("lr", learning_rate, "learning_rate"),
+               ("beta_1", beta_1, "beta_1"), ("beta_2", beta_2, "beta_2"),
+               ("epsilon", epsilon, "epsilon"), ("step", step, "step")]
+    if weight_decay is not None:
+        scalars.append(("weight_decay", weight_decay, "weight_decay"))
+    return _apply(
+        "sok_sparse_apply_adam" if weight_decay is None
+        else "sok_sparse_apply_adam_w", var, indices, grad,
+        # (vhat is ignored unless amsgrad: `var` stands in for it.)
+        slots=[("m", m, "m"), ("v", v, "v"),
+               ("vhat", vhat if amsgrad else var, "vhat")],
+        scalars=scalars, amsgrad=amsgrad)
 
 
 def sparse_adam(
@@ -430,27 +419,19 @@ def sparse_ftrl(
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    acc = _tf_var(accumulator, "accumulator")
-    lin = _tf_var(linear, "linear")
-    return ops().sok_sparse_apply_ftrl(
-        var=v.handle,
-        accumulator=acc.handle,
-        linear=lin.handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        lr_power=_scalar(learning_rate_power, dt, "learning_rate_power"),
-        l1=_scalar(l1_regularization_strength, dt, "l1_regularization_strength"),
-        l2=_scalar(l2_regularization_strength, dt, "l2_regularization_strength"),
-        l2_shrinkage=_scalar(
-            l2_shrinkage_regularization_strength,
-            dt,
-            "l2_shrinkage_regularization_strength",
-        ),
-        beta=_scalar(beta, dt, "beta"),
-    )
+    return _apply(
+        "sok_sparse_apply_ftrl", var, indices, grad,
+        slots=[("accumulator", accumulator, "accumulator"),
+               ("linear", linear, "linear")],
+        scalars=[("lr", learning_rate, "learning_rate"),
+                 ("lr_power", learning_rate_power, "learning_rate_power"),
+                 ("l1", l1_regularization_strength,
+                  "l1_regularization_strength"),
+                 ("l2", l2_regularization_strength,
+                  "l2_regularization_strength"),
+                 ("l2_shrinkage", l2_shrinkage_regularization_strength,
+                  "l2_shrinkage_regularization_strength"),
+                 ("beta", beta, "beta")])
 
 
 def sparse_rmsprop(
@@ -491,29 +472,20 @@ def sparse_rmsprop(
     Returns:
       The update op (``None`` when eager).
     """
-    v, dt, indices, grad, unique = _prep(var, indices, grad)
-    vel = _tf_var(velocity, "velocity")
-    mom = _tf_var(momentum_slot, "momentum_slot") if momentum_slot is not None else v
-    mg = (
-        _tf_var(average_gradient, "average_gradient")
-        if average_gradient is not None
-        else v
-    )
-    return ops().sok_sparse_apply_rmsprop(
-        var=v.handle,
-        velocity=vel.handle,
-        mom=mom.handle,
-        mg=mg.handle,
-        indices=indices,
-        indices_are_unique=unique,
-        grad=grad,
-        lr=_scalar(learning_rate, dt, "learning_rate"),
-        rho=_scalar(rho, dt, "rho"),
-        momentum=_scalar(momentum, dt, "momentum"),
-        epsilon=_scalar(epsilon, dt, "epsilon"),
-        centered=average_gradient is not None,
-        use_momentum=momentum_slot is not None,
-    )
+    centered = average_gradient is not None
+    use_momentum = momentum_slot is not None
+    return _apply(
+        "sok_sparse_apply_rmsprop", var, indices, grad,
+        # (Unused slots are ignored by the op: `var` stands in for them.)
+        slots=[("velocity", velocity, "velocity"),
+               ("mom", momentum_slot if use_momentum else var,
+                "momentum_slot"),
+               ("mg", average_gradient if centered else var,
+                "average_gradient")],
+        scalars=[("lr", learning_rate, "learning_rate"), ("rho", rho, "rho"),
+                 ("momentum", momentum, "momentum"),
+                 ("epsilon", epsilon, "epsilon")],
+        centered=centered, use_momentum=use_momentum)
 
 
 def sparse_adamax(var, m, u, indices, grad, learning_rate, step, beta_1=0.9,
