@@ -170,6 +170,9 @@ RULES = {
         v, s[0], s[1], i, g, 0.5, rho=0.9, epsilon=1e-6)),
     "lion": (1, lambda v, s, i, g: sparse_kernels.sparse_lion(
         v, s[0], i, g, 0.01, beta_1=0.8, beta_2=0.95)),
+    "nadam": (2, lambda v, s, i, g: sparse_kernels.sparse_nadam(
+        v, s[0], s[1], i, g, 0.01, 0.85, 0.86, 0.6, 0.97, beta_1=0.9,
+        beta_2=0.99)),
 }
 
 

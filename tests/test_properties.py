@@ -287,6 +287,7 @@ def _optimizers():
         # (A small rate: a sign that float64 and a 16-bit table see
         # differently moves a row by 2 x the rate.)
         "lion": lambda: keras.optimizers.Lion(0.001),
+        "nadam": lambda: keras.optimizers.Nadam(0.01),
     }
 
 

@@ -385,6 +385,45 @@ Status ApplyLion(T* var, AccOf<T>* m, int64_t num_rows, int64_t dim,
   return Status::Ok();
 }
 
+template <typename T>
+Status ApplyNadam(T* var, AccOf<T>* m, AccOf<T>* v, int64_t num_rows,
+                  int64_t dim, const int64_t* rows_idx, const AccOf<T>* grad,
+                  int64_t n, AccOf<T> lr, AccOf<T> beta_1, AccOf<T> beta_2,
+                  AccOf<T> epsilon, AccOf<T> u_t, AccOf<T> u_t_1,
+                  AccOf<T> u_product, AccOf<T> beta_2_power,
+                  const ParallelFor& pf) {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  Status s = CheckRows(num_rows, dim, rows_idx, n);
+  if (!s.ok()) return s;
+  // Same operation order as Keras' Nadam.update_step.
+  const A one_minus_b1 = A(1) - beta_1;
+  const A one_minus_b2 = A(1) - beta_2;
+  const A one_minus_up_1 = A(1) - u_product * u_t_1;
+  const A one_minus_u_t = A(1) - u_t;
+  const A one_minus_up = A(1) - u_product;
+  const A one_minus_b2_power = A(1) - beta_2_power;
+  ForEachRow(var, dim, rows_idx, grad, n, 30, pf,
+             [&](int64_t off, const A* g) {
+               T* w = var + off;
+               A* mr = m + off;
+               A* vr = v + off;
+               for (int64_t j = 0; j < dim; ++j) {
+                 const A gj = g[j];
+                 const A mj = mr[j] + (gj - mr[j]) * one_minus_b1;
+                 const A vj = vr[j] + (gj * gj - vr[j]) * one_minus_b2;
+                 mr[j] = mj;
+                 vr[j] = vj;
+                 const A m_hat = (u_t_1 * mj) / one_minus_up_1 +
+                                 (one_minus_u_t * gj) / one_minus_up;
+                 const A v_hat = vj / one_minus_b2_power;
+                 w[j] = S::Store(S::Load(w[j]) -
+                                 (m_hat * lr) / (std::sqrt(v_hat) + epsilon));
+               }
+             });
+  return Status::Ok();
+}
+
 #define SOK_INSTANTIATE_INDEX(Index)                                       \
   template Status BuildUniqueIndex<Index>(const Index*, int64_t, int64_t, \
                                           UniqueIndex*);
@@ -430,7 +469,12 @@ SOK_INSTANTIATE_INDEX(int64_t)
   template Status ApplyLion<T>(T*, AccOf<T>*, int64_t, int64_t,               \
                                const int64_t*, const AccOf<T>*, int64_t,      \
                                AccOf<T>, AccOf<T>, AccOf<T>,                  \
-                               const ParallelFor&);
+                               const ParallelFor&);                           \
+  template Status ApplyNadam<T>(T*, AccOf<T>*, AccOf<T>*, int64_t, int64_t,   \
+                                const int64_t*, const AccOf<T>*, int64_t,     \
+                                AccOf<T>, AccOf<T>, AccOf<T>, AccOf<T>,       \
+                                AccOf<T>, AccOf<T>, AccOf<T>, AccOf<T>,       \
+                                const ParallelFor&);
 SOK_INSTANTIATE(float)
 SOK_INSTANTIATE(double)
 SOK_INSTANTIATE(Half)

@@ -317,6 +317,30 @@ struct LionFn {
   }
 };
 
+template <typename T>
+struct NadamFn {
+  using A = AccOf<T>;
+  using S = Storage<T>;
+  T* var;
+  A* m;
+  A* v;
+  A lr, epsilon, u_t_1, one_minus_b1, one_minus_b2, one_minus_up_1,
+      one_minus_u_t, one_minus_up, one_minus_b2_power;
+  __device__ __forceinline__ void operator()(int64_t i, A g) const {
+    const A mr = m[i];
+    const A vr = v[i];
+    const A mj = Add(mr, Mul(Sub(g, mr), one_minus_b1));
+    const A vj = Add(vr, Mul(Sub(Mul(g, g), vr), one_minus_b2));
+    m[i] = mj;
+    v[i] = vj;
+    const A m_hat = Add(Div(Mul(u_t_1, mj), one_minus_up_1),
+                        Div(Mul(one_minus_u_t, g), one_minus_up));
+    const A v_hat = Div(vj, one_minus_b2_power);
+    var[i] = S::Store(Sub(S::Load(var[i]),
+                          Div(Mul(m_hat, lr), Add(Sqrt(v_hat), epsilon))));
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Vectorised element updates: VecApply<Fn, VEC>::Apply(fn, i, g, valid)
 // updates elements i .. i + valid - 1 (valid <= VEC) with the summed
@@ -724,6 +748,26 @@ Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,
       const A beta_1 = static_cast<A>(h.beta_1);
       const A beta_2 = static_cast<A>(h.beta_2);
       LionFn<T> fn{var, s1, lr, beta_1, beta_2, A(1) - beta_1, A(1) - beta_2};
+      return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
+    }
+    case Rule::kNadam: {
+      if (s1 == nullptr) return MissingSlot("Nadam", "m");
+      if (s2 == nullptr) return MissingSlot("Nadam", "v");
+      // Same host expressions as ApplyNadam.
+      const A u_t_1 = static_cast<A>(h.u_t_1);
+      const A u_product = static_cast<A>(h.u_product);
+      NadamFn<T> fn{var,
+                    s1,
+                    s2,
+                    lr,
+                    static_cast<A>(h.epsilon),
+                    u_t_1,
+                    A(1) - static_cast<A>(h.beta_1),
+                    A(1) - static_cast<A>(h.beta_2),
+                    A(1) - u_product * u_t_1,
+                    A(1) - static_cast<A>(h.u_t),
+                    A(1) - u_product,
+                    A(1) - static_cast<A>(h.beta_2_power)};
       return LaunchApply<T>(d, fn, dim, dedup, grad, vec4);
     }
   }

@@ -170,6 +170,24 @@ Status ApplyAdadelta(T* var, AccOf<T>* acc_grad, AccOf<T>* acc_delta,
                      const AccOf<T>* grad, int64_t n, AccOf<T> lr,
                      AccOf<T> rho, AccOf<T> epsilon, const ParallelFor& pf);
 
+// Keras Nadam (keras/src/optimizers/nadam.py). The step's momentum
+// schedule comes in as Keras computes it: u_t = beta_1 (1 - 0.5 * 0.96^t),
+// u_t_1 = beta_1 (1 - 0.5 * 0.96^(t+1)), u_product = the optimizer's product
+// of the u's up to u_t (its `_u_product` after this step's update) and
+// beta_2_power = beta_2^t:
+//   m += (g - m) * (1 - beta_1)
+//   v += (g^2 - v) * (1 - beta_2)
+//   m_hat = (u_t_1 * m) / (1 - u_product * u_t_1)
+//           + ((1 - u_t) * g) / (1 - u_product)
+//   w -= (m_hat * lr) / (sqrt(v / (1 - beta_2_power)) + epsilon)
+template <typename T>
+Status ApplyNadam(T* var, AccOf<T>* m, AccOf<T>* v, int64_t num_rows,
+                  int64_t dim, const int64_t* rows_idx, const AccOf<T>* grad,
+                  int64_t n, AccOf<T> lr, AccOf<T> beta_1, AccOf<T> beta_2,
+                  AccOf<T> epsilon, AccOf<T> u_t, AccOf<T> u_t_1,
+                  AccOf<T> u_product, AccOf<T> beta_2_power,
+                  const ParallelFor& pf);
+
 // Keras Lion (keras/src/optimizers/lion.py):
 //   w -= lr * sign(m * beta_1 + g * (1 - beta_1))
 //   m = m * beta_2 + g * (1 - beta_2)
@@ -246,6 +264,7 @@ enum class Rule {
   kAdamax,
   kAdadelta,
   kLion,
+  kNadam,
 };
 
 // The op's scalar hyperparameters (read on the host as AccOf<T>; stored as
@@ -266,6 +285,10 @@ struct Hyper {
   double l2_shrinkage = 0;  // Ftrl
   double beta = 0;          // Ftrl
   double rho = 0;           // Rmsprop, Adadelta
+  double u_t = 0;           // Nadam: this step's momentum schedule
+  double u_t_1 = 0;         // Nadam: the next step's
+  double u_product = 0;     // Nadam: the schedule's product up to u_t
+  double beta_2_power = 0;  // Nadam: beta_2^step
   bool nesterov = false;            // Momentum
   bool apply_weight_decay = false;  // Adam -> AdamW
 };
@@ -286,6 +309,7 @@ struct Hyper {
 //   kAdamax:   s1 = m, s2 = u
 //   kAdadelta: s1 = accumulated_grad, s2 = accumulated_delta_var
 //   kLion:     s1 = m
+//   kNadam:    s1 = m, s2 = v
 // U == 0 or dim == 0: no-op.
 template <typename T>
 Status ApplyRule(const GpuDevice& d, Rule rule, const Hyper& h, T* var,

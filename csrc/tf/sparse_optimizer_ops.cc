@@ -258,6 +258,32 @@ Lazy Keras Adamax, per unique row: m += (g - m)(1 - beta_1);
 u = max(beta_2 * u, |g|); var -= lr * m / ((1 - beta_1^step)(u + epsilon)).
 )doc");
 
+REGISTER_OP("SokSparseApplyNadam")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("indices: Tindices")
+    .Input("grad: T")
+    .Input("lr: Tacc")
+    .Input("beta_1: Tacc")
+    .Input("beta_2: Tacc")
+    .Input("epsilon: Tacc")
+    .Input("u_t: Tacc")
+    .Input("u_t_1: Tacc")
+    .Input("u_product: Tacc")
+    .Input("beta_2_power: Tacc")
+    .SOK_COMMON_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(SOK_SHAPE_FN(3, 8))
+    .Doc(R"doc(
+Lazy Keras Nadam, per unique row: m += (g - m)(1 - beta_1);
+v += (g^2 - v)(1 - beta_2); m_hat = u_t_1 m / (1 - u_product u_t_1)
++ (1 - u_t) g / (1 - u_product); var -= m_hat lr / (sqrt(v / (1 -
+beta_2_power)) + epsilon). u_t, u_t_1, u_product (the product of the
+schedule up to u_t) and beta_2_power = beta_2^step are the step's
+schedule as Keras' Nadam computes it.
+)doc");
+
 REGISTER_OP("SokSparseApplyAdadelta")
     .Input("var: resource")
     .Input("accumulated_grad: resource")
@@ -947,6 +973,41 @@ class LionOp : public SokSparseApplyBase<Device, T, Index> {
 };
 
 template <typename Device, typename T, typename Index>
+class NadamOp : public SokSparseApplyBase<Device, T, Index> {
+ public:
+  explicit NadamOp(OpKernelConstruction* c)
+      : SokSparseApplyBase<Device, T, Index>(c, {"var", "m", "v"}, 8) {}
+
+ protected:
+  using typename SokSparseApplyBase<Device, T, Index>::A;
+  using typename SokSparseApplyBase<Device, T, Index>::B;
+  using typename SokSparseApplyBase<Device, T, Index>::C;
+  so::Status Apply(OpKernelContext* ctx, const B& b, const A* g,
+                   const ApplyArgs& a) override {
+    return so::ApplyNadam<C>(::sok::CorePtr(b.var), b.slot[1], b.slot[2],
+                             a.rows, a.dim, a.uniq_rows, g, a.n,
+                             this->Scalar(ctx, 0), this->Scalar(ctx, 1),
+                             this->Scalar(ctx, 2), this->Scalar(ctx, 3),
+                             this->Scalar(ctx, 4), this->Scalar(ctx, 5),
+                             this->Scalar(ctx, 6), this->Scalar(ctx, 7), a.pf);
+  }
+#ifdef SOK_WITH_CUDA
+  so::gpu::Rule GpuRule(OpKernelContext* ctx,
+                        so::gpu::Hyper* h) const override {
+    h->lr = this->Scalar(ctx, 0);
+    h->beta_1 = this->Scalar(ctx, 1);
+    h->beta_2 = this->Scalar(ctx, 2);
+    h->epsilon = this->Scalar(ctx, 3);
+    h->u_t = this->Scalar(ctx, 4);
+    h->u_t_1 = this->Scalar(ctx, 5);
+    h->u_product = this->Scalar(ctx, 6);
+    h->beta_2_power = this->Scalar(ctx, 7);
+    return so::gpu::Rule::kNadam;
+  }
+#endif
+};
+
+template <typename Device, typename T, typename Index>
 using AdamNoWd = AdamOp<Device, T, Index, false>;
 template <typename Device, typename T, typename Index>
 using AdamWd = AdamOp<Device, T, Index, true>;
@@ -970,7 +1031,8 @@ using AdamWd = AdamOp<Device, T, Index, true>;
   SOK_REGISTER("SokSparseApplyRmsprop", RmspropOp, T, Index)       \
   SOK_REGISTER("SokSparseApplyAdamax", AdamaxOp, T, Index)         \
   SOK_REGISTER("SokSparseApplyAdadelta", AdadeltaOp, T, Index)     \
-  SOK_REGISTER("SokSparseApplyLion", LionOp, T, Index)
+  SOK_REGISTER("SokSparseApplyLion", LionOp, T, Index)             \
+  SOK_REGISTER("SokSparseApplyNadam", NadamOp, T, Index)
 
 SOK_REGISTER_ALL(float, int32)
 SOK_REGISTER_ALL(float, int64_t)
@@ -1018,6 +1080,10 @@ SOK_REGISTER_ALL(bfloat16, int64_t)
   .HostMemory("lr").HostMemory("rho").HostMemory("epsilon")
 #define SOK_HOST_LION                                              \
   .HostMemory("lr").HostMemory("beta_1").HostMemory("beta_2")
+#define SOK_HOST_NADAM                                             \
+  SOK_HOST_LION.HostMemory("epsilon").HostMemory("u_t")            \
+      .HostMemory("u_t_1").HostMemory("u_product")                 \
+      .HostMemory("beta_2_power")
 
 #define SOK_REGISTER_GPU_ALL(T, Index)                                        \
   SOK_REGISTER_GPU("SokSparseApplySgd", SgdOp, T, Index, SOK_HOST_SGD)       \
@@ -1034,7 +1100,8 @@ SOK_REGISTER_ALL(bfloat16, int64_t)
                    SOK_HOST_ADAMAX)                                           \
   SOK_REGISTER_GPU("SokSparseApplyAdadelta", AdadeltaOp, T, Index,           \
                    SOK_HOST_ADADELTA)                                         \
-  SOK_REGISTER_GPU("SokSparseApplyLion", LionOp, T, Index, SOK_HOST_LION)
+  SOK_REGISTER_GPU("SokSparseApplyLion", LionOp, T, Index, SOK_HOST_LION)    \
+  SOK_REGISTER_GPU("SokSparseApplyNadam", NadamOp, T, Index, SOK_HOST_NADAM)
 
 SOK_REGISTER_GPU_ALL(float, int32)
 SOK_REGISTER_GPU_ALL(float, int64_t)
@@ -1046,6 +1113,7 @@ SOK_REGISTER_GPU_ALL(bfloat16, int32)
 SOK_REGISTER_GPU_ALL(bfloat16, int64_t)
 
 #undef SOK_REGISTER_GPU_ALL
+#undef SOK_HOST_NADAM
 #undef SOK_HOST_LION
 #undef SOK_HOST_ADADELTA
 #undef SOK_HOST_ADAMAX

@@ -42,7 +42,9 @@ def get_table_optimizer(optimizer, layer):
         optimizer = copy.deepcopy(optimizer)
     try:
         opt = keras.optimizers.get(optimizer)
-        sparse_rules.rule_for(opt)  # raises, listing the supported ones
+        # (Raises, listing the supported ones.) The state Keras makes in
+        # `build` is made now: it is saved with the layer.
+        sparse_rules.rule_for(opt).prepare(opt)
     except ValueError as e:
         raise ValueError(f"{layer}: the table's `optimizer`: {e}") from e
     for arg in ("clipnorm", "global_clipnorm", "clipvalue", "use_ema",

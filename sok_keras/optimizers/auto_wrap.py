@@ -50,6 +50,7 @@ _ORIGINAL_COMPILE = None
 _ORIGINAL_CHECK_FINITE = None
 _ORIGINAL_LSO = {}
 _ORIGINAL_BUILD = None
+_ORIGINAL_FILTER = None
 _ORIGINAL_LOOPS = {}
 _STEPS = {"fit": (("train_step", "train_function"),),
           "evaluate": (("test_step", "test_function"),),
@@ -253,6 +254,34 @@ def _install_plain_optimizer_check():
     cls.build = build
 
 
+def _install_empty_shard_filter():
+    """Makes a plain Keras optimizer leave out the sok tables whose shard
+    on this rank is empty (a localized table owned by another rank: `[0,
+    dim]`). There is nothing to update there, and several of Keras' rules
+    (Adadelta, Ftrl, RMSprop, Lion, Nadam) fail on such a variable: Keras'
+    `ops.add` takes a `[0, dim]` operand for a bias (idempotent)."""
+    global _ORIGINAL_FILTER
+    from keras.src.optimizers import base_optimizer
+
+    if _ORIGINAL_FILTER is not None:
+        return
+    cls = base_optimizer.BaseOptimizer
+    original = _ORIGINAL_FILTER = cls._filter_empty_gradients
+
+    @functools.wraps(original)
+    def _filter_empty_gradients(self, grads, variables):
+        from sok_keras.variable import is_sok_variable
+
+        grads, variables = original(self, grads, variables)
+        keep = [i for i, v in enumerate(variables)
+                if not (is_sok_variable(v) and 0 in tuple(v.shape))]
+        if len(keep) == len(variables):
+            return grads, variables
+        return [grads[i] for i in keep], [variables[i] for i in keep]
+
+    cls._filter_empty_gradients = _filter_empty_gradients
+
+
 def install():
     """Routes `keras.Model.compile` through `wrap_for`, makes loss
     scaling's finite check global and its scale one rank's share, and
@@ -262,6 +291,7 @@ def install():
     _install_global_finite_check()
     _install_rank_loss_scaling()
     _install_plain_optimizer_check()
+    _install_empty_shard_filter()
     if _ORIGINAL_COMPILE is not None:
         return
     # Patch the class that defines compile (Keras' Trainer), not

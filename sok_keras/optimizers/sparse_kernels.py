@@ -520,6 +520,48 @@ def sparse_adamax(var, m, u, indices, grad, learning_rate, step, beta_1=0.9,
                            ("step", step, "step")])
 
 
+def sparse_nadam(var, m, v, indices, grad, learning_rate, u_t, u_t_1,
+                 u_product, beta_2_power, beta_1=0.9, beta_2=0.999,
+                 epsilon=1e-7):
+    """Lazy Nadam (Keras ``Nadam``).
+
+    For each unique row ``r`` with summed gradient ``g``, with the step's
+    momentum schedule as Keras' Nadam computes it (``u_t``, ``u_t_1``,
+    ``u_product``: the product of the schedule up to ``u_t``, and
+    ``beta_2_power = beta_2 ** step``)::
+
+        m[r] += (g - m[r]) * (1 - beta_1)
+        v[r] += (g * g - v[r]) * (1 - beta_2)
+        m_hat = (u_t_1 * m[r]) / (1 - u_product * u_t_1)
+                + ((1 - u_t) * g) / (1 - u_product)
+        var[r] -= (m_hat * learning_rate) / (
+            sqrt(v[r] / (1 - beta_2_power)) + epsilon)
+
+    Args:
+      var: the table ``[rows, D]``.
+      m: the first-moment slot, same shape as ``var``.
+      v: the second-moment slot, same shape.
+      indices: int64/int32 ``[k]`` local row ids, duplicates allowed.
+      grad: ``[k, D]`` gradients.
+      learning_rate, beta_1, beta_2, epsilon: floats or scalar tensors.
+      u_t, u_t_1, u_product, beta_2_power: the step's schedule (floats or
+        scalar tensors).
+
+    Returns:
+      The update op (``None`` when eager).
+    """
+    return _apply("sok_sparse_apply_nadam", var, indices, grad,
+                  slots=[("m", m, "m"), ("v", v, "v")],
+                  scalars=[("lr", learning_rate, "learning_rate"),
+                           ("beta_1", beta_1, "beta_1"),
+                           ("beta_2", beta_2, "beta_2"),
+                           ("epsilon", epsilon, "epsilon"),
+                           ("u_t", u_t, "u_t"),
+                           ("u_t_1", u_t_1, "u_t_1"),
+                           ("u_product", u_product, "u_product"),
+                           ("beta_2_power", beta_2_power, "beta_2_power")])
+
+
 def sparse_adadelta(var, accumulated_grad, accumulated_delta_var, indices,
                     grad, learning_rate, rho=0.95, epsilon=1e-7):
     """Lazy Adadelta (Keras ``Adadelta``).

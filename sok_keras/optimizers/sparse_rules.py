@@ -35,6 +35,15 @@ class SparseRule:
         """Applies the update to rows `indices` of `var`."""
         raise NotImplementedError
 
+    def prepare(self, opt):
+        """Creates the optimizer-wide state the rule reads that Keras makes
+        only in `build` (for a table's own optimizer, which is never
+        built)."""
+
+    def advance(self, opt):
+        """Advances that state by one step where Keras' own `apply` does
+        not run for `opt` in the step (no dense weights)."""
+
     @staticmethod
     def weight_decay(opt, var):
         if opt.weight_decay is None or not opt._use_weight_decay(var):
@@ -180,9 +189,56 @@ class _Lion(SparseRule):
                              beta_1=opt.beta_1, beta_2=opt.beta_2)
 
 
+class _Nadam(SparseRule):
+    name, keras_class = "Nadam", keras.optimizers.Nadam
+
+    def slots(self, opt):
+        return [("momentum", 0.0), ("velocity", 0.0)]
+
+    def prepare(self, opt):
+        if getattr(opt, "_u_product", None) is None:
+            with tf.init_scope():
+                # As Nadam.build makes it with no variables.
+                opt._u_product = keras.Variable(
+                    1.0, dtype=keras.config.floatx(), trainable=False,
+                    name="u_product")
+
+    @staticmethod
+    def _u_product(opt):
+        """The optimizer's momentum-schedule product after this step's
+        factor: Keras' `Nadam._backend_update_step` expression."""
+        ops = keras.ops
+        dtype = opt._u_product.dtype
+        return (opt._u_product * opt.beta_1
+                * (1.0 - 0.5 * ops.power(
+                    0.96, ops.cast(opt.iterations + 1, dtype))))
+
+    def advance(self, opt):
+        opt._u_product.assign(self._u_product(opt))
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        # The schedule in the slots' dtype, as Nadam.update_step computes
+        # it in the variable's.
+        ops = keras.ops
+        dtype = k.slot_dtype(var.dtype)
+        local_step = ops.cast(opt.iterations + 1, dtype)
+        next_step = ops.cast(opt.iterations + 2, dtype)
+        decay = ops.cast(0.96, dtype)
+        beta_1 = ops.cast(opt.beta_1, dtype)
+        beta_2 = ops.cast(opt.beta_2, dtype)
+        u_t = beta_1 * (1.0 - 0.5 * (ops.power(decay, local_step)))
+        u_t_1 = beta_1 * (1.0 - 0.5 * (ops.power(decay, next_step)))
+        u_product = ops.cast(self._u_product(opt), dtype)
+        beta_2_power = ops.power(beta_2, local_step)
+        return k.sparse_nadam(
+            var, slots["momentum"], slots["velocity"], indices, grad, lr,
+            u_t, u_t_1, u_product, beta_2_power, beta_1=opt.beta_1,
+            beta_2=opt.beta_2, epsilon=opt.epsilon)
+
+
 # Subclasses first: AdamW is an Adam.
 _RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd(),
-          _Adamax(), _Adadelta(), _Lion())
+          _Adamax(), _Adadelta(), _Lion(), _Nadam())
 SUPPORTED = tuple(r.name for r in _RULES)
 
 
@@ -205,6 +261,16 @@ def rule_for(optimizer):
             f"{', '.join(SUPPORTED)}."
         )
     return rule
+
+
+def advance(optimizer):
+    """`SparseRule.advance` of `optimizer`'s rule, if it has one."""
+    cls = getattr(type(optimizer), "_sok_keras_class", type(optimizer))
+    for rule in _RULES:
+        if cls is rule.keras_class:
+            rule.prepare(optimizer)
+            rule.advance(optimizer)
+            return
 
 
 def optimizer_chain(optimizer):
@@ -237,6 +303,7 @@ def ensure_slots(rule, optimizer, table):
     """
     from sok_keras.variable import Variable
 
+    rule.prepare(optimizer)
     table.claim_slots(optimizer)
     have = table.slots
     with tf.init_scope():

@@ -519,9 +519,13 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
             table_updates.append(update)
         if topt is not opt and all(topt is not o for o in own_steps):
             own_steps.append(topt)
+    # A step Keras' own `apply` does not count: its counter, and the
+    # optimizer's state that `apply` would advance (Nadam's schedule).
     for topt in own_steps:
+        sparse_rules.advance(topt)
         topt.iterations.assign_add(1)
     if not dense_v:
+        sparse_rules.advance(opt)
         opt.iterations.assign_add(1)
         return
     with _clipping_off(opt):
@@ -561,7 +565,7 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
 
     Supported inner optimizers: SGD (with momentum / Nesterov), Adagrad,
     Adam (with amsgrad), AdamW, Ftrl, RMSprop (centered, with momentum),
-    Adamax, Adadelta, Lion.
+    Adamax, Adadelta, Lion, Nadam.
     Clipping set on the inner optimizer (`clipnorm`, `global_clipnorm`,
     `clipvalue`) covers tables too: see `clip_gradients`.
 

@@ -186,6 +186,29 @@ def _ref_lion(w, s, g, t):
     s["m"][...] = s["m"] * b2 + g * (_f(1) - b2)
 
 
+def _nadam_schedule(t):
+    """Keras Nadam's step-t schedule: (u_t, u_t_1, the product of the u's
+    up to u_t, beta_2 ** t), in the order Keras computes them."""
+    b1, b2, decay = _f(HP["beta_1"]), _f(HP["beta_2"]), _f(0.96)
+    u_product = _f(1)
+    for s in range(1, t + 1):
+        u_product = u_product * b1 * (_f(1) - _f(0.5) * decay ** _f(s))
+    u_t = b1 * (_f(1) - _f(0.5) * decay ** _f(t))
+    u_t_1 = b1 * (_f(1) - _f(0.5) * decay ** _f(t + 1))
+    return u_t, u_t_1, u_product, b2 ** _f(t)
+
+
+def _ref_nadam(w, s, g, t):
+    b1, b2 = _f(HP["beta_1"]), _f(HP["beta_2"])
+    u_t, u_t_1, u_product, b2_power = _nadam_schedule(t)
+    s["m"] += (g - s["m"]) * (_f(1) - b1)
+    s["v"] += (g * g - s["v"]) * (_f(1) - b2)
+    m_hat = (u_t_1 * s["m"]) / (_f(1) - u_product * u_t_1) + (
+        (_f(1) - u_t) * g) / (_f(1) - u_product)
+    v_hat = s["v"] / (_f(1) - b2_power)
+    w -= (m_hat * _f(HP["lr"])) / (np.sqrt(v_hat) + _f(HP["epsilon"]))
+
+
 def _adam_rule(name, amsgrad, wd):
     slots = [("m", 0.0), ("v", 0.0)] + ([("vhat", 0.0)] if amsgrad else [])
 
@@ -381,6 +404,19 @@ RULES = {
                 learning_rate=HP["lr"], beta_1=HP["beta_1"],
                 beta_2=HP["beta_2"]),
             lambda opt: {"m": opt._momentums[0]},
+        ),
+        Rule(
+            "nadam",
+            [("m", 0.0), ("v", 0.0)],
+            lambda var, s, idx, g, t: sk.sparse_nadam(
+                var, s["m"], s["v"], idx, g, HP["lr"], *_nadam_schedule(t),
+                beta_1=HP["beta_1"], beta_2=HP["beta_2"],
+                epsilon=HP["epsilon"]),
+            _ref_nadam,
+            lambda: keras.optimizers.Nadam(
+                learning_rate=HP["lr"], beta_1=HP["beta_1"],
+                beta_2=HP["beta_2"], epsilon=HP["epsilon"]),
+            lambda opt: {"m": opt._momentums[0], "v": opt._velocities[0]},
         ),
     ]
 }

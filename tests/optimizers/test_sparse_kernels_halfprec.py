@@ -31,7 +31,7 @@ HALF_DTYPES = (tf.float16, tf.bfloat16)
 # +, -, *, /, sqrt, each correctly rounded): checked bit for bit.
 EXACT_RULES = ("sgd", "momentum", "nesterov", "adagrad", "rmsprop",
                "rmsprop_momentum", "rmsprop_centered",
-               "rmsprop_centered_momentum", "adadelta", "lion")
+               "rmsprop_centered_momentum", "adadelta", "lion", "nadam")
 
 
 def _bits(x):

@@ -25,6 +25,7 @@ CASES = {
     "Adamax": dict(learning_rate=0.05, beta_1=0.8, beta_2=0.99),
     "Adadelta": dict(learning_rate=0.5, rho=0.9),
     "Lion": dict(learning_rate=0.01, beta_1=0.8, beta_2=0.95),
+    "Nadam": dict(learning_rate=0.05, beta_1=0.8, beta_2=0.99),
 }
 
 
@@ -85,10 +86,14 @@ def test_model_save_round_trip_continues_identically(tmp_path):
      ["momentum", "norm"]),
     (lambda: sok.OptimizerWrapper(keras.optimizers.Adadelta(0.5)),
      ["accumulated_delta_var", "accumulated_grad"]),
-], ids=["Lion", "Adamax", "Adadelta"])
+    (lambda: sok.OptimizerWrapper(keras.optimizers.Nadam(0.05)),
+     ["momentum", "velocity"]),
+    (lambda: sok.optimizers.Nadam(0.05), ["momentum", "velocity"]),
+], ids=["Lion", "Adamax", "Adadelta", "Nadam", "sok_Nadam"])
 def test_newer_rules_save_and_continue_identically(make, slots, tmp_path):
-    """Adamax, Adadelta and Lion (rules added after the first six): their
-    slots are saved with the table and a loaded model continues exactly."""
+    """Adamax, Adadelta, Lion and Nadam (rules added after the first six):
+    their slots (and Nadam's schedule) are saved with the table and the
+    optimizer, and a loaded model continues exactly."""
     check_save_load_continue(build_model(), make(), tmp_path, slots)
 
 

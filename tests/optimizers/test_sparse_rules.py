@@ -37,7 +37,8 @@ _RULE_SLOT_NAMES = {
     "momentum": {"m": "momentum"}, "nesterov": {"m": "momentum"},
     "adamax": {"m": "momentum", "u": "norm"},
     "adadelta": {"ag": "accumulated_grad", "ad": "accumulated_delta_var"},
-    "lion": {"m": "momentum"}}
+    "lion": {"m": "momentum"},
+    "nadam": {"m": "momentum", "v": "velocity"}}
 
 
 def slot_name(rule_name, kernel_slot):
@@ -241,7 +242,9 @@ def test_rule_in_tf_function_equals_eager():
     (keras.optimizers.Adamax(), "Adamax"),
     (keras.optimizers.Adadelta(), "Adadelta"),
     (keras.optimizers.Lion(), "Lion"),
+    (keras.optimizers.Nadam(), "Nadam"),
     (sok.optimizers.Adam(), "Adam"),
+    (sok.optimizers.Nadam(), "Nadam"),
     (sok.optimizers.Lion(), "Lion"),
     (sok.optimizers.AdamW(), "AdamW"),
 ])
@@ -253,26 +256,26 @@ class _MyAdam(keras.optimizers.Adam):
     pass
 
 
-@pytest.mark.parametrize("opt", [keras.optimizers.Nadam(),
-                                 keras.optimizers.Lamb(),
+@pytest.mark.parametrize("opt", [keras.optimizers.Lamb(),
                                  keras.optimizers.Adafactor(),
                                  _MyAdam()],
-                         ids=["Nadam", "Lamb", "Adafactor", "subclass"])
+                         ids=["Lamb", "Adafactor", "subclass"])
 def test_rule_for_unsupported_lists_supported(opt):
     with pytest.raises(ValueError) as e:
         sparse_rules.rule_for(opt)
     msg = str(e.value)
     assert type(opt).__name__ in msg
     for name in ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop",
-                 "Adamax", "Adadelta", "Lion"):
+                 "Adamax", "Adadelta", "Lion", "Nadam"):
         assert name in msg
     assert sorted(sparse_rules.SUPPORTED) == sorted(
         ["SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
-         "Adadelta", "Lion"])
+         "Adadelta", "Lion", "Nadam"])
 
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad", "ftrl",
-                                  "rmsprop", "adamax", "adadelta", "lion"])
+                                  "rmsprop", "adamax", "adadelta", "lion",
+                                  "nadam"])
 def test_weight_decay_of_every_rule_is_lazy_and_keras_own(name):
     """Keras' decoupled `weight_decay` on any rule (before: refused for all
     but Adam and AdamW): a row present in every step equals Keras' dense
@@ -365,6 +368,7 @@ def test_ensure_slots_initial_values_once_and_sharding():
     (keras.optimizers.Adadelta(),
      ["accumulated_delta_var", "accumulated_grad"]),
     (keras.optimizers.Lion(), ["momentum"]),
+    (keras.optimizers.Nadam(), ["momentum", "velocity"]),
 ])
 def test_slot_names(opt, names):
     rule = sparse_rules.rule_for(opt)

@@ -145,7 +145,8 @@ def _two_phases(kind, first, second, same_object):
 
 @pytest.mark.parametrize("first,second", [
     ("adam", "adam"), ("adagrad", "adagrad"), ("adagrad", "ftrl"),
-    ("momentum", "rmsprop"), ("momentum", "lion"), ("adamax", "adadelta")])
+    ("momentum", "rmsprop"), ("momentum", "lion"), ("adamax", "adadelta"),
+    ("nadam", "nadam"), ("adam", "nadam")])
 def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
                                                                second):
     """As a new Keras optimizer does: its slots start at their initial
@@ -161,6 +162,7 @@ def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
         "lion": lambda: keras.optimizers.Lion(0.01),
         "adamax": lambda: keras.optimizers.Adamax(0.05),
         "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+        "nadam": lambda: keras.optimizers.Nadam(0.05),
     }
     ours = _two_phases("sok", make[first], make[second], False)
     ref = _two_phases("keras", make[first], make[second], False)
@@ -663,9 +665,9 @@ def test_constructor_errors():
             Wrapper(keras.optimizers.Adam(**arg))
 
 
-@pytest.mark.parametrize("inner", [keras.optimizers.Nadam(),
-                                   keras.optimizers.Lamb()],
-                         ids=["Nadam", "Lamb"])
+@pytest.mark.parametrize("inner", [keras.optimizers.Lamb(),
+                                   keras.optimizers.Adafactor()],
+                         ids=["Lamb", "Adafactor"])
 def test_unsupported_inner_optimizer_lists_supported(inner):
     with pytest.raises(ValueError) as e:
         Wrapper(inner)
