@@ -163,6 +163,8 @@ def _collect(model_or_variables, optimizer, fn):
             optimizer = compiled
     elif isinstance(model_or_variables, (list, tuple)):
         variables = list(model_or_variables)
+    elif _is_variable(model_or_variables):  # SOK: "a single or a list"
+        variables = [model_or_variables]
     else:
         raise TypeError(
             f"sok_keras.{fn}: `model_or_variables` must be a keras.Model or "
@@ -196,6 +198,12 @@ def _collect(model_or_variables, optimizer, fn):
                 "`model.save` / `keras.models.load_model` (or "
                 "`save_weights` / `load_weights`) under the strategy.")
     return tables, dense, optimizer
+
+
+def _is_variable(v):
+    import keras
+
+    return isinstance(v, (tf.Variable, keras.Variable))
 
 
 def _name(v):
@@ -345,16 +353,22 @@ def _unnumbered(path):
     return re.sub(r"_\d+(?=[/_]|$)", "", path)
 
 
-def _match_names(saved, current):
+def _match_names(saved, current, subset=False):
     """Which saved name each current variable loads from, or None.
 
-    By name when the names are the same; else by position when the two
-    lists differ only in Keras' numbering (the same model built again in
-    one process: `distributed_embedding_1`, `optimizer_wrapper_1`, ...),
-    as Keras' own `load_weights` matches by structure. Shapes and dtypes
-    are checked after.
+    By name when the names are the same (or, with `subset`, when every
+    current name is saved: a list of variables given to `load` may hold
+    some of the checkpoint's, as SOK's `load` reads each by its name);
+    else by position when the two lists differ only in Keras' numbering
+    (the same model built again in one process:
+    `distributed_embedding_1`, `optimizer_wrapper_1`, ...), as Keras' own
+    `load_weights` matches by structure. Shapes and dtypes are checked
+    after.
     """
-    if sorted(saved) == sorted(current) and len(set(saved)) == len(saved):
+    unique = len(set(saved)) == len(saved)
+    if sorted(saved) == sorted(current) and unique:
+        return {name: name for name in current}
+    if subset and unique and set(current) <= set(saved):
         return {name: name for name in current}
     if len(saved) == len(current) and (
             [_unnumbered(s) for s in saved]
@@ -500,7 +514,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     Args:
         path: the checkpoint folder (created if needed).
         model_or_variables: a `keras.Model` (its sok tables, their slots and
-            its other variables) or a list of variables.
+            its other variables), a list of variables or one variable.
         optimizer: the optimizer whose state to save. Defaults to
             `model.optimizer` for a model (the plain optimizer given to
             `compile`, which wrapped it, stands for `model.optimizer` too);
@@ -986,9 +1000,11 @@ def _fail(mpath, what):
     raise CheckpointError(f"'{mpath}': {what}")
 
 
-def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
+def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None,
+          subset=False):
     """Checks the checkpoint against what is being loaded; returns the
-    plans (nothing is allocated or read yet)."""
+    plans (nothing is allocated or read yet). `subset`: the tables and
+    weights given may be some of the checkpoint's (a list of variables)."""
     mpath = _join(path, MANIFEST)
     n_old, n_new, r_new = manifest["world_size"], world.num_ranks(), \
         world.rank()
@@ -1008,18 +1024,25 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
 
     saved_names = [t["name"] for t in manifest["tables"]]
     names = [t.path for t in tables]
-    saved_of = _match_names(saved_names, names)
+    saved_of = _match_names(saved_names, names, subset)
     if saved_of is None:
-        missing = [nm for nm in names if nm not in saved_names]
-        extra = [nm for nm in saved_names if nm not in names]
+        absent = [nm for nm in names if nm not in saved_names]
+        left = [nm for nm in saved_names if nm not in names]
         _fail(mpath, f"tables do not match: the checkpoint has "
-              f"{sorted(saved_names)}, expected {sorted(names)} (missing "
-              f"{missing}, unexpected {extra}).")
+              f"{sorted(saved_names)}, and {sorted(names)} were given "
+              f"(not in the checkpoint: {absent}; in the checkpoint but not "
+              f"given: {left}). "
+              + ("A list of variables may hold some of the checkpoint's "
+                 "tables, by name." if subset else
+                 "A model loads all of its tables; to load some, give "
+                 "`load` a list of those variables."))
     by_name = {t["name"]: t for t in manifest["tables"]}
     plans = []
     for t in tables:
         m = by_name[saved_of[t.path]]
         w = f"table '{t.path}'"
+        if saved_of[t.path] != t.path:
+            w += f" (saved as '{saved_of[t.path]}')"
         if tuple(m["shape"]) != tuple(t.global_shape):
             _fail(mpath, f"{w} has shape {tuple(m['shape'])} (vocabulary "
                   f"size, dim) in the checkpoint, expected "
@@ -1068,7 +1091,8 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
             p.old = (kind_old, target_old, n_old)
     dense_files = [f for f in files if f == "dense.bin"]
 
-    def dense_plan(kind, want, have, key=lambda path: path, names=None):
+    def dense_plan(kind, want, have, key=lambda path: path, names=None,
+                   subset=False):
         # Keyed by `key` on both sides (a checkpoint of an older version may
         # hold an optimizer variable under the wrapper's prefix), or by
         # `names` given for `want`.
@@ -1076,12 +1100,13 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
         have = dict(zip(saved, have))
         if names is None:
             names = [key(_name(v)) for v in want]
-        saved_of = _match_names(saved, names)
+        saved_of = _match_names(saved, names, subset)
         if saved_of is None:
-            missing = [nm for nm in names if nm not in have]
-            extra = [nm for nm in have if nm not in names]
-            _fail(mpath, f"{kind} variables do not match: missing "
-                  f"{missing}, unexpected {extra}.")
+            absent = [nm for nm in names if nm not in have]
+            left = [nm for nm in have if nm not in names]
+            _fail(mpath, f"{kind} variables do not match: not in the "
+                  f"checkpoint: {absent}; in the checkpoint but not "
+                  f"given: {left}.")
         for v, name in zip(want, names):
             d = have[saved_of[name]]
             shape = [int(s) for s in v.shape]
@@ -1100,7 +1125,7 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None):
                       None)
             plans.append(p)
 
-    dense_plan("model", dense, manifest["dense"])
+    dense_plan("model", dense, manifest["dense"], subset=subset)
     if optimizer is not None:
         if manifest["optimizer"] is None:
             if opt_vars:
@@ -1227,8 +1252,10 @@ def load(path, model_or_variables, optimizer=None):
 
     Args:
         path: the checkpoint folder.
-        model_or_variables: a `keras.Model` or a list of variables, as given
-            to `dump` (same table paths, shapes and dtypes).
+        model_or_variables: a `keras.Model` or a list of variables (or one
+            variable), as given to `dump` (same table paths, shapes and
+            dtypes). A list may hold some of the checkpoint's variables:
+            each loads from the entry of its name (a model loads all).
         optimizer: the optimizer to restore. Defaults to `model.optimizer`
             for a model (the plain optimizer given to `compile` stands for
             it). An optimizer that is not built yet is built first
@@ -1249,6 +1276,8 @@ def load(path, model_or_variables, optimizer=None):
     >>> sok.dump("/ckpt/step_1000", model)   # e.g. on 2 ranks
     >>> sok.load("/ckpt/step_1000", model)   # e.g. on 3 ranks
     """
+    import keras
+
     path = os.fspath(path)
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "load")
     _enter("load", path)
@@ -1259,8 +1288,9 @@ def load(path, model_or_variables, optimizer=None):
     error, plans, readers = None, [], {}
     try:
         manifest = _read_manifest(path)
-        plans, readers, root = _plan(path, manifest, tables, dense, optimizer,
-                                     opt_vars, other)
+        plans, readers, root = _plan(
+            path, manifest, tables, dense, optimizer, opt_vars, other,
+            subset=not isinstance(model_or_variables, keras.Model))
         for rd in readers.values():  # sizes and headers, before allocating
             rd.check(root)
         for p in plans:

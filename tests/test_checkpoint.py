@@ -395,6 +395,41 @@ def test_list_of_variables_and_config_mismatches(tmp_path):
         sok.load(path, [renamed, w2])
 
 
+def test_a_list_loads_some_of_the_checkpoints_variables_by_name(tmp_path):
+    """As SOK's `load(path, vars)`: a list may hold some of the dumped
+    variables, each loaded from the entry of its name, and `dump` / `load`
+    take one variable alone (before: "tables do not match ... missing [],
+    unexpected ['item_table']", and a TypeError for one variable). A
+    model still loads all of its tables; an unknown name says which."""
+    path = str(tmp_path / "ck")
+    user = sok.Variable(np.full((10, 4), 1.0, np.float32), name="user_table")
+    item = sok.Variable(np.full((5, 2), 2.0, np.float32), name="item_table")
+    dense = keras.Variable(np.full((3,), 3.0, np.float32), name="w")
+    sok.dump(path, [user, item, dense])
+    user2 = sok.Variable(np.zeros((10, 4), np.float32), name="user_table")
+    sok.load(path, [user2])
+    np.testing.assert_array_equal(user2.numpy(), user.numpy())
+    item2 = sok.Variable(np.zeros((5, 2), np.float32), name="item_table")
+    dense2 = keras.Variable(np.zeros((3,), np.float32), name="w")
+    sok.load(path, [dense2, item2])
+    np.testing.assert_array_equal(item2.numpy(), item.numpy())
+    np.testing.assert_array_equal(dense2.numpy(), dense.numpy())
+    item3 = sok.Variable(np.zeros((5, 2), np.float32), name="item_table")
+    sok.load(path, item3)  # one variable, not in a list
+    np.testing.assert_array_equal(item3.numpy(), item.numpy())
+    single = str(tmp_path / "single")
+    sok.dump(single, user)
+    user4 = sok.Variable(np.zeros((10, 4), np.float32), name="user_table")
+    sok.load(single, [user4])
+    np.testing.assert_array_equal(user4.numpy(), user.numpy())
+    other = sok.Variable(np.zeros((10, 4), np.float32), name="other_table")
+    with pytest.raises(sok.CheckpointError, match=(
+            r"not in the checkpoint: \['other_table'\].*"
+            r"A list of variables may hold some of the checkpoint's")):
+        sok.load(path, [other, user2])
+    np.testing.assert_array_equal(other.numpy(), np.zeros((10, 4)))
+
+
 @pytest.mark.parametrize("wrap", ["wrapper", "sok_adam", "keras_adam"])
 def test_a_list_of_tables_with_an_optimizer_of_more_variables(tmp_path,
                                                               wrap):

@@ -476,3 +476,22 @@ def test_all2all_dense_embedding_names_the_table_for_ragged_or_sparse_ids():
         with pytest.raises(TypeError, match=r"table 'fixed': the ids must be "
                            r"a dense tensor.*use lookup_sparse"):
             sok.all2all_dense_embedding(v, ids)
+
+
+@pytest.mark.parametrize("form", ["ragged", "sparse"])
+def test_minus_one_is_padding_in_ragged_and_sparse_ids_too(form):
+    """One padding value in every id form (docs/failures.md): -1 inside
+    ragged or sparse ids is dropped as it is in dense ids, so `[[1, -1],
+    [3]]` with "mean" gives row 1 alone for sample 0; another negative id
+    is an error naming it."""
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    v = sok.Variable(table)
+    ragged = tf.ragged.constant([[1, -1], [3]], dtype=tf.int64)
+    ids = ragged if form == "ragged" else ragged.to_sparse()
+    out = sok.lookup_sparse(v, ids, combiners="mean")
+    np.testing.assert_array_equal(out.numpy(), table[[1, 3]])
+    bad = tf.ragged.constant([[1, -5], [3]], dtype=tf.int64)
+    bad = bad if form == "ragged" else bad.to_sparse()
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match="-5"):
+        sok.lookup_sparse(v, bad, combiners="mean")

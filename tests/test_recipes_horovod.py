@@ -171,3 +171,22 @@ def test_three_sok_layers_100_steps_of_fit_on_sokrun_ranks(runs):
         if a.shape != c.shape:  # All2AllDenseEmbedding: rows per GPU x N
             a = a[:c.shape[0]]
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,hint", [
+    ("join", "the same steps"), ("barrier", "allreduce"),
+    ("broadcast_object", "hvd.broadcast"), ("elastic", "not supported"),
+    ("no_such_name", "")])
+def test_horovod_names_it_lacks_say_what_it_has(name, hint):
+    """A ported script's `hvd.join()` etc. say what to do instead and list
+    what the module provides (before: a bare "has no attribute")."""
+    import sok_keras.compat.horovod as hvd
+
+    with pytest.raises(AttributeError) as e:
+        getattr(hvd, name)
+    message = str(e.value)
+    assert repr(name) in message and hint in message
+    for provided in ("allreduce", "DistributedGradientTape",
+                     "broadcast_variables", "docs/recipes.md"):
+        assert provided in message
+    assert not hasattr(hvd, "__no_such_dunder__")

@@ -588,3 +588,37 @@ def DistributedOptimizer(optimizer, name=None, **kwargs):
             optimizer, sparse_optimizers._TablesMixin):
         return optimizer
     return OptimizerWrapper(optimizer, name=name)
+
+
+# Horovod names this module does not have, and what to do instead.
+_NOT_HERE = {
+    "join": "uneven numbers of steps per rank are not supported: every "
+            "rank runs the same steps (sok_keras' lookups are collectives "
+            "of every rank)",
+    "barrier": "every collective already waits for every rank; for a "
+               "barrier of its own, hvd.allreduce(tf.constant(0.0), "
+               "name='barrier') on every rank",
+    "broadcast_object": "broadcast a tensor with hvd.broadcast(tensor, "
+                        "root_rank)",
+    "allgather_object": "gather tensors with hvd.allgather(tensor), or "
+                        "predictions with sok.gather_predictions",
+    "alltoall": "sok_keras' lookups do their own all-to-all; no public "
+                "alltoall is provided",
+    "elastic": "elastic training is not supported (a fixed number of "
+               "ranks; sok.dump / sok.load re-shard at another number)",
+}
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    provided = sorted(
+        n for n, v in globals().items()
+        if not n.startswith("_") and (callable(v) or n[0].isupper())
+        and getattr(v, "__module__", __name__) == __name__)
+    hint = _NOT_HERE.get(name)
+    raise AttributeError(
+        f"module 'sok_keras.compat.horovod' has no attribute {name!r}: "
+        + (f"{hint}. " if hint else "")
+        + "It provides the part of Horovod's API that SOK's recipes use: "
+        + ", ".join(provided) + " (docs/recipes.md).")

@@ -126,7 +126,7 @@ _SOK1_ARGUMENTS = ("max_vocabulary_size_per_gpu", "embedding_vec_size",
 
 
 # The default combiner: "sum" (SOK's), or None (unpooled, as
-# keras.layers.Embedding) when both sizes are given by Keras' names.
+# keras.layers.Embedding) when a size is given by one of Keras' names.
 DEFAULT_COMBINER = "default"
 
 
@@ -311,7 +311,9 @@ class BaseEmbedding(keras.layers.Layer):
     ):
         cls = type(self).__name__
         if combiner == DEFAULT_COMBINER:
-            keras_names = "input_dim" in kwargs and "output_dim" in kwargs
+            # A Keras name (`Embedding(1000, output_dim=64)` is Keras'
+            # style too): Keras' semantics, one row per id.
+            keras_names = "input_dim" in kwargs or "output_dim" in kwargs
             combiner = None if keras_names else "sum"
         vocabulary_size, embedding_dim = _keras_embedding_arguments(
             cls, vocabulary_size, embedding_dim, kwargs)

@@ -22,9 +22,10 @@ class DistributedEmbedding(BaseEmbedding):
         combiner: `"sum"`, `"mean"`, `"sqrtn"`, or `None` to return the
             rows unpooled (`[batch, n, dim]` for dense `[batch, n]` input,
             a ragged `[batch, None, dim]` for ragged input). Defaults to
-            `"sum"` (SOK's pooled lookup), or to `None` when both sizes
-            are given by Keras' names `input_dim` / `output_dim`
-            (a drop-in `keras.layers.Embedding`, whose output is unpooled).
+            `"sum"` (SOK's pooled lookup), or to `None` when a size is
+            given by one of Keras' names `input_dim` / `output_dim`
+            (`DistributedEmbedding(1000, output_dim=64)`: a drop-in
+            `keras.layers.Embedding`, whose output is unpooled).
         embeddings_initializer: initializer of the table. Defaults to
             `"uniform"`. Each rank initializes only its own rows.
         pooling: where pooled rows are summed with several ranks: `"auto"`

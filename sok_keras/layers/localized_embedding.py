@@ -33,8 +33,8 @@ class LocalizedEmbedding(BaseEmbedding):
         embedding_dim: int, the width of each row. Keras' names
             `input_dim` / `output_dim` are accepted for these two.
         combiner: `"sum"`, `"mean"`, `"sqrtn"` or `None`; the default is
-            `DistributedEmbedding`'s (`"sum"`, or `None` with Keras' names
-            `input_dim` and `output_dim`).
+            `DistributedEmbedding`'s (`"sum"`, or `None` with one of
+            Keras' names `input_dim` / `output_dim`).
         embeddings_initializer: initializer. Defaults to `"uniform"`.
         rank: int or `None`, the rank that holds the table. `None` (default)
             places localized tables round-robin over the ranks in the order

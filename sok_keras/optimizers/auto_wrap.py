@@ -204,6 +204,109 @@ def _install_rank_loss_scaling():
     cls.apply = apply
 
 
+def _compiled_before_tables(optimizer):
+    """The model (or None) that `optimizer` was compiled into while that
+    model was unbuilt and showed no sok layers (see `install`)."""
+    ref = getattr(optimizer, "_sok_compiled_unbuilt", None)
+    return ref() if ref is not None else None
+
+
+def _mark_compiled_before_tables(model):
+    """Remembers, on each optimizer of `model`'s compiled chain, that
+    `compile` could not see whether `model` has sok tables (it is not
+    built and shows no sok layer yet: a subclassed model may make them in
+    its `build()`)."""
+    import weakref
+
+    from sok_keras.optimizers.sparse_rules import optimizer_chain
+
+    opt = getattr(model, "optimizer", None)
+    if opt is None or model.built or has_sok_layers(model) or is_sok_aware(
+            opt):
+        return
+    for o in optimizer_chain(opt):
+        object.__setattr__(o, "_sok_compiled_unbuilt", weakref.ref(model))
+
+
+def _refuse_if_compiled_before_tables(optimizer, variables):
+    """A plain optimizer compiled into a model that made its sok tables
+    only after `compile` (in its `build()`): `compile` could not wrap it,
+    and it would train the tables with Keras' dense rule (and, on several
+    ranks, leave the dense gradients unaveraged). Said clearly instead."""
+    from sok_keras.variable import is_sok_variable
+
+    model = _compiled_before_tables(optimizer)
+    if model is None or is_sok_aware(optimizer) or isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer):
+        return
+    tables = [v.path for v in variables if is_sok_variable(v)]
+    if not tables:
+        return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"sok_keras: model '{model.name}' made its sok table(s) {tables} "
+        "after `compile` (in its `build()`), so `compile` could not wrap "
+        f"its optimizer {name} in sok.OptimizerWrapper, and a plain Keras "
+        "optimizer would update the tables with Keras' dense rule (and, on "
+        "several ranks, not average the dense gradients). Build the model "
+        "before `compile` (call it on a batch, or `model.build(input_"
+        "shape)`), or compile with sok.OptimizerWrapper(keras.optimizers."
+        f"{name}(...)) or sok.optimizers.{name}(...).")
+
+
+def _rewrap_compiled_optimizer(model):
+    """`wrap_for` again, for an optimizer compiled while `model` was
+    unbuilt, once the model is built and shows sok layers (before the
+    optimizer is built)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None or opt.built or _compiled_before_tables(opt) is not model:
+        return
+    if not (model.built and has_sok_layers(model)):
+        return
+    from sok_keras.optimizers.sparse_rules import optimizer_chain
+
+    for o in optimizer_chain(opt):
+        object.__setattr__(o, "_sok_compiled_unbuilt", None)
+    model.optimizer = wrap_for(model, opt)
+
+
+def _install_symbolic_build_hook():
+    """Keras' `_maybe_symbolic_build` (the start of `fit`, `evaluate`,
+    `train_on_batch`, ...) wraps an optimizer compiled into a then-unbuilt
+    model that has since been built with sok layers; and, on several
+    ranks, builds a model with sok tables (or a sok optimizer) eagerly
+    from the first batch (idempotent).
+
+    Keras' TensorFlow trainer builds a model that is not built yet (a
+    Sequential with no `keras.Input`, a subclassed model not called yet)
+    and its optimizer inside the first traced step, when no strategy is
+    set. There the optimizer's broadcast of the dense weights read
+    variables made in that same trace, which have no value yet, and every
+    rank failed at the first step. With sok tables on several ranks such a
+    model is built from the first batch, as Keras does under a strategy
+    (`_symbolic_build`)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    original = TensorFlowTrainer._maybe_symbolic_build
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        from sok_keras import world
+
+        _rewrap_compiled_optimizer(self)
+        if (world.num_ranks() > 1 and self._distribute_strategy is None
+                and not self.built and (has_sok_layers(self) or is_sok_aware(
+                    getattr(self, "optimizer", None)))):
+            return self._symbolic_build(iterator=iterator,
+                                        data_batch=data_batch)
+        return original(self, iterator=iterator, data_batch=data_batch)
+
+    _maybe_symbolic_build._sok_keras = True
+    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+
+
 def _install_plain_optimizer_check():
     """Makes a plain Keras optimizer built for sok tables and dense weights
     on several ranks say what it does (when it is built, on rank 0;
@@ -228,6 +331,7 @@ def _install_plain_optimizer_check():
         from sok_keras import world
         from sok_keras.variable import is_sok_variable
 
+        _refuse_if_compiled_before_tables(self, variables)
         # (A LossScaleOptimizer builds its inner optimizer, which says it.)
         if world.num_ranks() > 1 and not is_sok_aware(self) and (
                 world.rank() == 0) and not isinstance(
@@ -292,6 +396,7 @@ def install():
     _install_rank_loss_scaling()
     _install_plain_optimizer_check()
     _install_empty_shard_filter()
+    _install_symbolic_build_hook()
     if _ORIGINAL_COMPILE is not None:
         return
     # Patch the class that defines compile (Keras' Trainer), not
@@ -302,8 +407,10 @@ def install():
 
     @functools.wraps(_ORIGINAL_COMPILE)
     def compile(self, optimizer="rmsprop", *args, **kwargs):
-        return _ORIGINAL_COMPILE(self, wrap_for(self, optimizer), *args,
-                                 **kwargs)
+        result = _ORIGINAL_COMPILE(self, wrap_for(self, optimizer), *args,
+                                   **kwargs)
+        _mark_compiled_before_tables(self)
+        return result
 
     owner.compile = compile
 
@@ -407,31 +514,3 @@ def install_loop_hooks():
 
         functools.update_wrapper(on_batch, original)
         setattr(owner, kind, on_batch)
-    _build_before_the_first_step()
-
-
-def _build_before_the_first_step():
-    """Keras' TensorFlow trainer builds a model that is not built yet (a
-    Sequential with no `keras.Input`, a subclassed model not called yet)
-    and its optimizer inside the first traced step, when no strategy is
-    set. There the optimizer's broadcast of the dense weights read
-    variables made in that same trace, which have no value yet, and every
-    rank failed at the first step. With sok tables on several ranks such a
-    model is built eagerly from the first batch, as Keras does under a
-    strategy (`_symbolic_build`)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    original = TensorFlowTrainer._maybe_symbolic_build
-    if getattr(original, "_sok_keras", False):
-        return
-
-    @functools.wraps(original)
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        if (self._distribute_strategy is None and not self.built
-                and has_sok_layers(self)):
-            return self._symbolic_build(iterator=iterator,
-                                        data_batch=data_batch)
-        return original(self, iterator=iterator, data_batch=data_batch)
-
-    _maybe_symbolic_build._sok_keras = True
-    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build

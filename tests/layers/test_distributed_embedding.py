@@ -154,8 +154,12 @@ def test_keras_embedding_argument_names():
         assert cls(30, 4)(np.array([[1, 2]])).shape == (1, 4)
         assert cls(input_dim=30, output_dim=4, combiner="mean").combiner == (
             "mean")
-        # One Keras name beside one of sok's: sok's default.
-        assert cls(vocabulary_size=30, output_dim=4).combiner == "sum"
+        # One Keras name is enough (`Embedding(30, output_dim=4)` is
+        # Keras' style too; before: summed, (1, 4)).
+        assert cls(30, output_dim=4).combiner is None
+        assert cls(30, output_dim=4)(np.array([[1, 2]])).shape == (1, 2, 4)
+        assert cls(input_dim=30, embedding_dim=4).combiner is None
+        assert cls(30, output_dim=4, combiner="sum").combiner == "sum"
     with pytest.raises(ValueError, match="not both"):
         sok.layers.DistributedEmbedding(30, 4, input_dim=30)
     with pytest.raises(ValueError, match=r"`mask_zero`.*-1 as padding"):

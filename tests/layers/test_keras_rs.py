@@ -189,7 +189,8 @@ def test_use_table_optimizers_false_leaves_tables_to_the_model():
 
 
 @pytest.mark.parametrize("optimizer", [
-    keras.optimizers.Lamb(), "nadam", keras.optimizers.Adam(clipnorm=1.0),
+    keras.optimizers.Lamb(), keras.optimizers.Adafactor(),
+    keras.optimizers.Adam(clipnorm=1.0),
     keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())])
 def test_ignored_table_optimizers_are_not_checked(optimizer):
     """With `use_table_optimizers=False` the tables' optimizers are ignored

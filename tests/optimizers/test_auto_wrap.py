@@ -151,6 +151,69 @@ def test_plain_optimizers_leave_an_empty_localized_shard_alone():
         assert np.all(np.any(table[1:6] != 1.0, axis=1)), name
 
 
+class TablesInBuild(keras.Model):
+    """A subclassed model that makes its layers in `build()`."""
+
+    def build(self, input_shape):
+        self.emb = sok.layers.DistributedEmbedding(50, 4, combiner="mean",
+                                                   name="emb")
+        self.emb.build(input_shape)
+        self.head = keras.layers.Dense(1)
+        self.head.build((None, 4))
+
+    def call(self, ids):
+        return self.head(self.emb(ids))
+
+
+class TablesInInit(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = sok.layers.DistributedEmbedding(50, 4, combiner="mean",
+                                                   name="emb")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_tables_made_in_build_after_compile():
+    """`compile` of an unbuilt model that makes its sok layers in
+    `build()` sees no table, so it cannot wrap the optimizer. Before,
+    `fit` then trained the table with Keras' dense Adam (full-size slots
+    in `optimizer.variables`, 0.148 off the same model made in
+    `__init__`; on 2 ranks, the ranks silently trained different models).
+    Now `fit` refuses it, saying how to build first; built before `fit`,
+    the optimizer is wrapped then, and trains as the `__init__` model."""
+    import pytest
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (64, 3))
+    y = rng.random((64, 1)).astype(np.float32)
+    keras.utils.set_random_seed(1)
+    model = TablesInBuild()
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    with pytest.raises(ValueError, match=(
+            r"model 'tables_in_build' made its sok table\(s\) "
+            r"\['tables_in_build/emb/embeddings'\] after "
+            r"`compile`.*Build the model before `compile`.*"
+            r"sok.OptimizerWrapper\(keras.optimizers.Adam\(...\)\)")):
+        model.fit(x, y, batch_size=16, verbose=0)
+    tables = {}
+    for cls in (TablesInBuild, TablesInInit):
+        keras.utils.set_random_seed(1)
+        model = cls()
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+        model(x[:2])  # built after compile, before fit
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        assert isinstance(model.optimizer, sok.OptimizerWrapper)
+        assert not [v for v in model.optimizer.variables
+                    if "emb" in v.path]
+        assert sorted(model.emb.embeddings.slots) == ["m", "v"]
+        tables[cls] = model.emb.embeddings.numpy()
+    np.testing.assert_array_equal(tables[TablesInBuild],
+                                  tables[TablesInInit])
+
+
 def test_one_rank_keeps_plain_optimizers_for_tables():
     """One process: a plain Keras optimizer may update a sok table (Keras'
     own dense update, as for a keras.layers.Embedding)."""

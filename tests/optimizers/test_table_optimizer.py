@@ -83,6 +83,39 @@ def test_config_and_save_round_trip(tmp_path):
                                layer.embeddings.numpy(), rtol=1e-6)
 
 
+def test_a_table_nadam_keeps_its_schedule_and_saves_it(tmp_path):
+    """Nadam's momentum schedule (`_u_product`, which Keras makes in
+    `build` and advances in `apply`) is kept by a table's own Nadam, which
+    is never built: its table follows the same trajectory as under a
+    model's Nadam (whose Keras `apply` does not run with the head frozen),
+    and the schedule is saved with the layer, so a loaded model continues
+    exactly."""
+    x, y = _data(2)
+    a = _model("nadam", trainable_head=False)
+    a.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.SGD(0.05)), loss="mse")
+    a.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    b = _model(None, trainable_head=False)
+    b.compile(optimizer=sok.optimizers.Nadam(), loss="mse")
+    b.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ta, tb = a.get_layer("emb").embeddings, b.get_layer("emb").embeddings
+    np.testing.assert_array_equal(ta.numpy(), tb.numpy())
+    assert sorted(ta.slots) == ["momentum", "velocity"]
+    own = a.get_layer("emb").table_optimizer
+    assert int(own.iterations.numpy()) == 8
+    assert float(own._u_product.numpy()) == float(
+        b.optimizer._u_product.numpy()) < 0.5
+    path = os.path.join(str(tmp_path), "nadam.keras")
+    a.save(path)
+    loaded = keras.models.load_model(path)
+    lt = loaded.get_layer("emb")
+    assert float(lt.table_optimizer._u_product.numpy()) == float(
+        own._u_product.numpy())
+    a.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    loaded.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    np.testing.assert_array_equal(lt.embeddings.numpy(), ta.numpy())
+
+
 def test_sharded_checkpoint_keeps_the_table_optimizers_step(tmp_path):
     """`sok.dump` / `sok.load` (and so ShardedCheckpoint) restore a table
     optimizer's step count: Adam's bias correction and schedules read it
@@ -113,7 +146,7 @@ def test_sharded_checkpoint_keeps_the_table_optimizers_step(tmp_path):
 
 def test_bad_table_optimizers():
     with pytest.raises(ValueError, match="Supported optimizers"):
-        sok.layers.DistributedEmbedding(10, 2, optimizer="nadam")
+        sok.layers.DistributedEmbedding(10, 2, optimizer="adafactor")
     with pytest.raises(ValueError, match="clipnorm"):
         sok.layers.LocalizedEmbedding(
             10, 2, optimizer=keras.optimizers.SGD(0.1, clipnorm=1.0))
