@@ -163,8 +163,6 @@ def _collect(model_or_variables, optimizer, fn):
             optimizer = compiled
     elif isinstance(model_or_variables, (list, tuple)):
         variables = list(model_or_variables)
-    elif _is_variable(model_or_variables):  # SOK: "a single or a list"
-        variables = [model_or_variables]
     else:
         raise TypeError(
             f"sok_keras.{fn}: `model_or_variables` must be a keras.Model or "
@@ -235,6 +233,9 @@ def _check_unique(names, what, fn):
 
 # An optimizer's own step count and learning rate (nobody's slots).
 _STEP_VARIABLES = ("iteration", "learning_rate")
+# A table's own optimizer's state: those, and Nadam's momentum schedule
+# (`sparse_rules._Nadam.prepare`).
+_TABLE_OPTIMIZER_STATE = _STEP_VARIABLES + ("u_product",)
 
 
 def _optimizer_variables(optimizer, other=None, unbuilt=False):
@@ -297,10 +298,11 @@ def _slot_of_other_variable(optimizer, given):
 
 
 def _table_optimizer_variables(tables):
-    """`(key, variable)`: the step count and learning rate of each table's
-    own optimizer (a layer's `optimizer=`), keyed by the table's path. They
-    are neither the model's variables nor its optimizer's, and Adam's bias
-    correction and learning-rate schedules read the step count."""
+    """`(key, variable)`: the step count and learning rate (and Nadam's
+    schedule) of each table's own optimizer (a layer's `optimizer=`),
+    keyed by the table's path. They are neither the model's variables nor
+    its optimizer's, and Adam's bias correction and learning-rate
+    schedules read the step count."""
     out, seen = [], set()
     for t in tables:
         opt = t.optimizer
@@ -309,7 +311,7 @@ def _table_optimizer_variables(tables):
         seen.add(id(opt))
         for v in opt.variables:
             leaf = v.path.rsplit("/", 1)[-1]
-            if not isinstance(v, Variable) and leaf in _STEP_VARIABLES:
+            if not isinstance(v, Variable) and leaf in _TABLE_OPTIMIZER_STATE:
                 out.append((f"{t.path}:{leaf}", v))
     return out
 
@@ -535,6 +537,8 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     >>> sok.load("/ckpt/step_1000", model)   # at any number of ranks
     """
     path = os.fspath(path)
+    if _is_variable(model_or_variables):  # SOK: "a single or a list"
+        model_or_variables = [model_or_variables]
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
     opt_vars = _optimizer_variables(
         optimizer, _others_slots(optimizer, model_or_variables))
@@ -1143,7 +1147,7 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None,
     if table_opt_vars and manifest.get("table_optimizers") is not None:
         dense_plan("table_optimizer", [v for _, v in table_opt_vars],
                    manifest["table_optimizers"],
-                   names=[k for k, _ in table_opt_vars])
+                   names=[k for k, _ in table_opt_vars], subset=subset)
     return plans, readers, root
 
 
@@ -1216,6 +1220,7 @@ def _prepare(optimizer, model_or_variables):
     """
     import keras
 
+    from sok_keras.optimizers import sparse_rules
     from sok_keras.optimizers.auto_wrap import is_sok_aware
     from sok_keras.optimizers.sparse_rules import optimizer_chain
     from sok_keras.optimizers.wrapper import build_once
@@ -1233,6 +1238,8 @@ def _prepare(optimizer, model_or_variables):
             and variables and all(isinstance(v, Variable) for v in variables)
             and not any(getattr(o, "skip_nonfinite", False) for o in chain)):
         create_table_slots(chain[-1], variables)
+        # Optimizer-wide state the rule reads (Nadam's schedule), to load.
+        sparse_rules.prepare_unbuilt(chain[-1], chain[0])
         return True
     build_once(optimizer, variables)  # as Keras' first `apply` does
     return False
@@ -1279,6 +1286,8 @@ def load(path, model_or_variables, optimizer=None):
     import keras
 
     path = os.fspath(path)
+    if _is_variable(model_or_variables):  # SOK: "a single or a list"
+        model_or_variables = [model_or_variables]
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "load")
     _enter("load", path)
     unbuilt = _prepare(optimizer, model_or_variables)

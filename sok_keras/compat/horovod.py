@@ -615,7 +615,8 @@ def __getattr__(name):
     provided = sorted(
         n for n, v in globals().items()
         if not n.startswith("_") and (callable(v) or n[0].isupper())
-        and getattr(v, "__module__", __name__) == __name__)
+        and getattr(v, "__module__", __name__) == __name__
+        and n not in ("Adasum", "Product"))  # (names only: refused)
     hint = _NOT_HERE.get(name)
     raise AttributeError(
         f"module 'sok_keras.compat.horovod' has no attribute {name!r}: "

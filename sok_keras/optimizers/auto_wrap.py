@@ -239,7 +239,10 @@ def _refuse_if_compiled_before_tables(optimizer, variables):
     if model is None or is_sok_aware(optimizer) or isinstance(
             optimizer, keras.optimizers.LossScaleOptimizer):
         return
-    tables = [v.path for v in variables if is_sok_variable(v)]
+    own = {id(v) for v in model.variables}
+    # (Its own tables: the optimizer may serve a custom loop later.)
+    tables = [v.path for v in variables
+              if is_sok_variable(v) and id(v) in own]
     if not tables:
         return
     name = type(optimizer).__name__
@@ -251,7 +254,8 @@ def _refuse_if_compiled_before_tables(optimizer, variables):
         "several ranks, not average the dense gradients). Build the model "
         "before `compile` (call it on a batch, or `model.build(input_"
         "shape)`), or compile with sok.OptimizerWrapper(keras.optimizers."
-        f"{name}(...)) or sok.optimizers.{name}(...).")
+        f"{name}(...)) or sok.optimizers.{name}(...). (Make the model "
+        "again: this one was built inside the refused step.)")
 
 
 def _rewrap_compiled_optimizer(model):
@@ -381,6 +385,13 @@ def _install_empty_shard_filter():
                 if not (is_sok_variable(v) and 0 in tuple(v.shape))]
         if len(keep) == len(variables):
             return grads, variables
+        if not keep:
+            # Keras' `apply` then updates nothing but the step count: the
+            # optimizer-wide state its update step would advance (Nadam's
+            # schedule) moves too, as on the ranks with rows.
+            from sok_keras.optimizers import sparse_rules
+
+            sparse_rules.advance(self)
         return [grads[i] for i in keep], [variables[i] for i in keep]
 
     cls._filter_empty_gradients = _filter_empty_gradients

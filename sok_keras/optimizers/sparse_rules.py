@@ -37,8 +37,17 @@ class SparseRule:
 
     def prepare(self, opt):
         """Creates the optimizer-wide state the rule reads that Keras makes
-        only in `build` (for a table's own optimizer, which is never
-        built)."""
+        only in `build`, for a table's own optimizer (never built)."""
+
+    def prepare_unbuilt(self, opt, outer=None):
+        """Creates that state for a model's optimizer that a checkpoint
+        restores before its first step builds it (`sok.load` of tables
+        alone), as Keras' `build` names it when `outer` (`opt`, or the
+        wrapper around it) is built; `after_build` carries its value into
+        the state `build` makes."""
+
+    def after_build(self, opt):
+        """See `prepare_unbuilt` (called once `opt` is built)."""
 
     def advance(self, opt):
         """Advances that state by one step where Keras' own `apply` does
@@ -203,6 +212,33 @@ class _Nadam(SparseRule):
                     1.0, dtype=keras.config.floatx(), trainable=False,
                     name="u_product")
 
+    def prepare_unbuilt(self, opt, outer=None):
+        if opt.built or getattr(opt, "_u_product", None) is not None:
+            return
+        outer = opt if outer is None else outer
+        # (Keras builds the inner optimizer of a wrapper in the wrapper's
+        # name scope.)
+        with tf.init_scope(), keras.name_scope(outer.name, caller=outer):
+            # Named as Nadam.build names it (`<optimizer>/variable`).
+            opt._u_product = keras.Variable(1.0,
+                                            dtype=keras.config.floatx())
+        object.__setattr__(opt, "_sok_pending_u_product", opt._u_product)
+
+    def after_build(self, opt):
+        pending = opt.__dict__.get("_sok_pending_u_product")
+        if pending is None or not opt.built or opt._u_product is pending:
+            return
+        # Nadam.build made its own: it takes the restored value, and the
+        # stand-in leaves the optimizer's variables.
+        with tf.init_scope():
+            opt._u_product.assign(
+                tf.cast(pending.value, opt._u_product.dtype))
+        for i, v in enumerate(opt._variables):
+            if v is pending:
+                del opt._variables[i]
+                break
+        object.__setattr__(opt, "_sok_pending_u_product", None)
+
     @staticmethod
     def _u_product(opt):
         """The optimizer's momentum-schedule product after this step's
@@ -263,14 +299,33 @@ def rule_for(optimizer):
     return rule
 
 
-def advance(optimizer):
-    """`SparseRule.advance` of `optimizer`'s rule, if it has one."""
+def _rule_or_none(optimizer):
     cls = getattr(type(optimizer), "_sok_keras_class", type(optimizer))
     for rule in _RULES:
         if cls is rule.keras_class:
-            rule.prepare(optimizer)
-            rule.advance(optimizer)
-            return
+            return rule
+    return None
+
+
+def advance(optimizer):
+    """`SparseRule.advance` of `optimizer`'s rule, if it has one."""
+    rule = _rule_or_none(optimizer)
+    if rule is not None:
+        rule.advance(optimizer)
+
+
+def prepare_unbuilt(optimizer, outer=None):
+    """`SparseRule.prepare_unbuilt` of `optimizer`'s rule, if it has one."""
+    rule = _rule_or_none(optimizer)
+    if rule is not None:
+        rule.prepare_unbuilt(optimizer, outer)
+
+
+def after_build(optimizer):
+    """`SparseRule.after_build` of `optimizer`'s rule, if it has one."""
+    rule = _rule_or_none(optimizer)
+    if rule is not None:
+        rule.after_build(optimizer)
 
 
 def optimizer_chain(optimizer):
@@ -303,7 +358,8 @@ def ensure_slots(rule, optimizer, table):
     """
     from sok_keras.variable import Variable
 
-    rule.prepare(optimizer)
+    if table.optimizer is optimizer:  # a table's own: never built
+        rule.prepare(optimizer)
     table.claim_slots(optimizer)
     have = table.slots
     with tf.init_scope():

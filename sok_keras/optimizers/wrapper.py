@@ -352,7 +352,10 @@ def rule_for_table(opt, table):
 
 
 def create_table_slots(opt, variables):
-    """Creates the slot tables of every sharded table in `variables`."""
+    """Creates the slot tables of every sharded table in `variables` (and,
+    once `opt` is built, hands it state a checkpoint restored before,
+    `sparse_rules.after_build`)."""
+    sparse_rules.after_build(opt)
     for table in variables:
         if is_sok_variable(table):
             topt = table_optimizer(opt, table)

@@ -36,8 +36,22 @@ for name in NAMES:
         "iterations": int(opt.iterations.numpy()),
         "table": table.numpy().tolist(),
         "dense_moved": bool(np.any(dense.numpy() != 1.0)),
+        "u_product": (float(opt._u_product.numpy()) if name == "Nadam"
+                      else None),
     }
     # Keep the ranks in step between optimizers (a failure on one rank
     # must not leave the other in a lookup of the next table).
     sok.global_views.gather_predictions(np.zeros((1, 1), np.float32))
+# The table alone: on rank 1 Keras' `apply` is left nothing to update,
+# and Nadam's schedule still moves there, as on rank 0.
+table = sok.Variable(np.ones((11, 4), np.float32), mode="localized:0")
+opt = keras.optimizers.Nadam(learning_rate=0.1)
+for _ in range(2):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(sok.lookup_sparse(
+            [table], [tf.ragged.constant([[1, 2]], dtype=tf.int64)],
+            combiners=["sum"])[0])
+    opt.apply_gradients([(tape.gradient(loss, table), table)])
+result["table_alone_nadam"] = {"iterations": int(opt.iterations.numpy()),
+                               "u_product": float(opt._u_product.numpy())}
 write_result(result)
