@@ -286,11 +286,8 @@ def rule_for(optimizer):
     class they implement in `_sok_keras_class`. Every rule takes Keras'
     `weight_decay` (applied lazily, to the rows a step updates).
     """
-    cls = getattr(type(optimizer), "_sok_keras_class", type(optimizer))
-    for rule in _RULES:
-        if cls is rule.keras_class:
-            break
-    else:
+    rule = _rule_or_none(optimizer)
+    if rule is None:
         raise ValueError(
             "sok_keras has no sparse update rule for "
             f"{type(optimizer).__name__}. Supported optimizers: "
