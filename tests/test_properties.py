@@ -288,6 +288,8 @@ def _optimizers():
         # differently moves a row by 2 x the rate.)
         "lion": lambda: keras.optimizers.Lion(0.001),
         "nadam": lambda: keras.optimizers.Nadam(0.01),
+        "muon": lambda: keras.optimizers.Muon(0.01, adam_lr_ratio=0.5,
+                                              adam_weight_decay=0.05),
     }
 
 
@@ -319,7 +321,10 @@ def test_sparse_rule_matches_keras(opt_name, rows, dim, steps, dtype, seed):
     make = _optimizers()[opt_name]
     v = sok.Variable(table, dtype=dtype, name="t")
     ours = sok.OptimizerWrapper(make())
-    ref_var = tf.Variable(table, dtype=tf.float64)
+    if opt_name == "muon":  # Muon reads `path`: an embedding takes AdamW
+        ref_var = keras.Variable(table, dtype="float64", name="embeddings")
+    else:
+        ref_var = tf.Variable(table, dtype=tf.float64)
     ref = make()
     for _ in range(steps):
         # The touched rows, each 1-3 times (duplicates summed), shuffled.

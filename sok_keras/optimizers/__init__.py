@@ -9,6 +9,7 @@ from sok_keras.optimizers.sparse_optimizers import Adamax
 from sok_keras.optimizers.sparse_optimizers import AdamW
 from sok_keras.optimizers.sparse_optimizers import Ftrl
 from sok_keras.optimizers.sparse_optimizers import Lion
+from sok_keras.optimizers.sparse_optimizers import Muon
 from sok_keras.optimizers.sparse_optimizers import Nadam
 from sok_keras.optimizers.sparse_optimizers import RMSprop
 from sok_keras.optimizers.sparse_rules import SUPPORTED
@@ -16,5 +17,5 @@ from sok_keras.optimizers.wrapper import OptimizerWrapper
 from sok_keras.optimizers.wrapper import broadcast_variables
 
 __all__ = ["SGD", "SUPPORTED", "Adadelta", "Adagrad", "Adam", "Adamax",
-           "AdamW", "Ftrl", "Lion", "Nadam", "OptimizerScope", "OptimizerWrapper",
-           "RMSprop", "broadcast_variables"]
+           "AdamW", "Ftrl", "Lion", "Muon", "Nadam", "OptimizerScope",
+           "OptimizerWrapper", "RMSprop", "broadcast_variables"]

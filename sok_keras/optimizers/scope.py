@@ -8,7 +8,7 @@ from sok_keras.variable import is_sok_variable
 
 _LOCK = threading.RLock()
 _NAMES = ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
-          "Adadelta", "Lion", "Nadam")
+          "Adadelta", "Lion", "Nadam", "Muon")
 
 
 class OptimizerScope:

@@ -53,6 +53,11 @@ class SparseRule:
         """Advances that state by one step where Keras' own `apply` does
         not run for `opt` in the step (no dense weights)."""
 
+    def check_table(self, opt, table):
+        """Raises ValueError when `opt` would give `table` an update this
+        rule does not make (the message is completed with the table's
+        name)."""
+
     @staticmethod
     def weight_decay(opt, var):
         if opt.weight_decay is None or not opt._use_weight_decay(var):
@@ -272,9 +277,49 @@ class _Nadam(SparseRule):
             beta_2=opt.beta_2, epsilon=opt.epsilon)
 
 
+class _Muon(SparseRule):
+    """Keras' Muon gives embeddings its AdamW step (`exclude_embeddings`,
+    on by default): a table takes that step, lazily, with Muon's
+    `adam_beta_1`, `adam_beta_2`, `epsilon`, `learning_rate *
+    adam_lr_ratio` and `adam_weight_decay` (decayed with the unscaled
+    learning rate, as Muon's `_apply_weight_decay` does). Its
+    Newton-Schulz step orthogonalizes a whole matrix's gradient, which
+    has no row-wise (sparse, sharded) form: a table Muon would give it is
+    refused."""
+
+    name, keras_class = "Muon", keras.optimizers.Muon
+
+    def check_table(self, opt, table):
+        if opt.exclude_embeddings or opt._should_use_adamw(table):
+            return
+        raise ValueError(
+            "Muon with exclude_embeddings=False gives this table its "
+            "Newton-Schulz step, which orthogonalizes the whole table's "
+            "gradient and has no sparse (row-wise, sharded) form. Use "
+            "exclude_embeddings=True (Keras' default: embeddings take "
+            "Muon's AdamW step) or name the table's layer in "
+            "exclude_layers.")
+
+    def slots(self, opt):
+        # Keras' names for the AdamW step's slots.
+        return [("momentum", 0.0), ("velocity", 0.0)]
+
+    @staticmethod
+    def weight_decay(opt, var):
+        if opt.adam_weight_decay is None or not opt._use_weight_decay(var):
+            return 0.0
+        return opt.adam_weight_decay
+
+    def apply(self, opt, var, slots, indices, grad, lr, step):
+        return k.sparse_adam(
+            var, slots["momentum"], slots["velocity"], indices, grad,
+            lr * opt.adam_lr_ratio, step, beta_1=opt.adam_beta_1,
+            beta_2=opt.adam_beta_2, epsilon=opt.epsilon)
+
+
 # Subclasses first: AdamW is an Adam.
 _RULES = (_AdamW(), _Adam(), _Adagrad(), _Ftrl(), _RMSprop(), _Sgd(),
-          _Adamax(), _Adadelta(), _Lion(), _Nadam())
+          _Adamax(), _Adadelta(), _Lion(), _Nadam(), _Muon())
 SUPPORTED = tuple(r.name for r in _RULES)
 
 

@@ -339,7 +339,9 @@ def table_optimizer(opt, table):
 def rule_for_table(opt, table):
     """`sparse_rules.rule_for(opt)`, its error naming the table."""
     try:
-        return sparse_rules.rule_for(opt)
+        rule = sparse_rules.rule_for(opt)
+        rule.check_table(opt, table)
+        return rule
     except ValueError as e:
         own = table.optimizer is not None
         whose = "its own" if own else "the model's"
@@ -568,7 +570,8 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
 
     Supported inner optimizers: SGD (with momentum / Nesterov), Adagrad,
     Adam (with amsgrad), AdamW, Ftrl, RMSprop (centered, with momentum),
-    Adamax, Adadelta, Lion, Nadam.
+    Adamax, Adadelta, Lion, Nadam, Muon (tables take Muon's AdamW step,
+    as Keras' Muon gives embeddings).
     Clipping set on the inner optimizer (`clipnorm`, `global_clipnorm`,
     `clipvalue`) covers tables too: see `clip_gradients`.
 

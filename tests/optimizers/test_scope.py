@@ -16,7 +16,7 @@ from tests.optimizers.test_sparse_rules import make_steps
 from tests.optimizers.test_sparse_rules import run_sok
 
 NAMES = ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
-         "Adadelta", "Lion", "Nadam")
+         "Adadelta", "Lion", "Nadam", "Muon")
 KERAS = {n: getattr(keras.optimizers, n) for n in NAMES}
 
 

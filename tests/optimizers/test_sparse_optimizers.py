@@ -26,6 +26,7 @@ CASES = {
     "Adadelta": dict(learning_rate=0.5, rho=0.9),
     "Lion": dict(learning_rate=0.01, beta_1=0.8, beta_2=0.95),
     "Nadam": dict(learning_rate=0.05, beta_1=0.8, beta_2=0.99),
+    "Muon": dict(learning_rate=0.05, adam_beta_1=0.8, adam_lr_ratio=0.5),
 }
 
 
@@ -89,7 +90,9 @@ def test_model_save_round_trip_continues_identically(tmp_path):
     (lambda: sok.OptimizerWrapper(keras.optimizers.Nadam(0.05)),
      ["momentum", "velocity"]),
     (lambda: sok.optimizers.Nadam(0.05), ["momentum", "velocity"]),
-], ids=["Lion", "Adamax", "Adadelta", "Nadam", "sok_Nadam"])
+    (lambda: sok.OptimizerWrapper(keras.optimizers.Muon(0.05)),
+     ["momentum", "velocity"]),
+], ids=["Lion", "Adamax", "Adadelta", "Nadam", "sok_Nadam", "Muon"])
 def test_newer_rules_save_and_continue_identically(make, slots, tmp_path):
     """Adamax, Adadelta, Lion and Nadam (rules added after the first six):
     their slots (and Nadam's schedule) are saved with the table and the

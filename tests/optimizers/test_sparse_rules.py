@@ -243,10 +243,12 @@ def test_rule_in_tf_function_equals_eager():
     (keras.optimizers.Adadelta(), "Adadelta"),
     (keras.optimizers.Lion(), "Lion"),
     (keras.optimizers.Nadam(), "Nadam"),
+    (keras.optimizers.Muon(), "Muon"),
     (sok.optimizers.Adam(), "Adam"),
     (sok.optimizers.Nadam(), "Nadam"),
     (sok.optimizers.Lion(), "Lion"),
     (sok.optimizers.AdamW(), "AdamW"),
+    (sok.optimizers.Muon(), "Muon"),
 ])
 def test_rule_for_supported(opt, rule):
     assert sparse_rules.rule_for(opt).name == rule
@@ -266,11 +268,11 @@ def test_rule_for_unsupported_lists_supported(opt):
     msg = str(e.value)
     assert type(opt).__name__ in msg
     for name in ("SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop",
-                 "Adamax", "Adadelta", "Lion", "Nadam"):
+                 "Adamax", "Adadelta", "Lion", "Nadam", "Muon"):
         assert name in msg
     assert sorted(sparse_rules.SUPPORTED) == sorted(
         ["SGD", "Adagrad", "Adam", "AdamW", "Ftrl", "RMSprop", "Adamax",
-         "Adadelta", "Lion", "Nadam"])
+         "Adadelta", "Lion", "Nadam", "Muon"])
 
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad", "ftrl",
@@ -369,7 +371,80 @@ def test_ensure_slots_initial_values_once_and_sharding():
      ["accumulated_delta_var", "accumulated_grad"]),
     (keras.optimizers.Lion(), ["momentum"]),
     (keras.optimizers.Nadam(), ["momentum", "velocity"]),
+    (keras.optimizers.Muon(), ["momentum", "velocity"]),
 ])
 def test_slot_names(opt, names):
     rule = sparse_rules.rule_for(opt)
     assert sorted(n for n, _ in rule.slots(opt)) == names
+
+
+# ---------------------------------------------------------------------------
+# Muon: a table takes the AdamW step Keras' Muon gives embeddings.
+
+
+def _muon(**kw):
+    args = dict(learning_rate=0.05, adam_lr_ratio=0.5, adam_beta_1=0.8,
+                adam_beta_2=0.99, epsilon=1e-6, adam_weight_decay=0.1,
+                weight_decay=0.01)
+    args.update(kw)
+    return keras.optimizers.Muon(**args)
+
+
+def test_muon_gives_a_table_its_adamw_step():
+    """Row 0 (looked up in every step) equals Keras' Muon on a plain
+    `embeddings` variable: its AdamW step with `learning_rate *
+    adam_lr_ratio`, `adam_beta_*`, and `adam_weight_decay` decayed with the
+    unscaled rate; the 2-D dense weight gets Muon's own Newton-Schulz step,
+    exactly Keras'; rows never looked up keep their values."""
+    steps = make_steps(seed=21, none_step=None)
+    w0, d0 = initial_values(5)
+    opt = sok.OptimizerWrapper(_muon())
+    table, dense = run_sok(opt, steps, w0, d0)
+    assert sorted(table.slots) == ["momentum", "velocity"]
+    kvar = keras.Variable(w0, name="embeddings")
+    kdense = keras.Variable(d0, name="dense")
+    kopt = _muon()
+    kopt.build([kvar, kdense])
+    assert kopt._should_use_adamw(kvar)
+    assert not kopt._should_use_adamw(kdense)
+    for idx, g, dg in steps:
+        full = np.zeros_like(w0)
+        np.add.at(full, idx, g)
+        kopt.apply_gradients([(tf.constant(full), kvar),
+                              (tf.constant(dg), kdense)])
+    np.testing.assert_array_equal(_np(dense), _np(kdense))
+    np.testing.assert_allclose(_np(table)[0], _np(kvar)[0], rtol=1e-5,
+                               atol=1e-6)
+    i = kopt._get_variable_index(kvar)
+    np.testing.assert_allclose(_np(table.slots["momentum"])[0],
+                               _np(kopt.momentums[i])[0], rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_allclose(_np(table.slots["velocity"])[0],
+                               _np(kopt.adam_velocities[i])[0], rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_array_equal(_np(table)[TOUCHABLE:], w0[TOUCHABLE:])
+    # The test sees each hyperparameter: another ratio, another decay.
+    for kw in ({"adam_lr_ratio": 1.0}, {"adam_weight_decay": None},
+               {"adam_beta_1": 0.9}):
+        keras.utils.clear_session()
+        other, _ = run_sok(sok.OptimizerWrapper(_muon(**kw)), steps, w0, d0)
+        assert not np.allclose(_np(other)[0], _np(table)[0], rtol=1e-5,
+                               atol=1e-6), kw
+
+
+def test_muon_refuses_a_table_it_would_orthogonalize():
+    """With `exclude_embeddings=False`, Keras' Muon gives an embedding its
+    Newton-Schulz step (a whole-matrix operation with no sparse form): the
+    table is refused by name, unless `exclude_layers` names it."""
+    steps = make_steps(seed=2, none_step=None)[:1]
+    w0, d0 = initial_values(6)
+    with pytest.raises(ValueError) as e:
+        run_sok(sok.OptimizerWrapper(_muon(exclude_embeddings=False)),
+                steps, w0, d0)
+    msg = str(e.value)
+    assert "table 'table'" in msg and "exclude_embeddings=True" in msg
+    keras.utils.clear_session()
+    table, _ = run_sok(sok.OptimizerWrapper(
+        _muon(exclude_embeddings=False, exclude_layers=["table"])),
+        steps, w0, d0)
+    assert not np.array_equal(_np(table), w0)

@@ -146,7 +146,8 @@ def _two_phases(kind, first, second, same_object):
 @pytest.mark.parametrize("first,second", [
     ("adam", "adam"), ("adagrad", "adagrad"), ("adagrad", "ftrl"),
     ("momentum", "rmsprop"), ("momentum", "lion"), ("adamax", "adadelta"),
-    ("nadam", "nadam"), ("adam", "nadam")])
+    ("nadam", "nadam"), ("adam", "nadam"), ("muon", "muon"),
+    ("adam", "muon")])
 def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
                                                                second):
     """As a new Keras optimizer does: its slots start at their initial
@@ -163,6 +164,7 @@ def test_compiling_again_with_a_new_optimizer_starts_it_afresh(first,
         "adamax": lambda: keras.optimizers.Adamax(0.05),
         "adadelta": lambda: keras.optimizers.Adadelta(1.0),
         "nadam": lambda: keras.optimizers.Nadam(0.05),
+        "muon": lambda: keras.optimizers.Muon(0.05, adam_lr_ratio=0.5),
     }
     ours = _two_phases("sok", make[first], make[second], False)
     ref = _two_phases("keras", make[first], make[second], False)
