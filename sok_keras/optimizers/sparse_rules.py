@@ -349,25 +349,23 @@ def _rule_or_none(optimizer):
     return None
 
 
-def advance(optimizer):
-    """`SparseRule.advance` of `optimizer`'s rule, if it has one."""
-    rule = _rule_or_none(optimizer)
-    if rule is not None:
-        rule.advance(optimizer)
+def _for_rule_of(method):
+    """A module-level `method(optimizer, ...)`: the `SparseRule` method of
+    `optimizer`'s rule, if it has one (else nothing)."""
+
+    def call(optimizer, *args):
+        rule = _rule_or_none(optimizer)
+        if rule is not None:
+            getattr(rule, method)(optimizer, *args)
+
+    call.__name__ = method
+    call.__doc__ = f"`SparseRule.{method}` of `optimizer`'s rule, if any."
+    return call
 
 
-def prepare_unbuilt(optimizer, outer=None):
-    """`SparseRule.prepare_unbuilt` of `optimizer`'s rule, if it has one."""
-    rule = _rule_or_none(optimizer)
-    if rule is not None:
-        rule.prepare_unbuilt(optimizer, outer)
-
-
-def after_build(optimizer):
-    """`SparseRule.after_build` of `optimizer`'s rule, if it has one."""
-    rule = _rule_or_none(optimizer)
-    if rule is not None:
-        rule.after_build(optimizer)
+advance = _for_rule_of("advance")
+prepare_unbuilt = _for_rule_of("prepare_unbuilt")
+after_build = _for_rule_of("after_build")
 
 
 def optimizer_chain(optimizer):
