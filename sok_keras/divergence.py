@@ -57,6 +57,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import sys
@@ -76,6 +77,32 @@ _EXIT_NOTICE = 5.0  # ... before it says that it waits
 _FINISHING_GRACE = 10.0  # a collective begun before a peer left may still
 #                          complete (the peer serves its part) this long
 _LOG = logging.getLogger("sok_keras")
+
+
+def headline(error):
+    """`error` as `Type: message` on one line, for the other ranks: the
+    message, not the generic first line TensorFlow or Keras put above it.
+    sok_keras' own message where there is one; else, for a TensorFlow op
+    error ("Graph execution error:", the traceback of the op's creation,
+    the op's message, then `[[{{node ...}}]]`), the op's message and the
+    node it failed at."""
+    lines = str(error).splitlines() or [""]
+    mine = [line[line.index("sok_keras:"):] for line in lines
+            if "sok_keras:" in line]
+    message = mine[0] if mine else lines[0]
+    nodes = [i for i, line in enumerate(lines) if "[[{{" in line]
+    if not mine and nodes:
+        # The op's message: its first line, the first unindented one after
+        # the header and the traceback (whose lines are indented).
+        body = [i for i in range(1, nodes[0]) if lines[i].strip()
+                and not lines[i][0].isspace()
+                and not lines[i].startswith("Detected at node")]
+        if body:
+            message = lines[body[0]].strip()
+        node = re.search(r"\{\{node ([^}]+)\}\}", lines[nodes[0]])
+        if node:
+            message += f" (at node {node.group(1)})"
+    return f"{type(error).__name__}: {message}"
 
 
 class RankDivergedError(RuntimeError):
@@ -727,14 +754,8 @@ class _Channel:
         if ours and cause is not None:
             text = self.reason
         else:
-            first = (f"{type(error).__name__}: {error}".splitlines() or [""])
-            # Quote sok_keras' own message where TensorFlow or Keras put it
-            # under a generic first line ("Graph execution error:").
-            mine = [line[line.index("sok_keras:"):] for line in first
-                    if "sok_keras:" in line]
-            if mine:
-                first = [f"{type(error).__name__}: {mine[0]}"]
-            text = f"rank {self.rank} failed at {where}: {first[0][:500]}"
+            text = (f"rank {self.rank} failed at {where}: "
+                    f"{headline(error)[:500]}")
             peers = []
             if isinstance(error, tf.errors.DeadlineExceededError):
                 # A peer alive but stalled (or slow) says nothing; rank 0

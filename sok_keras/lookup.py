@@ -117,7 +117,11 @@ def _check_table(param):
                 "the op library's kernels have no XLA form. Compile the "
                 "function without `jit_compile`, or only its dense part "
                 "(`model.compile(jit_compile=True)` does this: Keras "
-                "leaves models with sok layers uncompiled).")
+                "leaves models with sok layers uncompiled). A model that "
+                "makes its sok layers in `build()` shows none to "
+                "`compile` until it is built: build it before `compile` "
+                "(call it on a batch, or `model.build(input_shape)`), or "
+                "compile it with `jit_compile=False`.")
 
 
 def _table_key(param):

@@ -94,14 +94,10 @@ def _plain_lookup(table, ids, weights, combiner, name):
 
 
 def _unpooled_mask(ids, combiner):
-    """The sok layers' mask: `ids != -1` for unpooled dense ids of rank >=
-    2; None otherwise."""
-    if combiner is not None or isinstance(
-            ids, (tf.RaggedTensor, tf.SparseTensor)):
-        return None
-    if len(getattr(ids, "shape", ())) < 2:
-        return None
-    return keras.ops.not_equal(ids, -1)
+    """The sok layers' mask (`base_embedding.padding_mask`)."""
+    from sok_keras.layers.base_embedding import padding_mask
+
+    return padding_mask(ids, combiner)
 
 
 class ServingEmbedding(keras.layers.Layer):

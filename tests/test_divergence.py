@@ -181,6 +181,37 @@ def test_rank_that_raises_mid_fit():
                 detail)
 
 
+def test_rank_whose_op_fails_mid_fit_is_quoted():
+    """A TensorFlow op failing in one rank's step: the other rank's error
+    quotes the op's message and node (before: only TensorFlow's first
+    line, "InvalidArgumentError: Graph execution error:")."""
+    job, detail = _job(8, 8, "op_error")
+    assert job.returncode == 0, detail
+    r0, r1 = job.results[0], job.results[1]
+    assert r1["type"] == "InvalidArgumentError", detail
+    assert r0["type"] == "RankDivergedError", detail
+    assert re.search(
+        r"rank 1 failed at step 5 of epoch 1 of fit: InvalidArgumentError: "
+        r"assertion failed: \[op_error: id 31 seen\].* \(at node "
+        r"\S*assert_less\S*\); rank 0 is at step", r0["error"]), detail
+
+
+def test_headline_of_errors():
+    from sok_keras.divergence import headline
+
+    graph = ("Graph execution error:\n\nDetected at node m/Check defined at "
+             "(most recent call last):\n  File \"a.py\", line 1, in <m>\n\n"
+             "  File \"b.py\", line 2, in f\n\nthe op's message\nCondition "
+             "x < y did not hold.\n[31]\n\t [[{{node m/Check}}]] "
+             "[Op:__inference_x_1]")
+    assert headline(RuntimeError(graph)) == (
+        "RuntimeError: the op's message (at node m/Check)")
+    assert headline(ValueError("one\ntwo")) == "ValueError: one"
+    assert headline(RuntimeError("Graph execution error:\n  sok_keras: "
+                                 "table 't' id 9")) == (
+        "RuntimeError: sok_keras: table 't' id 9")
+
+
 @pytest.mark.parametrize("stalled", [1, 0])
 def test_a_stalled_rank_is_named(stalled):
     """Rank `stalled` stalls (alive, silent) before step 5: the other's

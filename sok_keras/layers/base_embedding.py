@@ -178,6 +178,31 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     return vocabulary_size, embedding_dim
 
 
+def is_ragged_or_sparse(ids):
+    """Ragged or sparse ids: tensors, or the `keras.Input(ragged=True)` /
+    `keras.Input(sparse=True)` placeholders of a functional model."""
+    return isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)) or bool(
+        getattr(ids, "ragged", False) or getattr(ids, "sparse", False))
+
+
+def padding_mask(ids, combiner):
+    """Keras' mask of a lookup: `ids != -1` for an unpooled lookup of
+    dense ids of rank >= 2, so that mask-aware layers skip padding; None
+    for pooled lookups and for ragged or sparse ids."""
+    if (combiner is not None or ids is None or is_ragged_or_sparse(ids)
+            or len(getattr(ids, "shape", ())) < 2):
+        return None
+    return keras.ops.not_equal(ids, -1)
+
+
+def ragged_spec(spec, ids, combiner):
+    """`spec` (a KerasTensor) marked ragged where an unpooled lookup of
+    ragged ids returns ragged rows."""
+    if combiner is None and getattr(ids, "ragged", False):
+        return keras.KerasTensor(spec.shape, spec.dtype, ragged=True)
+    return spec
+
+
 def check_pooled_rank(shape, combiner, where):
     """Refuses ids of more than 2 dimensions for a pooled lookup when the
     model is built (the lookup would refuse them at the first batch)."""
@@ -416,12 +441,11 @@ class BaseEmbedding(keras.layers.Layer):
         """Unpooled lookups of dense ids: `ids != -1`, so that mask-aware
         layers (`GlobalAveragePooling1D`, attention, RNNs) skip padding.
         Pooled outputs, and ragged or sparse ids, have no mask."""
-        if self.combiner is not None or isinstance(
-                inputs, (tf.RaggedTensor, tf.SparseTensor)):
-            return None
-        if len(getattr(inputs, "shape", ())) < 2:
-            return None
-        return keras.ops.not_equal(inputs, -1)
+        return padding_mask(inputs, self.combiner)
+
+    def compute_output_spec(self, inputs, *args, **kwargs):
+        spec = super().compute_output_spec(inputs, *args, **kwargs)
+        return ragged_spec(spec, inputs, self.combiner)
 
     def compute_output_shape(self, inputs_shape=None, weights_shape=None,
                              **kwargs):

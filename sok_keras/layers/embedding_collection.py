@@ -14,6 +14,8 @@ from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import check_pooled_rank
 from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import load_table
+from sok_keras.layers.base_embedding import padding_mask
+from sok_keras.layers.base_embedding import ragged_spec
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import as_int_ids
 from sok_keras.layers.base_embedding import flatten_deep_ids
@@ -537,15 +539,17 @@ class EmbeddingCollection(keras.layers.Layer):
                 for spec in self.features.values()):
             return None
 
-        def one(f):
-            ids = inputs.get(f) if isinstance(inputs, dict) else None
-            if (ids is None or self.features[f]["combiner"] is not None
-                    or isinstance(ids, (tf.RaggedTensor, tf.SparseTensor))
-                    or len(getattr(ids, "shape", ())) < 2):
-                return None
-            return keras.ops.not_equal(ids, -1)
+        ids = inputs if isinstance(inputs, dict) else {}
+        return {f: padding_mask(ids.get(f), self.features[f]["combiner"])
+                for f in self.features}
 
-        return {f: one(f) for f in self.features}
+    def compute_output_spec(self, inputs, *args, **kwargs):
+        spec = super().compute_output_spec(inputs, *args, **kwargs)
+        if self._keras_rs is not None or not isinstance(inputs, dict):
+            return spec  # (keras-rs' features are all pooled)
+        return {f: ragged_spec(s, inputs.get(f),
+                               self.features[f]["combiner"])
+                if f in self.features else s for f, s in spec.items()}
 
     def compute_output_shape(self, inputs_shape=None, weights_shape=None,
                              **kwargs):

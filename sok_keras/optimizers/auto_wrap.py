@@ -253,9 +253,10 @@ def _refuse_if_compiled_before_tables(optimizer, variables):
         "optimizer would update the tables with Keras' dense rule (and, on "
         "several ranks, not average the dense gradients). Build the model "
         "before `compile` (call it on a batch, or `model.build(input_"
-        "shape)`), or compile with sok.OptimizerWrapper(keras.optimizers."
-        f"{name}(...)) or sok.optimizers.{name}(...). (Make the model "
-        "again: this one was built inside the refused step.)")
+        "shape)`; this one is built now, so compiling it again wraps the "
+        "optimizer), or use sok.OptimizerWrapper(keras.optimizers."
+        f"{name}(...)) or sok.optimizers.{name}(...). (`fit` builds such "
+        "a model before its first step and wraps the optimizer itself.)")
 
 
 def _rewrap_compiled_optimizer(model):
@@ -274,10 +275,49 @@ def _rewrap_compiled_optimizer(model):
     model.optimizer = wrap_for(model, opt)
 
 
+def _builds_own_layers(model):
+    """Whether `model`'s class (not Keras') defines `build()`, where a
+    subclassed model may make its sok layers."""
+    for cls in type(model).__mro__:
+        if "build" in cls.__dict__:
+            return cls.__module__.split(".")[0] != "keras"
+    return False
+
+
+def _build_compiled_before_tables(model, iterator, data_batch):
+    """Builds, from the first batch, a model compiled unbuilt with a plain
+    optimizer whose class makes layers in its own `build()` (as Keras does
+    under a strategy, `_symbolic_build`), leaving the optimizer unbuilt.
+    `_rewrap_compiled_optimizer` then wraps the optimizer for the tables
+    it made, and a `jit_compile` that `compile` resolved while no sok
+    layer was visible (XLA on a GPU) is turned off as Keras turns it off
+    for layers without XLA kernels. Before, the first step refused the
+    model (and on a GPU, XLA refused its lookup first). A model this
+    cannot build is left to Keras, which builds it inside the first
+    traced step, as without sok_keras."""
+    opt = getattr(model, "optimizer", None)
+    if (model.built or opt is None or opt.built
+            or _compiled_before_tables(opt) is not model
+            or not _builds_own_layers(model)):
+        return
+    opt.built = True  # (`_symbolic_build` then builds the model only)
+    try:
+        model._symbolic_build(iterator=iterator, data_batch=data_batch)
+    except Exception:  # noqa: BLE001 -- Keras builds it in the step
+        _LOG.debug("sok_keras: model '%s' not built before its first "
+                   "step", model.name, exc_info=True)
+        return
+    finally:
+        opt.built = False
+    if has_sok_layers(model) and model.jit_compile:
+        model.jit_compile = False  # (Keras' setter says why)
+
+
 def _install_symbolic_build_hook():
     """Keras' `_maybe_symbolic_build` (the start of `fit`, `evaluate`,
     `train_on_batch`, ...) wraps an optimizer compiled into a then-unbuilt
-    model that has since been built with sok layers; and, on several
+    model that has since been built with sok layers (or builds such a
+    model first, `_build_compiled_before_tables`); and, on several
     ranks, builds a model with sok tables (or a sok optimizer) eagerly
     from the first batch (idempotent).
 
@@ -299,6 +339,7 @@ def _install_symbolic_build_hook():
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         from sok_keras import world
 
+        _build_compiled_before_tables(self, iterator, data_batch)
         _rewrap_compiled_optimizer(self)
         if (world.num_ranks() > 1 and self._distribute_strategy is None
                 and not self.built and (has_sok_layers(self) or is_sok_aware(

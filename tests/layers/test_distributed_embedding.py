@@ -387,6 +387,50 @@ def test_unpooled_lookup_masks_padding_for_mask_aware_layers():
     assert pooled.compute_mask(tf.constant(ids)) is None
 
 
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+@pytest.mark.parametrize("layer", ["distributed", "collection"])
+def test_unpooled_lookup_of_ragged_or_sparse_model_inputs(kind, layer):
+    """`keras.Input(ragged=True)` / `(sparse=True)` into an unpooled
+    lookup in a functional model: no mask (as for ragged or sparse
+    tensors), and ragged ids give a ragged output spec. Before, the layer
+    gave the placeholder the dense `ids != -1` mask: `predict` failed with
+    "Failed to convert elements of SparseTensor" (sparse) or in
+    GlobalAveragePooling1D's reshape (ragged)."""
+    table = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
+    rows = [[1, 2], [3], [4, 5, 6]]
+    ids = tf.ragged.constant(rows, dtype=tf.int64)
+    if kind == "sparse":
+        ids = ids.to_sparse()
+    inp = keras.Input((None,), dtype="int64", name="g",
+                      **{kind: True})
+    if layer == "distributed":
+        emb = sok.layers.DistributedEmbedding(10, 2, combiner=None)
+        out, x, var = emb(inp), ids, lambda: emb.embeddings
+    else:
+        emb = sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 10, "embedding_dim": 2}},
+            {"g": {"table": "t", "combiner": None}})
+        out, x = emb({"g": inp})["g"], {"g": ids}
+        inp, var = {"g": inp}, lambda: emb.embeddings["t"]
+    assert getattr(out, "_keras_mask", None) is None
+    assert out.ragged == (kind == "ragged")
+    var().assign(table)
+    summed = keras.Model(inp, keras.layers.Lambda(
+        lambda t: keras.ops.sum(t, axis=1), output_shape=(2,))(out))
+    np.testing.assert_allclose(summed.predict(x, verbose=0),
+                               [table[r].sum(0) for r in rows])
+    avg = keras.Model(inp, keras.layers.GlobalAveragePooling1D()(out))
+    got = avg.predict(x, verbose=0)
+    if kind == "ragged":  # the rows of each example
+        want = [table[r].mean(0) for r in rows]
+    else:  # the sparse ids' dense rows: zeros where there is no id
+        want = [table[r].sum(0) / 3 for r in rows]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    avg.compile(optimizer="sgd", loss="mse")
+    avg.fit(x, np.ones((3, 2), np.float32), verbose=0)
+    assert not np.array_equal(var().numpy(), table)
+
+
 def test_a_subclassed_model_saves_and_loads_with_its_trained_state(
         tmp_path):
     """Before: load_model failed with "'DistributedEmbedding' object has

@@ -181,42 +181,90 @@ class TablesInInit(keras.Model):
         return self.head(self.emb(ids))
 
 
+class DenseInBuild(keras.Model):
+    """A Keras-only subclassed model that makes its layers in `build()`."""
+
+    def build(self, input_shape):
+        self.emb = keras.layers.Embedding(50, 4, name="emb")
+        self.emb.build(input_shape)
+        self.head = keras.layers.Dense(1)
+        self.head.build((None, 3, 4))
+
+    def call(self, ids):
+        return keras.ops.sum(self.head(self.emb(ids)), axis=1)
+
+
 def test_tables_made_in_build_after_compile():
     """`compile` of an unbuilt model that makes its sok layers in
     `build()` sees no table, so it cannot wrap the optimizer. Before,
-    `fit` then trained the table with Keras' dense Adam (full-size slots
-    in `optimizer.variables`, 0.148 off the same model made in
-    `__init__`; on 2 ranks, the ranks silently trained different models).
-    Now `fit` refuses it, saying how to build first; built before `fit`,
-    the optimizer is wrapped then, and trains as the `__init__` model."""
+    `fit` trained the table with Keras' dense Adam (full-size slots in
+    `optimizer.variables`, 0.148 off the same model made in `__init__`; on
+    2 ranks, the ranks silently trained different models); then it
+    refused the model; and on a GPU, where `compile` turns XLA on for a
+    model it sees no sok layer in, XLA refused the lookup. Now `fit` (and
+    `evaluate`, `train_on_batch`) builds such a model from the first
+    batch, wraps its optimizer and turns XLA off: it trains as the
+    `__init__` model, bit for bit, whether built before `fit` or not. A
+    custom loop stepping the compiled optimizer on the tables is still
+    refused, saying how to build first."""
     import pytest
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (64, 3))
     y = rng.random((64, 1)).astype(np.float32)
-    keras.utils.set_random_seed(1)
-    model = TablesInBuild()
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-    with pytest.raises(ValueError, match=(
-            r"model 'tables_in_build' made its sok table\(s\) "
-            r"\['tables_in_build/emb/embeddings'\] after "
-            r"`compile`.*Build the model before `compile`.*"
-            r"sok.OptimizerWrapper\(keras.optimizers.Adam\(...\)\)")):
-        model.fit(x, y, batch_size=16, verbose=0)
     tables = {}
-    for cls in (TablesInBuild, TablesInInit):
+    for case in ("init", "build", "build_called_first", "build_jit"):
         keras.utils.set_random_seed(1)
-        model = cls()
-        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
-        model(x[:2])  # built after compile, before fit
+        model = TablesInInit() if case == "init" else TablesInBuild()
+        # (jit_compile=True: what "auto" resolves to on a GPU for a model
+        # that shows no layer without XLA kernels.)
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse",
+                      jit_compile=case == "build_jit")
+        if case == "build_called_first":
+            model(x[:2])  # built after compile, before fit
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
-        assert isinstance(model.optimizer, sok.OptimizerWrapper)
+        assert isinstance(model.optimizer, sok.OptimizerWrapper), case
+        assert model.jit_compile is False, case
         assert not [v for v in model.optimizer.variables
                     if "emb" in v.path]
         assert sorted(model.emb.embeddings.slots) == ["m", "v"]
-        tables[cls] = model.emb.embeddings.numpy()
-    np.testing.assert_array_equal(tables[TablesInBuild],
-                                  tables[TablesInInit])
+        tables[case] = model.emb.embeddings.numpy()
+    for case in ("build", "build_called_first", "build_jit"):
+        np.testing.assert_array_equal(tables[case], tables["init"])
+    # A custom loop with the compiled (unwrapped) optimizer is refused.
+    keras.utils.set_random_seed(1)
+    model = TablesInBuild()
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x[:16]) - y[:16]) ** 2)
+    grads = tape.gradient(loss, model.trainable_variables)
+    with pytest.raises(ValueError, match=(
+            r"model '(tables_in_build_\d+)' made its sok table\(s\) "
+            r"\['\1/emb/embeddings'\] after `compile`.*Build the model "
+            r"before `compile`.*compiling it again wraps the optimizer.*"
+            r"sok.OptimizerWrapper\(keras.optimizers.Adam\(...\)\)")):
+        model.optimizer.apply_gradients(zip(grads,
+                                            model.trainable_variables))
+    # ... and compiling it again, now that it is built, wraps it.
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    assert isinstance(model.optimizer, sok.OptimizerWrapper)
+    model.fit(x, y, batch_size=16, verbose=0)
+    # A Keras-only model that makes its layers in build() trains as it
+    # does built before fit (the early build changes nothing for it).
+    weights = []
+    for call_first in (False, True):
+        keras.utils.set_random_seed(1)
+        model = DenseInBuild()
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse",
+                      jit_compile=True)
+        if call_first:
+            model(x[:2])
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        assert model.jit_compile is True
+        assert not isinstance(model.optimizer, sok.OptimizerWrapper)
+        weights.append([w.numpy() for w in model.weights])
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
     # An optimizer once compiled into another unbuilt model, then used in
     # a custom loop on a table (as SOK's raw loop does), is not refused:
     # the tables are not that model's.

@@ -12,7 +12,8 @@ Keras then begins one more step per epoch, which finds the data empty);
 "stall" (rank 1 sleeps 15 s before step 5: a stalled rank; "stall0":
 rank 0 does);
 "spe_validate" (the same, with validation data of 1 batch on rank 0 and
-2 on rank 1: both inside one execution).
+2 on rank 1: both inside one execution); "op_error" (a TensorFlow op of
+the model fails in rank 1's step 5: an assertion on the ids).
 Each rank writes what fit (and save) raised.
 """
 
@@ -37,7 +38,9 @@ BATCH = 4
 
 def data(n, seed):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 32, size=(n * BATCH, 2)).astype(np.int64)
+    ids = rng.integers(0, 31, size=(n * BATCH, 2)).astype(np.int64)
+    if EXTRA == "op_error" and RANK == 1:
+        ids[4 * BATCH:5 * BATCH] = 31  # step 5's batch
     y = rng.normal(size=(n * BATCH, 1)).astype(np.float32)
     ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(BATCH)
     if EXTRA == "unknown":
@@ -62,8 +65,17 @@ class Trouble(keras.callbacks.Callback):
                 time.sleep(15)
 
 
+def checked(ids):
+    check = tf.debugging.assert_less(
+        ids, tf.constant(31, ids.dtype), message="op_error: id 31 seen")
+    with tf.control_dependencies([check]):
+        return tf.identity(ids)
+
+
 inputs = keras.Input(shape=(2,), dtype="int64")
-emb = sok.layers.DistributedEmbedding(32, 4, name="emb")(inputs)
+ids = (keras.layers.Lambda(checked, output_shape=(2,))(inputs)
+       if EXTRA == "op_error" else inputs)
+emb = sok.layers.DistributedEmbedding(32, 4, name="emb")(ids)
 model = keras.Model(inputs, keras.layers.Dense(1, name="head")(emb))
 model.compile(optimizer=sok.optimizers.OptimizerWrapper(
     keras.optimizers.SGD(0.1)), loss="mse",
