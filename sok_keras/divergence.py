@@ -93,11 +93,17 @@ def headline(error):
     nodes = [i for i, line in enumerate(lines) if "[[{{" in line]
     if not mine and nodes:
         # The op's message: its first line, the first unindented one after
-        # the header and the traceback (whose lines are indented).
+        # the header and the traceback (whose lines are indented); under
+        # "N root error(s) found." (a GPU step), the first root's.
         body = [i for i in range(1, nodes[0]) if lines[i].strip()
                 and not lines[i][0].isspace()
                 and not lines[i].startswith("Detected at node")]
-        if body:
+        roots = [m.group(1) for m in (
+            re.match(r"\s*\(0\) [A-Z_]+:\s*(.+)", line)
+            for line in lines[1:nodes[0]]) if m]
+        if roots:
+            message = roots[0].strip()
+        elif body:
             message = lines[body[0]].strip()
         node = re.search(r"\{\{node ([^}]+)\}\}", lines[nodes[0]])
         if node:

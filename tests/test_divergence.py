@@ -206,6 +206,15 @@ def test_headline_of_errors():
              "[Op:__inference_x_1]")
     assert headline(RuntimeError(graph)) == (
         "RuntimeError: the op's message (at node m/Check)")
+    # Several root errors (a step on a GPU): the first root's message.
+    roots = ("Graph execution error:\n\nDetected at node m/Check defined at "
+             "(most recent call last):\n  File \"a.py\", line 1, in <m>\n\n"
+             "2 root error(s) found.\n  (0) INVALID_ARGUMENT:  the op's "
+             "message\n\t [[{{node m/Check}}]]\n\t [[x/_78]]\n  (1) "
+             "INVALID_ARGUMENT:  the op's message\n\t [[{{node m/Check}}]]\n"
+             "0 successful operations.\n0 derived errors ignored. [Op:x]")
+    assert headline(RuntimeError(roots)) == (
+        "RuntimeError: the op's message (at node m/Check)")
     assert headline(ValueError("one\ntwo")) == "ValueError: one"
     assert headline(RuntimeError("Graph execution error:\n  sok_keras: "
                                  "table 't' id 9")) == (

@@ -204,7 +204,8 @@ def test_tables_made_in_build_after_compile():
     model it sees no sok layer in, XLA refused the lookup. Now `fit` (and
     `evaluate`, `train_on_batch`) builds such a model from the first
     batch, wraps its optimizer and turns XLA off: it trains as the
-    `__init__` model, bit for bit, whether built before `fit` or not. A
+    `__init__` model (bit for bit on a CPU), whether built before `fit`
+    or not. A
     custom loop stepping the compiled optimizer on the tables is still
     refused, saying how to build first."""
     import pytest
@@ -229,8 +230,15 @@ def test_tables_made_in_build_after_compile():
                     if "emb" in v.path]
         assert sorted(model.emb.embeddings.slots) == ["m", "v"]
         tables[case] = model.emb.embeddings.numpy()
+    # Equal on a CPU; on a GPU the sums' order may differ by a rounding
+    # (6e-8 in GPU run 23; Keras' dense Adam was 0.148 off).
+    gpu = bool(tf.config.list_physical_devices("GPU"))
     for case in ("build", "build_called_first", "build_jit"):
-        np.testing.assert_array_equal(tables[case], tables["init"])
+        if gpu:
+            np.testing.assert_allclose(tables[case], tables["init"],
+                                       rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(tables[case], tables["init"])
     # A custom loop with the compiled (unwrapped) optimizer is refused.
     keras.utils.set_random_seed(1)
     model = TablesInBuild()
