@@ -11,7 +11,10 @@ process. `export_for_serving` instead
    serving layer that holds the whole table as an ordinary variable and
    looks ids up with `tf.gather` and `tf.math.unsorted_segment_sum` (the
    same dense `-1`-padded, ragged or sparse ids, per-id weights and
-   combiners as the sok layer; other layers are shared, not copied);
+   combiners as the sok layer; other layers are shared, not copied); a
+   subclassed model, or one whose own layers hold sok layers, which
+   cloning cannot rebuild, is traced instead with each sok layer's
+   lookups redirected to its serving layer (`_export_traced`);
 3. writes it with Keras' `ExportArchive` (`clone.export`) into a
    temporary folder beside `path`, renamed into place only when complete
    (an existing export is replaced only then); every rank returns once it
@@ -247,30 +250,6 @@ def _check_exportable(model):
     if not model.built:
         raise ValueError(
             f"export_for_serving: model '{model.name}' is not built.")
-    from keras.src.models.functional import Functional
-
-    if not isinstance(model, (Functional, keras.Sequential)):
-        # (Checked on every rank: cloning, which would find out, runs on
-        # rank 0 only.)
-        raise ValueError(
-            f"export_for_serving: model '{model.name}' is a subclassed "
-            f"model ({type(model).__name__}): only functional and "
-            "Sequential models can be exported (cloning swaps their sok "
-            "layers for serving lookups). Build the model with the "
-            "functional API (`keras.Model(inputs, outputs)`), or export a "
-            "functional model that calls the same layers.")
-    held = _held_sok_layers(model)
-    if held:
-        raise ValueError(
-            f"export_for_serving: model '{model.name}' holds sok layers "
-            "inside layers that cloning cannot reach: "
-            + ", ".join(f"{h.name!r} ({type(h).__name__}) holds "
-                        f"{[s.name for s in sok]}" for h, sok in held)
-            + ". Only sok layers called in a functional or Sequential "
-            "model (at any depth of such models) are swapped for serving "
-            "lookups: call the sok layer in the functional graph and give "
-            "its output to the custom layer, or export the part that holds "
-            "it as a functional model.")
     from sok_keras.variable import is_sok_variable
 
     owned = {id(v) for layer in _sok_layers(model) for v in (
@@ -284,6 +263,14 @@ def _check_exportable(model):
             f"table(s) {loose} outside sok layers (a custom layer's own "
             "sok_keras.Variable): only sok layers are swapped for serving "
             "lookups. Use a sok layer for the table.")
+    from keras.src.models.functional import Functional
+
+    # Cloning swaps the sok layers of functional and Sequential models
+    # (at any depth of such models); a subclassed model, or a layer of
+    # its own holding sok layers, is traced with its sok layers' lookups
+    # redirected instead (`_export_traced`).
+    return isinstance(model, (Functional, keras.Sequential)) and not (
+        _held_sok_layers(model))
 
 
 def _held_sok_layers(model):
@@ -379,9 +366,11 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
     tables' size).
 
     Args:
-        model: a built functional or Sequential `keras.Model` with sok
-            layers (`DistributedEmbedding`, `LocalizedEmbedding`,
-            `All2AllDenseEmbedding`, `EmbeddingCollection`).
+        model: a built `keras.Model` (functional, Sequential, or
+            subclassed and called once) with sok layers
+            (`DistributedEmbedding`, `LocalizedEmbedding`,
+            `All2AllDenseEmbedding`, `EmbeddingCollection`), anywhere in
+            it.
         path: the SavedModel folder (a local path): a new path, an empty
             folder, or an earlier export, which is replaced once the new
             one is complete.
@@ -392,7 +381,9 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
             `format="tf_saved_model"`, passed to it.
 
     Raises:
-        ValueError: for a subclassed or unbuilt model.
+        ValueError: for an unbuilt model (or a subclassed one never
+            called, without `input_signature`), or a table looked up
+            outside sok layers.
         sok_keras.RankMismatchError: if not every rank calls it within
             `SOK_SAVE_TIMEOUT` seconds.
         FileExistsError: if `path` is a file, or a folder holding other
@@ -415,7 +406,7 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
 
 
 def _export(model, path, verbose, input_signature, **kwargs):
-    _check_exportable(model)
+    clone = _check_exportable(model)
     n, rank = world.num_ranks(), world.rank()
     path = os.fspath(path)
     from sok_keras import global_views
@@ -442,37 +433,10 @@ def _export(model, path, verbose, input_signature, **kwargs):
             _remove_dead_exports(folder, os.path.basename(path))
             tmp = os.path.join(
                 folder, f".{os.path.basename(path)}.sok-tmp-{os.getpid()}")
-            replaced = {id(layer) for layer in layers}
-
-            def clone_function(layer):
-                if id(layer) in replaced:
-                    return _serving_layer(layer, tables)
-                return layer  # shared, weights and all
-
-            # Not compiled (nor any model nested in it, which cloning
-            # compiles too): compiling would build the optimizer wrapper,
-            # whose build is a collective (rank 0 is alone here).
-            models = [m for m in model._flatten_layers(include_self=True)
-                      if isinstance(m, keras.Model)]
-            compiled = [getattr(m, "compiled", False) for m in models]
-            try:
-                for m in models:
-                    m.compiled = False
-                # (recursive: sok layers of nested functional models.)
-                clone = keras.models.clone_model(
-                    model, clone_function=clone_function, recursive=True)
-            except ValueError as e:
-                raise ValueError(
-                    f"export_for_serving: model '{model.name}' could not be "
-                    "cloned with its sok layers swapped for plain-TF "
-                    "serving layers (only functional and Sequential models "
-                    f"can be exported). Keras says: {e}") from e
-            finally:
-                for m, c in zip(models, compiled):
-                    m.compiled = c
+            write = _export_cloned if clone else _export_traced
+            write(model, layers, tables, tmp, verbose=verbose,
+                  input_signature=input_signature, **kwargs)
             del tables
-            clone.export(tmp, format="tf_saved_model", verbose=verbose,
-                         input_signature=input_signature, **kwargs)
     except Exception as e:  # reported to every rank below
         error = e
     control = world.control_communicator()
@@ -494,6 +458,116 @@ def _export(model, path, verbose, input_signature, **kwargs):
     finally:
         if rank == 0 and tmp is not None and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _export_cloned(model, layers, tables, tmp, **kwargs):
+    """Writes the export of a functional or Sequential `model`: a clone
+    with its sok `layers` swapped for serving layers (`tables`: whole
+    tables by variable id)."""
+    replaced = {id(layer) for layer in layers}
+
+    def clone_function(layer):
+        if id(layer) in replaced:
+            return _serving_layer(layer, tables)
+        return layer  # shared, weights and all
+
+    # Not compiled (nor any model nested in it, which cloning compiles
+    # too): compiling would build the optimizer wrapper, whose build is a
+    # collective (rank 0 is alone here).
+    models = [m for m in model._flatten_layers(include_self=True)
+              if isinstance(m, keras.Model)]
+    compiled = [getattr(m, "compiled", False) for m in models]
+    try:
+        for m in models:
+            m.compiled = False
+        # (recursive: sok layers of nested functional models.)
+        clone = keras.models.clone_model(
+            model, clone_function=clone_function, recursive=True)
+    except ValueError as e:
+        raise ValueError(
+            f"export_for_serving: model '{model.name}' could not be cloned "
+            "with its sok layers swapped for plain-TF serving layers. "
+            f"Keras says: {e}") from e
+    finally:
+        for m, c in zip(models, compiled):
+            m.compiled = c
+    clone.export(tmp, format="tf_saved_model", **kwargs)
+
+
+class _Variables(keras.layers.Layer):
+    """What a traced export tracks: the given variables (the serving
+    tables and the model's other weights), not the model, whose sharded
+    tables must stay out of the SavedModel."""
+
+    def __init__(self, variables):
+        super().__init__(name="sok_serving_variables")
+        self._held = list(variables)
+        self.built = True
+
+    @property
+    def variables(self):
+        return list(self._held)
+
+    @property
+    def trainable_variables(self):
+        return [v for v in self._held if v.trainable]
+
+    @property
+    def non_trainable_variables(self):
+        return [v for v in self._held if not v.trainable]
+
+
+@contextlib.contextmanager
+def _serving_calls(twins):
+    """While the block runs, each sok layer of `twins` (`[(layer, its
+    serving layer)]`) looks ids up as its serving layer does (its `call`
+    replaced on the instance; Keras' `__call__` around it, masks
+    included, is the layer's own)."""
+    saved = []
+    for layer, twin in twins:
+        saved.append((layer, layer.__dict__.get("call", _UNSET)))
+
+        def call(inputs, weights=None, _twin=twin, **kwargs):
+            del kwargs  # (`training`: lookups take none)
+            return _twin.call(inputs, weights)
+
+        object.__setattr__(layer, "call", call)
+    try:
+        yield
+    finally:
+        for layer, old in saved:
+            if old is _UNSET:
+                del layer.__dict__["call"]
+            else:
+                object.__setattr__(layer, "call", old)
+
+
+_UNSET = object()
+
+
+def _export_traced(model, layers, tables, tmp, verbose=None,
+                   input_signature=None, **kwargs):
+    """Writes the export of a subclassed `model`, or of one whose own
+    layers hold sok layers, which cloning cannot swap: the model's own
+    `__call__` traced (as Keras' export traces it) while its sok `layers`
+    look ids up with serving layers, and a SavedModel that tracks those
+    and the model's other variables (not its sharded tables)."""
+    from keras.src.export.export_utils import get_input_signature
+
+    from sok_keras.variable import is_sok_variable
+
+    twins = [(layer, _serving_layer(layer, tables)) for layer in layers]
+    held = [v for v in model.variables if not is_sok_variable(v)]
+    for _, twin in twins:
+        held += twin.variables
+    archive = keras.export.ExportArchive()
+    archive.track(_Variables(held))
+    if input_signature is None:
+        input_signature = get_input_signature(model)
+    with _serving_calls(twins):
+        archive.add_endpoint("serve", model.__call__, input_signature,
+                             **kwargs)
+        archive.write_out(tmp, verbose=True if verbose is None else verbose)
 
 
 def _remove_dead_exports(folder, name):
