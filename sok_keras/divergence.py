@@ -79,6 +79,10 @@ _FINISHING_GRACE = 10.0  # a collective begun before a peer left may still
 _LOG = logging.getLogger("sok_keras")
 
 
+def _steps(n):
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def headline(error):
     """`error` as `Type: message` on one line, for the other ranks: the
     message, not the generic first line TensorFlow or Keras put above it.
@@ -90,6 +94,13 @@ def headline(error):
     mine = [line[line.index("sok_keras:"):] for line in lines
             if "sok_keras:" in line]
     message = mine[0] if mine else lines[0]
+    if not mine and message.strip() == "in user code:":
+        # AutoGraph's trace error: the traceback, then the error itself.
+        inner = [line.strip() for line in lines[1:] if line.strip()]
+        if inner:
+            if re.match(r"[A-Za-z_][\w.]*: ", inner[-1]):
+                return inner[-1]
+            message = inner[-1]
     nodes = [i for i, line in enumerate(lines) if "[[{{" in line]
     if not mine and nodes:
         # The op's message: its first line, the first unindented one after
@@ -543,8 +554,8 @@ class _Channel:
                 mine += loop.step
             if mine > total:  # e.g. rank-local early stopping
                 return (f"{loop.kind} diverged: rank {r} finished it after "
-                        f"{total} steps in all; rank {me} is at "
-                        f"{loop.where()} ({mine} steps){_SAME_STEPS}")
+                        f"{_steps(total)} in all; rank {me} is at "
+                        f"{loop.where()} ({_steps(mine)}){_SAME_STEPS}")
         here = self.stack[-1].where() if self.stack else None
         if self.failed and not self.reported:
             r, why = min(self.failed.items())

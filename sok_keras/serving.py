@@ -557,17 +557,51 @@ def _export_traced(model, layers, tables, tmp, verbose=None,
     from sok_keras.variable import is_sok_variable
 
     twins = [(layer, _serving_layer(layer, tables)) for layer in layers]
-    held = [v for v in model.variables if not is_sok_variable(v)]
+    archive = keras.export.ExportArchive()
+    # The model itself is not tracked (its sharded tables would be saved):
+    # the layers that hold no sharded table (with their resources, e.g. a
+    # StringLookup's hash table), then the serving tables and the model's
+    # weights that no such layer holds.
+    tracked = set()
+    for layer in model._flatten_layers(include_self=False):
+        if layer.built and not any(is_sok_variable(v)
+                                   for v in layer.variables):
+            archive.track(layer)
+            tracked.update(id(v) for v in layer.variables)
+    held = [v for v in model.variables
+            if not is_sok_variable(v) and id(v) not in tracked]
     for _, twin in twins:
         held += twin.variables
-    archive = keras.export.ExportArchive()
     archive.track(_Variables(held))
     if input_signature is None:
         input_signature = get_input_signature(model)
     with _serving_calls(twins):
         archive.add_endpoint("serve", model.__call__, input_signature,
                              **kwargs)
+        _refuse_sharded_reads(model, archive)
         archive.write_out(tmp, verbose=True if verbose is None else verbose)
+
+
+def _refuse_sharded_reads(model, archive):
+    """Raises if the traced endpoint reads a sharded table other than
+    through a sok layer's lookup (tied output weights reading
+    `layer.embeddings`): it would save this rank's shard."""
+    from sok_keras.variable import is_sok_variable
+
+    shards = {}
+    for v in model.variables:
+        if is_sok_variable(v):
+            shards[id(v)] = shards[id(getattr(v, "_value", v))] = v.path
+    trainable, other = archive._get_variables_used_by_endpoints()
+    read = sorted({shards[id(u)] for u in trainable + other
+                   if id(u) in shards})
+    if read:
+        raise ValueError(
+            f"export_for_serving: model '{model.name}' reads the sharded "
+            f"table(s) {read} other than by looking ids up through its sok "
+            "layers (e.g. tied output weights reading `layer.embeddings`): "
+            "the export would hold one rank's rows. Only lookups are "
+            "served from whole tables.")
 
 
 def _remove_dead_exports(folder, name):

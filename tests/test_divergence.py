@@ -216,6 +216,10 @@ def test_headline_of_errors():
     assert headline(RuntimeError(roots)) == (
         "RuntimeError: the op's message (at node m/Check)")
     assert headline(ValueError("one\ntwo")) == "ValueError: one"
+    # AutoGraph's error at trace time: the error under its traceback.
+    autograph = ("in user code:\n\n    File \"a.py\", line 3, in f  *\n"
+                 "        return g(x)\n\n    ValueError: the real reason\n")
+    assert headline(ValueError(autograph)) == "ValueError: the real reason"
     assert headline(RuntimeError("Graph execution error:\n  sok_keras: "
                                  "table 't' id 9")) == (
         "RuntimeError: sok_keras: table 't' id 9")

@@ -387,6 +387,53 @@ def test_export_of_towers_nested_as_functional_models(how, tmp_path):
                                expected, rtol=1e-6, atol=1e-6)
 
 
+def test_traced_export_keeps_resources_and_refuses_tied_tables(tmp_path):
+    """The traced export tracks the layers holding no sharded table, with
+    their resources (a StringLookup's hash table; before: "untracked
+    resource"); takes an `input_signature` (Keras infers float32 inputs
+    for a subclassed model: int64 or string ids need one); and refuses a
+    model that reads a table other than through a lookup (tied output
+    weights: the export would hold one rank's shard), naming the table."""
+    class WithLookup(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lookup = keras.layers.StringLookup(vocabulary=["a", "b"])
+            self.emb = sok.layers.DistributedEmbedding(5, 4, name="emb")
+            self.head = keras.layers.Dense(1)
+
+        def call(self, s):
+            return self.head(self.emb(self.lookup(s)))
+
+    class Tied(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = sok.layers.DistributedEmbedding(20, 4, name="emb")
+
+        def call(self, ids):
+            return keras.ops.matmul(self.emb(ids), keras.ops.transpose(
+                self.emb.embeddings))
+
+    keras.utils.set_random_seed(2)
+    model = WithLookup()
+    words = tf.constant([["a", "b"], ["b", "zz"]])
+    expected = model(words).numpy()
+    path = os.path.join(tmp_path, "lookup")
+    sok.export_for_serving(model, path, input_signature=[
+        tf.TensorSpec((None, 2), tf.string)])
+    served = tf.saved_model.load(path)
+    np.testing.assert_allclose(served.serve(words).numpy(), expected,
+                               rtol=1e-6)
+    model = Tied()
+    model(np.array([[1, 2]]))
+    path = os.path.join(tmp_path, "tied")
+    with pytest.raises(ValueError, match=r"reads the sharded table\(s\) "
+                       r"\['tied/emb/embeddings'\] other than by looking"):
+        sok.export_for_serving(model, path, input_signature=[
+            tf.TensorSpec((None, 2), tf.int64)])
+    assert not os.path.exists(path)
+    assert "call" not in model.emb.__dict__
+
+
 def test_export_of_a_custom_layer_holding_a_sok_layer(tmp_path):
     """A sok layer inside a custom layer of a functional model is swapped
     too (the traced export; before: refused, and earlier a RecursionError).

@@ -40,6 +40,7 @@ magnitudes, the way Keras' `tf.distribute` training scales each
 replica's loss by 1 / replicas.
 """
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -56,6 +57,8 @@ _STEPS = {"fit": (("train_step", "train_function"),),
           "evaluate": (("test_step", "test_function"),),
           "predict": (("predict_step", "predict_function"),)}
 _LOG = logging.getLogger("sok_keras")
+# The loop (`fit`, `evaluate`, ...) whose hook is running (several ranks).
+_LOOP_KIND = contextvars.ContextVar("sok_keras_loop_kind", default=None)
 
 
 def has_sok_layers(model):
@@ -255,8 +258,10 @@ def _refuse_if_compiled_before_tables(optimizer, variables):
         "before `compile` (call it on a batch, or `model.build(input_"
         "shape)`; this one is built now, so compiling it again wraps the "
         "optimizer), or use sok.OptimizerWrapper(keras.optimizers."
-        f"{name}(...)) or sok.optimizers.{name}(...). (`fit` builds such "
-        "a model before its first step and wraps the optimizer itself.)")
+        f"{name}(...)) or sok.optimizers.{name}(...). (`fit`, `evaluate` "
+        "and `train_on_batch` build such a model from their first batch "
+        "and wrap the optimizer themselves, where Keras can build it "
+        "symbolically.)")
 
 
 def _rewrap_compiled_optimizer(model):
@@ -273,6 +278,15 @@ def _rewrap_compiled_optimizer(model):
     for o in optimizer_chain(opt):
         object.__setattr__(o, "_sok_compiled_unbuilt", None)
     model.optimizer = wrap_for(model, opt)
+    if model.jit_compile:
+        # `compile` resolved it while no sok layer was visible (XLA on a
+        # GPU); the op library has no XLA kernels (Keras' setter says so).
+        model.jit_compile = False
+    kind = _LOOP_KIND.get()
+    if kind is not None:
+        # A loop's hook (several ranks) saw no sok layer yet: the first
+        # steps' comparison of the ranks, as for any model with tables.
+        _check_first_steps(model, kind)
 
 
 def _builds_own_layers(model):
@@ -282,6 +296,19 @@ def _builds_own_layers(model):
         if "build" in cls.__dict__:
             return cls.__module__.split(".")[0] != "keras"
     return False
+
+
+def _awaits_tables(model):
+    """Whether `model` was compiled unbuilt with a plain optimizer, is
+    still unbuilt, makes layers in its own `build()` (where sok layers
+    may appear), and runs without a `tf.distribute` strategy (whose
+    scope Keras builds it in): `_build_compiled_before_tables` builds it
+    at the start of `fit` / `evaluate` / `train_on_batch`."""
+    opt = getattr(model, "optimizer", None)
+    return not (model.built or opt is None or opt.built
+                or _compiled_before_tables(opt) is not model
+                or model._distribute_strategy is not None
+                or not _builds_own_layers(model))
 
 
 def _build_compiled_before_tables(model, iterator, data_batch):
@@ -294,12 +321,11 @@ def _build_compiled_before_tables(model, iterator, data_batch):
     for layers without XLA kernels. Before, the first step refused the
     model (and on a GPU, XLA refused its lookup first). A model this
     cannot build is left to Keras, which builds it inside the first
-    traced step, as without sok_keras."""
-    opt = getattr(model, "optimizer", None)
-    if (model.built or opt is None or opt.built
-            or _compiled_before_tables(opt) is not model
-            or not _builds_own_layers(model)):
+    traced step, as without sok_keras (on several ranks, every rank
+    fails alike: Keras' build is the same code on the same shapes)."""
+    if not _awaits_tables(model):
         return
+    opt = model.optimizer
     opt.built = True  # (`_symbolic_build` then builds the model only)
     try:
         model._symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -309,8 +335,6 @@ def _build_compiled_before_tables(model, iterator, data_batch):
         return
     finally:
         opt.built = False
-    if has_sok_layers(model) and model.jit_compile:
-        model.jit_compile = False  # (Keras' setter says why)
 
 
 def _install_symbolic_build_hook():
@@ -527,16 +551,22 @@ def install_loop_hooks():
         _ORIGINAL_LOOPS[kind] = (owner, original)
 
         def hook(self, *args, _kind=kind, _original=original, **kwargs):
-            # Only models whose steps run collectives on every rank.
+            # Only models whose steps run collectives on every rank (or
+            # will, once built: `_awaits_tables`).
             if not (has_sok_layers(self) or is_sok_aware(
-                    getattr(self, "optimizer", None))):
+                    getattr(self, "optimizer", None)) or (
+                        _kind != "predict" and _awaits_tables(self))):
                 return _original(self, *args, **kwargs)
             divergence.before_loop()
             global_views.check_in(f"model.{_kind}", _kind)  # all ranks?
             _check_first_steps(self, _kind)
             call, args, kwargs = callbacks.with_global_metrics(
                 _kind, _original, self, args, kwargs)
-            return divergence.run_loop(_kind, call, self, args, kwargs)
+            token = _LOOP_KIND.set(_kind)
+            try:
+                return divergence.run_loop(_kind, call, self, args, kwargs)
+            finally:
+                _LOOP_KIND.reset(token)
 
         functools.update_wrapper(hook, original)
         setattr(owner, kind, hook)
@@ -553,7 +583,8 @@ def install_loop_hooks():
             # taken on them are the same on every rank.
             if not (callbacks.global_metrics_enabled() and (
                     has_sok_layers(self) or is_sok_aware(
-                        getattr(self, "optimizer", None)))):
+                        getattr(self, "optimizer", None))
+                    or _awaits_tables(self))):
                 return _original(self, *args, **kwargs)
             bound = inspect.signature(_original).bind(self, *args, **kwargs)
             want_dict = bool(bound.arguments.get("return_dict", False))

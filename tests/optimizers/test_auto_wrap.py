@@ -220,7 +220,7 @@ def test_tables_made_in_build_after_compile():
         # (jit_compile=True: what "auto" resolves to on a GPU for a model
         # that shows no layer without XLA kernels.)
         model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse",
-                      jit_compile=case == "build_jit")
+                      jit_compile=case in ("build_jit", "build_called_first"))
         if case == "build_called_first":
             model(x[:2])  # built after compile, before fit
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
@@ -273,6 +273,16 @@ def test_tables_made_in_build_after_compile():
         weights.append([w.numpy() for w in model.weights])
     for a, b in zip(*weights):
         np.testing.assert_array_equal(a, b)
+    # ... also under a strategy, whose scope Keras builds it in (the early
+    # build stays out of its way: before, a one-replica MirroredStrategy
+    # failed in the optimizer's update).
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = DenseInBuild()
+        model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    assert isinstance(model.head.kernel.value,
+                      tf.distribute.DistributedValues)
     # An optimizer once compiled into another unbuilt model, then used in
     # a custom loop on a table (as SOK's raw loop does), is not refused:
     # the tables are not that model's.
@@ -284,6 +294,22 @@ def test_tables_made_in_build_after_compile():
             [table], [tf.ragged.constant([[1]], dtype=tf.int64)])[0])
     opt.apply_gradients([(tape.gradient(loss, table), table)])
     np.testing.assert_allclose(table.numpy()[1], [0.9, 0.9])
+
+
+def test_tables_made_in_build_after_compile_on_two_ranks():
+    """The first `fit` of such a model on 2 ranks is every rank's, as for
+    the model made in `__init__`: global logs, the same on both ranks (and
+    equal to the `__init__` model's), the first steps compared, the
+    optimizer wrapped (before: each rank logged its own loss)."""
+    r0, r1 = run_workers(worker_path("tables_in_build"), 2, timeout=120)
+    for r in (r0, r1):
+        for name in ("TablesInInit", "TablesInBuild"):
+            assert r[name]["optimizer"] == "OptimizerWrapper", (name, r)
+        np.testing.assert_allclose(r["TablesInBuild"]["loss"],
+                                   r["TablesInInit"]["loss"], rtol=1e-6)
+        np.testing.assert_allclose(r["TablesInBuild"]["kernel"],
+                                   r["TablesInInit"]["kernel"], rtol=1e-6)
+    assert r0["TablesInBuild"]["loss"] == r1["TablesInBuild"]["loss"]
 
 
 def test_one_rank_keeps_plain_optimizers_for_tables():
