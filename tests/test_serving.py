@@ -48,6 +48,18 @@ def serve_without_sok(saved_model, probe, tmp_path):
     return np.load(out)
 
 
+def saved_ops(path):
+    """The op types of the SavedModel at `path` (its graph and functions)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    proto = saved_model_pb2.SavedModel()
+    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    graph = proto.meta_graphs[0].graph_def
+    return {n.op for n in graph.node} | {
+        n.op for fn in graph.library.function for n in fn.node_def}
+
+
 def _model():
     keras.utils.set_random_seed(3)
     ids = keras.Input((3,), dtype="int64", name="ids")
@@ -107,14 +119,7 @@ def test_export_serves_the_same_predictions_without_sok_keras(tmp_path):
     np.testing.assert_allclose(serve_without_sok(path, probe, tmp_path),
                                expected, rtol=1e-6, atol=1e-6)
     # The graph holds only TensorFlow's own ops.
-    from tensorflow.core.protobuf import saved_model_pb2
-
-    proto = saved_model_pb2.SavedModel()
-    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
-        proto.ParseFromString(f.read())
-    graph = proto.meta_graphs[0].graph_def
-    ops = {n.op for n in graph.node} | {
-        n.op for fn in graph.library.function for n in fn.node_def}
+    ops = saved_ops(path)
     assert {"GatherV2", "UnsortedSegmentSum"} <= ops, sorted(ops)
     assert not [o for o in ops if o.startswith("Sok")], sorted(ops)
 
@@ -322,14 +327,7 @@ def test_export_of_a_subclassed_model(how, tmp_path):
     assert [n for n in os.listdir(tmp_path) if "sok-tmp" in n] == []
     np.testing.assert_allclose(serve_without_sok(path, probe, tmp_path),
                                expected, rtol=1e-6, atol=1e-6)
-    from tensorflow.core.protobuf import saved_model_pb2
-
-    proto = saved_model_pb2.SavedModel()
-    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
-        proto.ParseFromString(f.read())
-    graph = proto.meta_graphs[0].graph_def
-    ops = {n.op for n in graph.node} | {
-        n.op for fn in graph.library.function for n in fn.node_def}
+    ops = saved_ops(path)
     assert not [o for o in ops if o.startswith("Sok")], sorted(ops)
     # The model's own lookups are back, and it still trains.
     for layer in (model.emb, model.seq, model.col, model.tower.emb):

@@ -12,28 +12,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _worker import RANK, write_result  # noqa: E402
 
-
-class TablesInBuild(keras.Model):
-    def build(self, input_shape):
-        self.emb = sok.layers.DistributedEmbedding(50, 4, combiner="mean",
-                                                   name="emb")
-        self.emb.build(input_shape)
-        self.head = keras.layers.Dense(1)
-        self.head.build((None, 4))
-
-    def call(self, ids):
-        return self.head(self.emb(ids))
-
-
-class TablesInInit(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.emb = sok.layers.DistributedEmbedding(50, 4, combiner="mean",
-                                                   name="emb")
-        self.head = keras.layers.Dense(1)
-
-    def call(self, ids):
-        return self.head(self.emb(ids))
+from tests.optimizers.test_auto_wrap import TablesInBuild  # noqa: E402
+from tests.optimizers.test_auto_wrap import TablesInInit  # noqa: E402
 
 
 rng = np.random.default_rng(100 + RANK)
