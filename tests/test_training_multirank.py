@@ -41,6 +41,8 @@ def references():
             "sok", "momentum_clipnorm", wrap=True),
         "adam_global_clipnorm": _single_process(
             "sok", "adam_global_clipnorm", wrap=True),
+        "adam_accumulate": _single_process(
+            "sok", "adam_accumulate", wrap=True),
     }
 
 
@@ -60,10 +62,16 @@ def test_clipping_engages_in_the_clipped_references(references):
                            rtol=1e-4)
 
 
+def test_accumulation_engages_in_its_reference(references):
+    assert not np.allclose(references["adam_accumulate"][1],
+                           references["adam"][1], rtol=1e-3)
+
+
 # Every optimizer at 2 ranks; at 3 (uneven shards, two peers per rank) the
 # two whose update reduces norms over every rank's shard: the plain rules
 # are rank-count independent past the exchange, which both cover.
-OPTIMIZERS = {2: ["sgd", "adam", "momentum_clipnorm", "adam_global_clipnorm"],
+OPTIMIZERS = {2: ["sgd", "adam", "momentum_clipnorm", "adam_global_clipnorm",
+                  "adam_accumulate"],
               3: ["momentum_clipnorm", "adam_global_clipnorm"]}
 
 

@@ -29,6 +29,10 @@ OPTIMIZERS = {
         0.05, momentum=0.9, clipnorm=0.05),
     "adam_global_clipnorm": lambda: keras.optimizers.Adam(
         0.01, epsilon=1e-3, global_clipnorm=0.1),
+    # Keras' gradient accumulation: each rank sums its table rows' (and
+    # Keras its dense) gradients over 3 steps, then updates.
+    "adam_accumulate": lambda: keras.optimizers.Adam(
+        0.01, epsilon=1e-3, gradient_accumulation_steps=3),
 }
 
 

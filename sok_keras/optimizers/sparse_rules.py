@@ -402,8 +402,9 @@ def ensure_slots(rule, optimizer, table):
         rule.prepare(optimizer)
     table.claim_slots(optimizer)
     have = table.slots
+    wanted = rule.slots(optimizer) + accumulator_slots(optimizer)
     with tf.init_scope():
-        for slot, initial in rule.slots(optimizer):
+        for slot, initial in wanted:
             if slot in have:
                 continue
             table.add_slot(slot, Variable(
@@ -414,4 +415,15 @@ def ensure_slots(rule, optimizer, table):
                 trainable=False,
                 name=f"{table.path.replace('/', '.')}.{slot}",
             ))
-    return {name: have[name] for name, _ in rule.slots(optimizer)}
+    return {name: have[name] for name, _ in wanted}
+
+
+ACCUMULATOR = "gradient_accumulator"  # Keras' name for it
+
+
+def accumulator_slots(optimizer):
+    """`[(name, initial)]` of the slot summing a table's gradients between
+    updates, for an optimizer with `gradient_accumulation_steps`."""
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        return [(ACCUMULATOR, 0.0)]
+    return []

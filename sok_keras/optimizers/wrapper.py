@@ -285,23 +285,32 @@ def _clipping_off(opt):
 
 
 _INSTEAD = {
-    "gradient_accumulation_steps": " Accumulate the gradients in a custom "
-    "loop and apply them every k steps (docs/recipes.md, \"Gradient "
-    "accumulation\").",
     "loss_scale_factor": " Wrap the optimizer in "
     "`keras.optimizers.LossScaleOptimizer` instead.",
 }
 
 
 def _check_supported(opt):
-    for arg in ("use_ema", "gradient_accumulation_steps",
-                "loss_scale_factor"):
+    for arg in ("use_ema", "loss_scale_factor"):
         if getattr(opt, arg, None):
             raise ValueError(
                 f"sok_keras: `{arg}` on {type(opt).__name__} is not supported "
                 f"with sharded tables. Received: {arg}="
                 f"{getattr(opt, arg)!r}.{_INSTEAD.get(arg, '')}"
             )
+    steps = getattr(opt, "gradient_accumulation_steps", None)
+    clipping = [a for a in ("clipnorm", "global_clipnorm", "clipvalue")
+                if getattr(opt, a, None)]
+    if steps and clipping:
+        raise ValueError(
+            f"sok_keras: `gradient_accumulation_steps` with `{clipping[0]}` "
+            f"on {type(opt).__name__} is not supported with sharded tables "
+            "(Keras clips the mean of the accumulated gradients at the "
+            "update step). Received: gradient_accumulation_steps="
+            f"{steps!r}, {clipping[0]}={getattr(opt, clipping[0])!r}. Clip "
+            "in a custom loop that accumulates the gradients itself "
+            "(docs/recipes.md, \"Gradient accumulation\"), or leave one "
+            "of them out.")
 
 
 def tf2_keras_arguments(owner, grads_and_vars, kwargs):
@@ -492,6 +501,69 @@ def _check_gradients(grads, variables):
                 f"{list(v.shape)}; nothing was updated.")
 
 
+def _table_update(rule, opt, table, slots, indices, values, step):
+    """The ops of `rule`'s update of rows `indices` of `table` (`[]` when
+    eager): Keras' decoupled weight decay, then the rule."""
+    ops = [rule.decay(opt, table, indices, opt.learning_rate),
+           rule.apply(opt, table, slots, indices, values, opt.learning_rate,
+                      step)]
+    return [op for op in ops if op is not None]
+
+
+def _at_update_steps(opt, fn):
+    """Runs `fn()` in this step unless `opt` accumulates gradients and
+    this step only accumulates them."""
+    k = getattr(opt, "gradient_accumulation_steps", None)
+    if not k:
+        fn()
+        return
+    due = tf.equal((opt._iterations + 1) % k, 0)
+    if tf.executing_eagerly():
+        if bool(due):
+            fn()
+        return
+    tf.cond(due, lambda: fn() or tf.constant(True),
+            lambda: tf.constant(False))
+
+
+def _accumulated_update(rule, opt, table, slots, s, step):
+    """Keras' `gradient_accumulation_steps` for a table, lazily: each step
+    adds its gradient rows to the table's `gradient_accumulator` slot
+    (this rank's rows); every k-th step (Keras' `(iterations + 1) % k ==
+    0`, `iterations` counting every step) updates the rows whose
+    accumulated gradient is not zero with the mean over the k steps,
+    through the rule (weight decay included, as Keras decays at update
+    steps only), then zeroes them. The update step scans the rank's
+    accumulator for those rows."""
+    k = opt.gradient_accumulation_steps
+    acc = sparse_kernels.table_variable(slots[sparse_rules.ACCUMULATOR])
+    values = tf.convert_to_tensor(s.values)
+    indices = tf.convert_to_tensor(s.indices)
+
+    def add():
+        acc.scatter_add(tf.IndexedSlices(tf.cast(values, acc.dtype),
+                                         indices))
+        return tf.constant(False)
+
+    def update():
+        add()
+        total = tf.convert_to_tensor(acc)
+        rows = tf.reshape(tf.where(tf.reduce_any(
+            tf.not_equal(total, 0), axis=1)), [-1])
+        mean = tf.cast(tf.gather(total, rows) / k, values.dtype)
+        with tf.control_dependencies(_table_update(
+                rule, opt, table, slots, rows, mean, step)):
+            acc.scatter_update(tf.IndexedSlices(
+                tf.zeros([tf.size(rows), acc.shape[1]], acc.dtype), rows))
+        return tf.constant(True)
+
+    due = tf.equal((opt._iterations + 1) % k, 0)
+    if tf.executing_eagerly():
+        update() if bool(due) else add()
+        return None
+    return tf.cond(due, update, add)
+
+
 def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
     """`apply_with_tables` after the all-reduce of the dense gradients."""
     dense_g, dense_v, slices, tables = [], [], [], []
@@ -515,13 +587,12 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
         step = tf.cast(topt.iterations + 1,
                        sparse_kernels.slot_dtype(table.dtype))
         slots = sparse_rules.ensure_slots(rule, topt, table)
-        decay = rule.decay(topt, table, s.indices, topt.learning_rate)
-        if decay is not None:
-            table_updates.append(decay)
-        update = rule.apply(topt, table, slots, s.indices, s.values,
-                            topt.learning_rate, step)
-        if update is not None:
-            table_updates.append(update)
+        if getattr(topt, "gradient_accumulation_steps", None):
+            table_updates.append(_accumulated_update(rule, topt, table,
+                                                     slots, s, step))
+        else:
+            table_updates += _table_update(rule, topt, table, slots,
+                                           s.indices, s.values, step)
         if topt is not opt and all(topt is not o for o in own_steps):
             own_steps.append(topt)
     # A step Keras' own `apply` does not count: its counter, and the
@@ -530,8 +601,9 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
         sparse_rules.advance(topt)
         topt.iterations.assign_add(1)
     if not dense_v:
-        sparse_rules.advance(opt)
-        opt.iterations.assign_add(1)
+        # (Nadam's schedule moves at update steps only, as in Keras.)
+        _at_update_steps(opt, lambda: sparse_rules.advance(opt))
+        opt._iterations.assign_add(1)  # (`iterations` // k if accumulating)
         return
     with _clipping_off(opt):
         if compiles_dense_update(jit_compile, opt, dense_v):

@@ -101,9 +101,8 @@ def test_newer_rules_save_and_continue_identically(make, slots, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs", [{"use_ema": True},
-                                    {"gradient_accumulation_steps": 2},
                                     {"loss_scale_factor": 64.0}],
-                         ids=["ema", "accumulation", "loss_scale"])
+                         ids=["ema", "loss_scale"])
 def test_unsupported_base_arguments_fail_at_construction(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         sok.optimizers.Adam(0.1, **kwargs)

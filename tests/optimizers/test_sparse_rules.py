@@ -448,3 +448,80 @@ def test_muon_refuses_a_table_it_would_orthogonalize():
         _muon(exclude_embeddings=False, exclude_layers=["table"])),
         steps, w0, d0)
     assert not np.array_equal(_np(table), w0)
+
+
+# ---------------------------------------------------------------------------
+# Keras' gradient_accumulation_steps.
+
+
+@pytest.mark.parametrize("tf_function", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("name,make", [
+    ("adamw", lambda: keras.optimizers.AdamW(
+        0.05, weight_decay=0.1, gradient_accumulation_steps=3)),
+    ("nadam", lambda: keras.optimizers.Nadam(
+        0.05, gradient_accumulation_steps=2)),
+    ("momentum", lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, gradient_accumulation_steps=4)),
+    ("ftrl", lambda: keras.optimizers.Ftrl(
+        0.1, gradient_accumulation_steps=2)),
+])
+def test_gradient_accumulation_matches_keras(name, make, tf_function):
+    """Keras' `gradient_accumulation_steps` (before: refused): the table's
+    gradient rows are summed in its `gradient_accumulator` slot, and every
+    k-th step updates the rows looked up since with their mean (weight
+    decay then too). Row 0, looked up in every step, equals Keras'
+    accumulated update of a plain variable, and the dense weight Keras'
+    (exactly, eagerly); rows never looked up keep their values; `iterations` counts
+    updates, as Keras'. Without the dense weight (no Keras `apply` in the
+    step), Nadam's schedule still moves at update steps only."""
+    steps = make_steps(seed=4, none_step=None)
+    w0, d0 = initial_values(2)
+    for with_dense in (True, False):
+        keras.utils.clear_session()
+        opt = sok.OptimizerWrapper(make())
+        if with_dense:
+            table, dense = run_sok(opt, steps, w0, d0,
+                                   tf_function=tf_function)
+        else:
+            table = sok.Variable(w0, name="table")
+            step = (tf.function(opt.apply_gradients, autograph=False)
+                    if tf_function else opt.apply_gradients)
+            for idx, g, _ in steps:
+                step([(slices(idx, g), table)])
+        assert sparse_rules.ACCUMULATOR in table.slots
+        kvar, kdense = keras.Variable(w0, name="t"), keras.Variable(d0)
+        kopt = make()
+        kopt.build([kvar, kdense] if with_dense else [kvar])
+        for idx, g, dg in steps:
+            full = np.zeros_like(w0)
+            np.add.at(full, idx, g)
+            pairs = [(tf.constant(full), kvar)]
+            if with_dense:
+                pairs.append((tf.constant(dg), kdense))
+            kopt.apply_gradients(pairs)
+        np.testing.assert_allclose(_np(table)[0], _np(kvar)[0], rtol=1e-5,
+                                   atol=1e-6)
+        if with_dense:  # (traced: an ulp from Keras' eager arithmetic)
+            np.testing.assert_allclose(_np(dense), _np(kdense),
+                                       rtol=1e-6 if tf_function else 0)
+        np.testing.assert_array_equal(_np(table)[TOUCHABLE:],
+                                      w0[TOUCHABLE:])
+        assert int(opt.iterations) == int(kopt.iterations) == (
+            STEPS // make().gradient_accumulation_steps)
+    # Updating every step instead ends elsewhere (the test sees it).
+    keras.utils.clear_session()
+    plain = make()
+    plain.gradient_accumulation_steps = None
+    every, _ = run_sok(sok.OptimizerWrapper(plain), steps, w0, d0)
+    assert not np.allclose(_np(every)[0], _np(table)[0], rtol=1e-4)
+
+
+def test_gradient_accumulation_with_clipping_is_refused():
+    with pytest.raises(ValueError, match=(
+            r"`gradient_accumulation_steps` with `clipnorm` on Adam is not "
+            r"supported with sharded tables")):
+        sok.OptimizerWrapper(keras.optimizers.Adam(
+            clipnorm=1.0, gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match="global_clipnorm"):
+        sok.optimizers.Adam(global_clipnorm=1.0,
+                            gradient_accumulation_steps=2)
