@@ -367,6 +367,10 @@ def create_table_slots(opt, variables):
     once `opt` is built, hands it state a checkpoint restored before,
     `sparse_rules.after_build`)."""
     sparse_rules.after_build(opt)
+    # (The tables `opt` was built for: an update step zeroes their
+    # accumulators also when a step passes them no gradient.)
+    object.__setattr__(opt, "_sok_built_tables",
+                       [v for v in variables if is_sok_variable(v)])
     for table in variables:
         if is_sok_variable(table):
             topt = table_optimizer(opt, table)
@@ -526,6 +530,21 @@ def _at_update_steps(opt, fn):
             lambda: tf.constant(False))
 
 
+def _reset_accumulators(opt, tables, reset_dense):
+    """Zeroes `opt`'s accumulators of `tables` (those it trains), and its
+    dense ones (Keras' `_backend_reset_gradient_accumulators`) if
+    `reset_dense` (a step in which Keras' own `apply` does not run)."""
+    for table in tables:
+        if table_optimizer(opt, table) is not opt:
+            continue
+        slots = sparse_rules.ensure_slots(rule_for_table(opt, table), opt,
+                                          table)
+        acc = sparse_kernels.table_variable(slots[sparse_rules.ACCUMULATOR])
+        acc.assign(tf.zeros_like(acc))
+    if reset_dense and getattr(opt, "_accumulated_gradients", None):
+        opt._backend_reset_gradient_accumulators()
+
+
 def _accumulated_update(rule, opt, table, slots, s, step):
     """Keras' `gradient_accumulation_steps` for a table, lazily: each step
     adds its gradient rows to the table's `gradient_accumulator` slot
@@ -533,8 +552,9 @@ def _accumulated_update(rule, opt, table, slots, s, step):
     0`, `iterations` counting every step) updates the rows whose
     accumulated gradient is not zero with the mean over the k steps,
     through the rule (weight decay included, as Keras decays at update
-    steps only), then zeroes them. The update step scans the rank's
-    accumulator for those rows."""
+    steps only), then zeroes them (Keras' `iterations` there is
+    `_iterations`, counting every step). The update step scans the rank's
+    accumulator for those rows: O(rows x dim) every k steps."""
     k = opt.gradient_accumulation_steps
     acc = sparse_kernels.table_variable(slots[sparse_rules.ACCUMULATOR])
     values = tf.convert_to_tensor(s.values)
@@ -566,9 +586,13 @@ def _accumulated_update(rule, opt, table, slots, s, step):
 
 def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
     """`apply_with_tables` after the all-reduce of the dense gradients."""
+    _check_supported(opt)  # (clipping may have been set since)
     dense_g, dense_v, slices, tables = [], [], [], []
+    idle = []  # tables without a gradient in this step
     for g, v in zip(grads, variables):
         if g is None:
+            if is_sok_variable(v):
+                idle.append(v)
             continue
         if is_sok_variable(v):
             slices.append(_as_slices(g, v))
@@ -595,6 +619,15 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
                                            s.indices, s.values, step)
         if topt is not opt and all(topt is not o for o in own_steps):
             own_steps.append(topt)
+    if getattr(opt, "gradient_accumulation_steps", None):
+        # Keras zeroes every accumulator at an update step, also those of
+        # variables without a gradient in it (their sums are dropped).
+        have = {id(t) for t in tables}
+        for t in opt.__dict__.get("_sok_built_tables", ()):
+            if id(t) not in have and all(t is not i for i in idle):
+                idle.append(t)
+        _at_update_steps(opt, lambda: _reset_accumulators(
+            opt, idle, reset_dense=not dense_v))
     # A step Keras' own `apply` does not count: its counter, and the
     # optimizer's state that `apply` would advance (Nadam's schedule).
     for topt in own_steps:

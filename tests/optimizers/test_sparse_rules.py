@@ -516,6 +516,50 @@ def test_gradient_accumulation_matches_keras(name, make, tf_function):
     assert not np.allclose(_np(every)[0], _np(table)[0], rtol=1e-4)
 
 
+@pytest.mark.parametrize("tf_function", [False, True], ids=["eager", "graph"])
+def test_gradient_accumulation_drops_sums_without_a_gradient_at_the_update(
+        tf_function):
+    """As Keras: a variable without a gradient in an update step is not
+    updated, and its accumulated sum is dropped (Keras zeroes every
+    accumulator there). Before, a table's (and, in a step with no dense
+    gradient, the dense weights') sum was carried into the next window
+    and applied 1.5x too strongly."""
+    w0 = np.ones((4, 2), np.float32)
+    d0 = np.ones((2,), np.float32)
+    row = tf.IndexedSlices(tf.constant([[1.0, 2.0]]),
+                           tf.constant([0], tf.int64),
+                           tf.constant([4, 2], tf.int64))
+    full = np.zeros_like(w0)
+    full[0] = [1.0, 2.0]
+    # Which variables get a gradient in steps 1-4 (k=2: steps 2 and 4
+    # update): the table misses step 2, the dense weight step 4... and 3.
+    plan = [(True, True), (False, True), (True, False), (True, False)]
+    opt = sok.OptimizerWrapper(keras.optimizers.SGD(
+        0.1, gradient_accumulation_steps=2))
+    table, dense = sok.Variable(w0, name="table"), keras.Variable(d0)
+    kopt = keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+    ktable, kdense = keras.Variable(w0), keras.Variable(d0)
+    kopt.build([ktable, kdense])
+    def step(has_table, has_dense):
+        pairs = [(row, table)] if has_table else []
+        if has_dense:
+            pairs.append((tf.ones([2]), dense))
+        opt.apply_gradients(pairs)
+
+    # (Python flags: one trace per combination.)
+    apply = tf.function(step, autograph=False) if tf_function else step
+    for has_table, has_dense in plan:
+        apply(has_table, has_dense)
+        kpairs = [(tf.constant(full), ktable)] if has_table else []
+        if has_dense:
+            kpairs.append((tf.ones([2]), kdense))
+        kopt.apply_gradients(kpairs)
+        np.testing.assert_allclose(_np(table), _np(ktable), rtol=1e-6)
+        np.testing.assert_allclose(_np(dense), _np(kdense), rtol=1e-6)
+    assert int(opt.iterations) == int(kopt.iterations) == 2
+    np.testing.assert_allclose(_np(table)[0], [0.9, 0.8], rtol=1e-6)
+
+
 def test_gradient_accumulation_with_clipping_is_refused():
     with pytest.raises(ValueError, match=(
             r"`gradient_accumulation_steps` with `clipnorm` on Adam is not "
