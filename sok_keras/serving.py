@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from sok_keras import world
+from sok_keras.layers.base_embedding import padding_mask
 
 
 def _np_dtype(dtype):
@@ -96,13 +97,6 @@ def _plain_lookup(table, ids, weights, combiner, name):
     return tf.cast(total, table.dtype)
 
 
-def _unpooled_mask(ids, combiner):
-    """The sok layers' mask (`base_embedding.padding_mask`)."""
-    from sok_keras.layers.base_embedding import padding_mask
-
-    return padding_mask(ids, combiner)
-
-
 class ServingEmbedding(keras.layers.Layer):
     """What a sok embedding layer becomes in a serving export: the whole
     table as a plain variable, looked up with plain TF ops.
@@ -132,7 +126,7 @@ class ServingEmbedding(keras.layers.Layer):
         """As the sok layer's: `ids != -1` for unpooled dense ids."""
         if self.fixed_shape:
             return None
-        return _unpooled_mask(inputs, self.combiner)
+        return padding_mask(inputs, self.combiner)
 
     def call(self, inputs, weights=None):
         from sok_keras.layers.base_embedding import as_int_ids
@@ -191,7 +185,7 @@ class ServingEmbeddingCollection(keras.layers.Layer):
                 inputs, dict) or all(spec["combiner"] is not None
                                      for spec in self.features.values()):
             return None  # (keras-rs' form: as the sok layer, no mask)
-        return {f: _unpooled_mask(inputs.get(f), spec["combiner"])
+        return {f: padding_mask(inputs.get(f), spec["combiner"])
                 for f, spec in self.features.items()}
 
     def call(self, inputs, weights=None):

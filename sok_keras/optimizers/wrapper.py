@@ -514,20 +514,25 @@ def _table_update(rule, opt, table, slots, indices, values, step):
     return [op for op in ops if op is not None]
 
 
-def _at_update_steps(opt, fn):
-    """Runs `fn()` in this step unless `opt` accumulates gradients and
-    this step only accumulates them."""
+def _update_due(opt):
+    """None if `opt` updates at every step; else whether this step is an
+    update step of its gradient accumulation (Keras' `(_iterations + 1) %
+    k == 0`, read before the step counts itself)."""
     k = getattr(opt, "gradient_accumulation_steps", None)
-    if not k:
-        fn()
-        return
-    due = tf.equal((opt._iterations + 1) % k, 0)
+    return tf.equal((opt._iterations + 1) % k, 0) if k else None
+
+
+def _branch(due, then, otherwise=lambda: None):
+    """`then()` if `due` (None: always) else `otherwise()`: eagerly, or as
+    a `tf.cond` in a traced step (returns the op, or None)."""
+    if due is None:
+        then()
+        return None
     if tf.executing_eagerly():
-        if bool(due):
-            fn()
-        return
-    tf.cond(due, lambda: fn() or tf.constant(True),
-            lambda: tf.constant(False))
+        then() if bool(due) else otherwise()
+        return None
+    return tf.cond(due, lambda: then() or tf.constant(True),
+                   lambda: otherwise() or tf.constant(False))
 
 
 def _reset_accumulators(opt, tables, reset_dense):
@@ -545,7 +550,7 @@ def _reset_accumulators(opt, tables, reset_dense):
         opt._backend_reset_gradient_accumulators()
 
 
-def _accumulated_update(rule, opt, table, slots, s, step):
+def _accumulated_update(rule, opt, table, slots, s, step, due):
     """Keras' `gradient_accumulation_steps` for a table, lazily: each step
     adds its gradient rows to the table's `gradient_accumulator` slot
     (this rank's rows); every k-th step (Keras' `(iterations + 1) % k ==
@@ -563,7 +568,6 @@ def _accumulated_update(rule, opt, table, slots, s, step):
     def add():
         acc.scatter_add(tf.IndexedSlices(tf.cast(values, acc.dtype),
                                          indices))
-        return tf.constant(False)
 
     def update():
         add()
@@ -575,13 +579,8 @@ def _accumulated_update(rule, opt, table, slots, s, step):
                 rule, opt, table, slots, rows, mean, step)):
             acc.scatter_update(tf.IndexedSlices(
                 tf.zeros([tf.size(rows), acc.shape[1]], acc.dtype), rows))
-        return tf.constant(True)
 
-    due = tf.equal((opt._iterations + 1) % k, 0)
-    if tf.executing_eagerly():
-        update() if bool(due) else add()
-        return None
-    return tf.cond(due, update, add)
+    return _branch(due, update, add)
 
 
 def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
@@ -602,6 +601,7 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
             dense_v.append(v)
     dense_g, slices = clip_gradients(
         opt, [tf.convert_to_tensor(g) for g in dense_g], slices)
+    due = _update_due(opt)
     own_steps = []  # tables' own optimizers: each counts its steps
     table_updates = []  # their ops, in a traced step
     for s, table in zip(slices, tables):
@@ -611,31 +611,40 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
         step = tf.cast(topt.iterations + 1,
                        sparse_kernels.slot_dtype(table.dtype))
         slots = sparse_rules.ensure_slots(rule, topt, table)
-        if getattr(topt, "gradient_accumulation_steps", None):
+        if topt is opt and due is not None:
             table_updates.append(_accumulated_update(rule, topt, table,
-                                                     slots, s, step))
+                                                     slots, s, step, due))
         else:
             table_updates += _table_update(rule, topt, table, slots,
                                            s.indices, s.values, step)
         if topt is not opt and all(topt is not o for o in own_steps):
             own_steps.append(topt)
-    if getattr(opt, "gradient_accumulation_steps", None):
+    at_update = []  # what `opt`'s update steps do besides the tables'
+    if due is not None:
         # Keras zeroes every accumulator at an update step, also those of
         # variables without a gradient in it (their sums are dropped).
         have = {id(t) for t in tables}
         for t in opt.__dict__.get("_sok_built_tables", ()):
             if id(t) not in have and all(t is not i for i in idle):
                 idle.append(t)
-        _at_update_steps(opt, lambda: _reset_accumulators(
+        at_update.append(lambda: _reset_accumulators(
             opt, idle, reset_dense=not dense_v))
+    if not dense_v:
+        # The optimizer-wide state Keras' `apply` would advance (Nadam's
+        # schedule), at update steps only, as in Keras.
+        at_update.append(lambda: sparse_rules.advance(opt))
+    if at_update:
+        def update_step():
+            for fn in at_update:
+                fn()
+
+        _branch(due, update_step)
     # A step Keras' own `apply` does not count: its counter, and the
     # optimizer's state that `apply` would advance (Nadam's schedule).
     for topt in own_steps:
         sparse_rules.advance(topt)
         topt.iterations.assign_add(1)
     if not dense_v:
-        # (Nadam's schedule moves at update steps only, as in Keras.)
-        _at_update_steps(opt, lambda: sparse_rules.advance(opt))
         opt._iterations.assign_add(1)  # (`iterations` // k if accumulating)
         return
     with _clipping_off(opt):
