@@ -130,7 +130,9 @@ def test_a_sequential_with_no_input_on_two_ranks_equals_one(dtype):
     """Keras builds such a model, and its optimizer, inside the first
     traced step; on 2 ranks the optimizer's broadcast of the dense weights
     there read variables with no value yet, and every rank failed. It is
-    built from the first batch now, before the step."""
+    built from the first batch's shapes now, before the step, pulling no
+    batch (int ids: a dataset reshuffled each epoch, whose first epoch a
+    pulled batch made another order than one process's)."""
     out = {n: run_workers(worker_path("sequential_no_input"), n,
                           args=[dtype]) for n in (1, 2)}
     for r in out[2]:

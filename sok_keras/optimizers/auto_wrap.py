@@ -311,10 +311,37 @@ def _awaits_tables(model):
                 or not _builds_own_layers(model))
 
 
+def _batch_spec(iterator):
+    """The structure of `iterator`'s batches as their `tf.TypeSpec`s (the
+    dataset's `element_spec`: what Keras' `_symbolic_build` reads of a
+    batch is its shape and dtype), or None where a spec's rank is unknown.
+
+    Building from the spec pulls no batch: Keras' `fit` resets the
+    iterator after the build, and over a dataset that reshuffles each
+    iteration (`shuffle(n, seed=...)`'s default) a pulled batch would
+    make the first epoch run the pipeline's second order, not the one
+    a model built before `fit` (or built in its first step, as Keras
+    does without a strategy) trains on."""
+    import tensorflow as tf
+
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    leaves = tf.nest.flatten(spec)
+    if not leaves or any(getattr(s, "shape", None) is None
+                         or s.shape.rank is None
+                         or getattr(s, "dtype", None) is None
+                         for s in leaves):
+        return None
+    return spec
+
+
 def _build_compiled_before_tables(model, iterator, data_batch):
-    """Builds, from the first batch, a model compiled unbuilt with a plain
-    optimizer whose class makes layers in its own `build()` (as Keras does
-    under a strategy, `_symbolic_build`), leaving the optimizer unbuilt.
+    """Builds, from the first batch's shapes (`_batch_spec`), a model
+    compiled unbuilt with a plain optimizer whose class makes layers in
+    its own `build()` (as Keras does under a strategy, `_symbolic_build`),
+    leaving the optimizer unbuilt.
     `_rewrap_compiled_optimizer` then wraps the optimizer for the tables
     it made, and a `jit_compile` that `compile` resolved while no sok
     layer was visible (XLA on a GPU) is turned off as Keras turns it off
@@ -327,6 +354,8 @@ def _build_compiled_before_tables(model, iterator, data_batch):
         return
     opt = model.optimizer
     opt.built = True  # (`_symbolic_build` then builds the model only)
+    if data_batch is None:
+        data_batch = _batch_spec(iterator)
     try:
         model._symbolic_build(iterator=iterator, data_batch=data_batch)
     except Exception:  # noqa: BLE001 -- Keras builds it in the step
@@ -368,6 +397,8 @@ def _install_symbolic_build_hook():
         if (world.num_ranks() > 1 and self._distribute_strategy is None
                 and not self.built and (has_sok_layers(self) or is_sok_aware(
                     getattr(self, "optimizer", None)))):
+            if data_batch is None:
+                data_batch = _batch_spec(iterator)
             return self._symbolic_build(iterator=iterator,
                                         data_batch=data_batch)
         return original(self, iterator=iterator, data_batch=data_batch)
