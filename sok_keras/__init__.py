@@ -96,6 +96,12 @@ from sok_keras import serving as _serving  # noqa: E402
 
 _serving.install()
 
+# On N ranks a masked (or mean_with_sample_weight) loss divides by the
+# ranks' mean count, so N ranks train as one process on the global batch.
+from sok_keras import global_losses as _global_losses  # noqa: E402
+
+_global_losses.install()
+
 # SOK names sok_keras does not have, and what to use instead: a ported
 # script gets this, not a bare AttributeError.
 _NOT_IN_SOK_KERAS = {

@@ -1280,7 +1280,12 @@ NOTHING_SAVED_HINT = (
     "keras.layers.Embedding, holds nothing for this one: copy such a "
     "table in with `layer.embeddings.assign_global(array)` on every rank "
     "(on N ranks `get_weights()` / `set_weights()` hold each rank's shard "
-    "of a table, not the whole table).")
+    "of a table, not the whole table). Or the layer is shared by two "
+    "nested models: Keras saves its weights once, under the first, and "
+    "looks for them under each (keras.layers.Embedding fails alike); "
+    "call the layer from the outer model, or save the weights "
+    "(`save_weights` or `sok.dump`) and load them into the model your "
+    "code makes.")
 
 
 def saved_array(store, key, where):

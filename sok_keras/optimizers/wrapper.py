@@ -287,6 +287,10 @@ def _clipping_off(opt):
 _INSTEAD = {
     "loss_scale_factor": " Wrap the optimizer in "
     "`keras.optimizers.LossScaleOptimizer` instead.",
+    "use_ema": " Keras' EMA keeps a table-sized average of every table and "
+    "rewrites all its rows at each step, which lazy sparse updates exist "
+    "to avoid (and `keras.callbacks.SwapEMAWeights` would swap shards). "
+    "Leave use_ema off.",
 }
 
 

@@ -612,3 +612,39 @@ def test_pooled_layer_refuses_3d_ids_when_the_model_is_built():
     out = sok.layers.DistributedEmbedding(10, 4, combiner=None)(ids)
     assert tuple(out.shape) == (None, 3, 5, 4)
 
+
+
+def test_a_layer_shared_by_two_nested_models_says_how_to_save_it(tmp_path):
+    """Keras saves a layer shared by two nested models once, under the
+    first, and `load_model` looks for its weights under each
+    (`keras.layers.Embedding` fails alike). The error said only that the
+    file came from another layer class (QA); it names this case and its
+    ways out now, and `save_weights` / `load_weights` into the model the
+    code makes works."""
+    import pytest
+
+    shared = sok.layers.DistributedEmbedding(40, 4, combiner=None, name="it")
+    towers = []
+    for n, name in ((3, "tower_a"), (4, "tower_b")):
+        ids = keras.Input((n,), dtype="int64")
+        towers.append(keras.Model(
+            ids, keras.layers.GlobalAveragePooling1D()(shared(ids)),
+            name=name))
+    inputs = [keras.Input((3,), dtype="int64"),
+              keras.Input((4,), dtype="int64")]
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()(
+        [t(i) for t, i in zip(towers, inputs)]))
+    model = keras.Model(inputs, out)
+    rng = np.random.default_rng(0)
+    x = [rng.integers(0, 40, (8, 3)), rng.integers(0, 40, (8, 4))]
+    expected = model.predict(x, verbose=0)
+    model.save(tmp_path / "m.keras")
+    with pytest.raises(ValueError, match=(
+            r"Layer 'it': no 'embeddings' entry.*shared by two nested "
+            r"models.*save_weights")):
+        keras.saving.load_model(tmp_path / "m.keras")
+    model.save_weights(tmp_path / "m.weights.h5")
+    for w in model.weights:
+        w.assign(w * 0)
+    model.load_weights(tmp_path / "m.weights.h5")
+    np.testing.assert_array_equal(model.predict(x, verbose=0), expected)

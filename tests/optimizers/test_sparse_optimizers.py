@@ -100,12 +100,21 @@ def test_newer_rules_save_and_continue_identically(make, slots, tmp_path):
     check_save_load_continue(build_model(), make(), tmp_path, slots)
 
 
-@pytest.mark.parametrize("kwargs", [{"use_ema": True},
-                                    {"loss_scale_factor": 64.0}],
-                         ids=["ema", "loss_scale"])
-def test_unsupported_base_arguments_fail_at_construction(kwargs):
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+@pytest.mark.parametrize("kwargs,instead", [
+    ({"use_ema": True}, "table-sized average.*Leave use_ema off"),
+    ({"loss_scale_factor": 64.0}, "LossScaleOptimizer` instead")],
+    ids=["ema", "loss_scale"])
+def test_unsupported_base_arguments_fail_at_construction(kwargs, instead):
+    """Refused, saying why or what to use instead (QA: `use_ema` said
+    neither)."""
+    with pytest.raises(ValueError, match=next(iter(kwargs)) + ".*" + instead):
         sok.optimizers.Adam(0.1, **kwargs)
+    model = keras.Sequential([
+        keras.Input((2,), dtype="int64"),
+        sok.layers.DistributedEmbedding(10, 2, combiner="sum")])
+    with pytest.raises(ValueError, match=instead):
+        model.compile(optimizer=keras.optimizers.Adam(0.1, **kwargs),
+                      loss="mse")
 
 
 def test_weight_decay_is_taken_by_every_rule():
