@@ -33,27 +33,102 @@ def _slice(t, start, size):
     return t[start : start + size]
 
 
-def _has_unseeded_shuffle(dataset):
-    """Whether a `shuffle` in `dataset`'s pipeline has no seed (neither
-    its own nor TensorFlow's global one when it was made): each process
-    shuffles it with its own random seed."""
+# Stateful random ops: with neither an op seed nor a global one when the
+# function was traced (seed == seed2 == 0), each process draws its own.
+_RANDOM_OPS = frozenset((
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "ParameterizedTruncatedNormal", "RandomShuffle",
+    "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial"))
+# Dataset ops made inside a function (`interleave`, `flat_map`), by the
+# positions of their seed inputs.
+_SEEDED_DATASET_OPS = {"ShuffleDataset": (2, 3), "ShuffleDatasetV2": None,
+                       "ShuffleDatasetV3": (2, 3),
+                       "ShuffleAndRepeatDataset": (2, 3),
+                       "ShuffleAndRepeatDatasetV2": (2, 3),
+                       "RandomDataset": (0, 1), "RandomDatasetV2": (0, 1),
+                       "ExperimentalRandomDataset": (0, 1)}
+_WHAT = {"_ShuffleDataset": "a `shuffle` with no seed",
+         "_RandomDataset": "`Dataset.random()` (or `sample_from_datasets` / "
+                           "`choose_from_datasets`' random choice) with no "
+                           "seed"}
+
+
+def _unseeded(seeds):
+    """Whether tf.data's `(seed, seed2)` mean "a random seed": (0, 0) or
+    None (a seeded op never gets both)."""
+    return all(_static(v) in (None, 0) for v in seeds)
+
+
+def _const(nodes, name):
+    """The value of the Const node `name` ("node:output:0" or "node:0")
+    among `nodes`, or None."""
+    node = nodes.get(name.lstrip("^").split(":")[0])
+    if node is None or node.op != "Const":
+        return None
+    return tf.make_ndarray(node.attr["value"].tensor)
+
+
+def _function_nondeterminism(wrapper):
+    """What in a dataset function's graph (and the functions it calls)
+    differs between processes: an unseeded random op, a dataset made
+    inside it with no seed, a `deterministic=False` one; or None."""
+    try:
+        graph_def = wrapper.function.graph.as_graph_def()
+    except Exception:  # noqa: BLE001 - not a traced function we can read
+        return None
+    bodies = [list(graph_def.node)] + [
+        list(f.node_def) for f in graph_def.library.function]
+    for nodes in bodies:
+        by_name = {n.name: n for n in nodes}
+        for n in nodes:
+            if n.op in _RANDOM_OPS and n.attr["seed"].i == 0 and (
+                    n.attr["seed2"].i == 0):
+                return (f"a random op ({n.op}, e.g. `tf.random.uniform`) "
+                        "with no seed in a dataset function (`map`, "
+                        "`filter`, `interleave`...)")
+            where = _SEEDED_DATASET_OPS.get(n.op)
+            if where and len(n.input) > max(where) and all(
+                    _const(by_name, n.input[i]) in (None, 0) for i in where):
+                return (f"a dataset with no seed ({n.op}) made inside a "
+                        "dataset function (`interleave`, `flat_map`...)")
+            if n.attr["deterministic"].s == b"false" or n.attr["sloppy"].b:
+                return (f"`deterministic=False` ({n.op}) inside a dataset "
+                        "function")
+    return None
+
+
+def _nondeterminism(dataset):
+    """What in `dataset`'s pipeline makes each process read other batches
+    (an unseeded `shuffle`, `Dataset.random()` or random op, a
+    `deterministic=False` stage or option), as a phrase; or None.
+    (Seeds count when given to the op or set globally when it was made.)"""
+    if dataset.options().deterministic is False:
+        return "`tf.data.Options().deterministic = False`"
     seen, todo = set(), [dataset]
     while todo:
         ds = todo.pop()
         if id(ds) in seen:
             continue
         seen.add(id(ds))
-        # tf.data gives an unseeded shuffle the seeds (0, 0), which mean
-        # "a random seed" (a seeded one never gets both).
-        if type(ds).__name__ == "_ShuffleDataset" and all(
-                _static(getattr(ds, attr, None)) == 0
-                for attr in ("_seed", "_seed2")):
-            return True
+        kind = type(ds).__name__
+        if kind in _WHAT and _unseeded(
+                (getattr(ds, "_seed", None), getattr(ds, "_seed2", None))):
+            return _WHAT[kind]
+        if getattr(ds, "_deterministic", None) in ("false", False):
+            return f"`deterministic=False` (in {kind.strip('_')})"
+        try:
+            functions = ds._functions()
+        except Exception:  # noqa: BLE001 - a dataset kind without them
+            functions = []
+        for wrapper in functions:
+            found = _function_nondeterminism(wrapper)
+            if found:
+                return found
         try:
             todo.extend(ds._inputs())
         except Exception:  # noqa: BLE001 - a dataset kind without inputs
             pass
-    return False
+    return None
 
 
 def _static(value):
@@ -64,16 +139,18 @@ def _static(value):
 
 
 def _check_seeded(dataset, n):
-    if _has_unseeded_shuffle(dataset):
+    found = _nondeterminism(dataset)
+    if found:
         raise ValueError(
-            "shard_batches: the dataset shuffles with no seed "
-            "(`shuffle(...)` without `seed=`, and no global seed when it "
-            f"was made), so each of the {n} ranks would shuffle "
-            "differently and keep its slice of another global batch: some "
-            "rows trained twice per epoch, others never. Pass the same "
-            "seed on every rank, `shuffle(buffer_size, seed=42)`, or call "
+            f"shard_batches: the dataset's pipeline has {found}, so each "
+            f"of the {n} ranks would read other global batches and keep "
+            "its slice of another batch than its peers: some rows trained "
+            "twice per epoch, others never (and the ranks may run "
+            "different numbers of steps). Pass the same seed on every "
+            "rank (`shuffle(buffer_size, seed=42)`, `seed=` of the random "
+            "op, `sample_from_datasets(..., seed=42)`), or call "
             "`keras.utils.set_random_seed(42)` on every rank before making "
-            "the dataset.")
+            "the dataset; keep every stage deterministic.")
 
 
 def shard_batches(dataset, global_batch_size=None):
@@ -100,11 +177,16 @@ def shard_batches(dataset, global_batch_size=None):
         num_ranks` rows, with the same structure.
 
     Raises:
-        ValueError: if the batch dimension is not static (batch with
-            `drop_remainder=True`), differs between components or from
-            `global_batch_size`, or is not divisible by the number of ranks;
-            on several ranks, if the pipeline has a `shuffle` with no seed
-            (each rank would shuffle differently).
+        ValueError: if no component's batch dimension is static (batch
+            with `drop_remainder=True`; a component made after batching,
+            whose size is unknown, is sliced as the others, its rows
+            checked at each batch), if it differs between components or
+            from `global_batch_size`, or is not divisible by the number of
+            ranks; on several ranks, if the pipeline reads differently in
+            each process: a `shuffle`, `Dataset.random()`,
+            `sample_from_datasets` or random op with no seed (neither its
+            own nor a global one when it was made), or a
+            `deterministic=False` stage or option.
 
     Example:
 
@@ -122,22 +204,17 @@ def shard_batches(dataset, global_batch_size=None):
     flat = tf.nest.flatten(spec)
     paths = [f"#{i}" for i in range(len(flat))] if len(flat) > 1 else [""]
     per = [_batch_dim(s, p) for s, p in zip(flat, paths)]
-    dims = set(per)
-    if None in dims:
-        unknown = [p or "element" for p, d in zip(paths, per) if d is None]
-        known = sorted(d for d in dims if d is not None)
+    dims = set(per) - {None}
+    if not dims:
         raise ValueError(
             "shard_batches needs a static batch dimension, but the batch "
-            f"size of component(s) {unknown} is unknown (element_spec "
+            f"size of the dataset's batches is unknown (element_spec "
             f"{spec}). Batch the dataset with "
-            "`.batch(global_batch_size, drop_remainder=True)`"
-            + (f" (the other components have {known[0]} rows)"
-               if known else "")
-            + "; a component made after batching, in `.map` (a "
-            "`RaggedTensor.to_sparse()`, say), loses the static size: "
-            "convert before batching, or give it back in the map "
-            "(`t.set_shape([global_batch_size, ...])`)."
-        )
+            "`.batch(global_batch_size, drop_remainder=True)`; a pipeline "
+            "that batches for you (`make_csv_dataset`, `from_generator` "
+            "with a None batch dimension, `bucket_by_sequence_length`) can "
+            "be batched again: `.unbatch().batch(global_batch_size, "
+            "drop_remainder=True)`.")
     if len(dims) != 1:
         raise ValueError(
             "shard_batches: the components of each batch have different "
@@ -168,9 +245,29 @@ def shard_batches(dataset, global_batch_size=None):
     start = _world.rank() * b
     is_tuple = type(spec) is tuple  # tf.data unpacks plain tuples only
 
+    # A component made after batching (`tf.strings.split` in a `.map`,
+    # say) may have lost its static size: it must have the batch's rows,
+    # which is checked as each batch is sliced.
+    unknown = [p or "element" for p, d in zip(paths, per) if d is None]
+
+    def rows_checked(t, path):
+        rows = (t.nrows() if isinstance(t, tf.RaggedTensor) else
+                tf.shape(t, out_type=tf.int64)[0])
+        check = tf.debugging.assert_equal(
+            tf.cast(rows, tf.int64), tf.constant(size, tf.int64), message=(
+                f"shard_batches: component {path} of a batch does not have "
+                f"{size} rows, as the other components of the batch"))
+        with tf.control_dependencies([check]):
+            return tf.identity(t) if isinstance(t, tf.Tensor) else t
+
     def keep(*args):
         element = args if is_tuple else args[0]
-        out = tf.nest.map_structure(lambda t: _slice(t, start, b), element)
+        flat_in = tf.nest.flatten(element, expand_composites=False)
+        flat_out = [
+            _slice(rows_checked(t, p) if (p or "element") in unknown else t,
+                   start, b)
+            for t, p in zip(flat_in, paths)]
+        out = tf.nest.pack_sequence_as(element, flat_out)
         return tuple(out) if is_tuple else out
 
     return dataset.map(keep, num_parallel_calls=tf.data.AUTOTUNE,

@@ -1,5 +1,7 @@
 """shard_batches: each rank keeps its contiguous slice of global batches."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -72,14 +74,78 @@ def test_an_unseeded_shuffle_is_refused_on_several_ranks(as_rank):
     tf.random.set_seed(None)
     as_rank(0, 2)
     with pytest.raises(ValueError, match=(
-            r"shuffles with no seed .* each of the 2 ranks would shuffle "
-            r"differently")):
+            r"has a `shuffle` with no seed, so each of the 2 ranks would "
+            r"read other global batches")):
         data.shard_batches(unseeded)
     for ds in (seeded, globally):
         rows = [t.numpy().tolist() for t in data.shard_batches(ds)]
         assert len(rows) == 8 and all(len(r) == 4 for r in rows)
     as_rank(0, 1)  # one process: its own shuffle is fine
     assert data.shard_batches(unseeded) is unseeded
+
+
+def test_other_randomness_is_refused_on_several_ranks(as_rank):
+    """Each of these makes each process read other global batches, as an
+    unseeded shuffle does; `shard_batches` refused only the shuffle (QA:
+    `sample_from_datasets` without a seed trained 14 of 64 rows twice and
+    14 never; a random `filter` ended in `RankDivergedError` advising
+    `drop_remainder`). Their seeded (or deterministic) forms pass."""
+    base = tf.data.Dataset.range(64)
+
+    def batched(ds):
+        return ds.batch(8, drop_remainder=True)
+
+    def shuffled_inside(seed):
+        return tf.data.Dataset.range(2).interleave(
+            lambda i: tf.data.Dataset.range(32).shuffle(32, seed=seed),
+            cycle_length=2)
+
+    def nondeterministic_option():
+        options = tf.data.Options()
+        options.deterministic = False
+        return batched(base).with_options(options)
+
+    tf.random.set_seed(None)  # no global seed
+    refused = {
+        "sample_from_datasets": lambda: batched(
+            tf.data.Dataset.sample_from_datasets([base, base])),
+        "Dataset.random": lambda: batched(tf.data.Dataset.random().take(64)),
+        "random op": lambda: batched(base.filter(
+            lambda x: tf.random.uniform(()) < 0.5)),
+        "a dataset with no seed": lambda: batched(shuffled_inside(None)),
+        "deterministic=False": lambda: batched(base.map(
+            lambda x: x + 1, num_parallel_calls=2, deterministic=False)),
+        "Options().deterministic": nondeterministic_option,
+    }
+    passed = {
+        "sample_from_datasets": lambda: batched(
+            tf.data.Dataset.sample_from_datasets([base, base], seed=1)),
+        "Dataset.random": lambda: batched(
+            tf.data.Dataset.random(seed=1).take(64)),
+        "random op": lambda: batched(base.filter(
+            lambda x: tf.random.uniform((), seed=1) < 0.5)),
+        "stateless random op": lambda: batched(base.filter(
+            lambda x: tf.random.stateless_uniform((), seed=[1, x]) < 0.5)),
+        "a dataset with no seed": lambda: batched(shuffled_inside(5)),
+        "parallel map": lambda: batched(base.map(
+            lambda x: x + 1, num_parallel_calls=2)),
+    }
+    as_rank(0, 2)
+    for what, make in refused.items():
+        with pytest.raises(ValueError, match=(
+                r"pipeline has .*" + re.escape(what.split(" (")[0])
+                + r".* each of the 2 ranks would read other global batches")):
+            data.shard_batches(make())
+    for what, make in passed.items():
+        rows = list(data.shard_batches(make()))
+        assert rows and all(len(r) == 4 for r in rows), what
+    tf.random.set_seed(3)  # a global seed seeds the random op and dataset
+    for make in (refused["random op"], refused["Dataset.random"]):
+        assert list(data.shard_batches(make()).take(1))
+    tf.random.set_seed(None)
+    as_rank(0, 1)  # one process: fine
+    ds = refused["sample_from_datasets"]()
+    assert data.shard_batches(ds) is ds
 
 
 def test_errors(as_rank):
@@ -100,21 +166,37 @@ def test_errors(as_rank):
             data.shard_batches(ds, global_batch_size=bad)
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         data.shard_batches([1, 2])
-    # A sparse component made in a map after batching: the message names
-    # it and says how to give the size back (before: only "batch with
-    # drop_remainder=True", which the user had done).
+    # A sparse (or ragged) component made in a map after batching loses
+    # its static size: it is sliced with the batch's other components,
+    # its rows checked at each batch (before: refused, advising a
+    # `set_shape`, which ragged tensors do not have: QA).
     ids = tf.ragged.constant([[1, 2], [3], [], [4, 5, 6]], dtype=tf.int64)
     ds = tf.data.Dataset.zip(
         tf.data.Dataset.from_tensor_slices(ids),
         tf.data.Dataset.range(4)).ragged_batch(2, drop_remainder=True)
-    with pytest.raises(ValueError, match=r"component\(s\) \['#0'\].*"
-                       r"other components have 2 rows.*set_shape"):
-        data.shard_batches(ds.map(lambda r, y: (r.to_sparse(), y)))
-
-    def sized(r, y):
-        s = r.to_sparse()
-        s.set_shape([2, None])
-        return s, y
-
-    (s, _), _ = list(data.shard_batches(ds.map(sized)))
-    assert int(s.dense_shape[0]) == 1
+    as_rank(1, 2)
+    got = list(data.shard_batches(ds.map(lambda r, y: (r.to_sparse(), y))))
+    assert [tf.sparse.to_dense(s).numpy().tolist() for s, _ in got] == [
+        [[3, 0]], [[4, 5, 6]]]
+    texts = tf.data.Dataset.from_tensor_slices(
+        (["a b", "c", "", "d e f"], [0, 1, 2, 3])).batch(
+            2, drop_remainder=True).map(
+                lambda t, y: (tf.strings.split(t), y))
+    got = [(r.to_list(), y.numpy().tolist())
+           for r, y in data.shard_batches(texts)]
+    assert got == [([[b"c"]], [1]), ([[b"d", b"e", b"f"]], [3])]
+    # ... and a component whose rows are not the batch's is an error.
+    wrong = ds.map(lambda r, y: (
+        tf.ragged.boolean_mask(r, tf.range(2) < 1), y))  # 1 row, unknown
+    with pytest.raises(tf.errors.InvalidArgumentError, match=(
+            r"component #0 of a batch does not have 2 rows, as the other "
+            r"components of the batch")):
+        list(data.shard_batches(wrong))
+    # No static batch size at all (a pipeline batched for the user):
+    # how to batch it again.
+    csv_like = tf.data.Dataset.range(8).batch(4).map(lambda x: x)
+    with pytest.raises(ValueError, match=(
+            r"batch size of the dataset's batches is unknown.*"
+            r"\.unbatch\(\)\.batch\(global_batch_size, "
+            r"drop_remainder=True\)")):
+        data.shard_batches(csv_like)
