@@ -25,6 +25,7 @@ communicator; in a world of one nothing is compared.
 import json
 import re
 import threading
+import zlib
 
 import keras
 import numpy as np
@@ -212,7 +213,32 @@ def dense_signature(model):
     # Global logs sum the metrics' state over the ranks: other metrics on
     # one rank would meet other collectives (or mix unlike values).
     return {"weights": weights, "global_metrics": enabled,
-            "metrics": _metric_signature(model) if enabled else None}
+            "metrics": _metric_signature(model) if enabled else None,
+            "vocabularies": _vocabulary_signature(model)}
+
+
+def _vocabulary_signature(model):
+    """`[[name, class, size, crc32], ...]`: the state of preprocessing
+    layers that no weight holds (a `StringLookup`'s or
+    `TextVectorization`'s vocabulary, a `Discretization`'s bin
+    boundaries). Each rank `adapt`ing such a layer on its own slice of
+    the data makes id 1 mean "a" on one rank and "c" on another, with
+    every table and weight of the same shape (QA)."""
+    out = []
+    for layer in model._flatten_layers(include_self=False):
+        if hasattr(layer, "get_vocabulary") and hasattr(
+                layer, "vocabulary_size"):
+            try:
+                state = [str(t) for t in layer.get_vocabulary()]
+            except Exception:  # noqa: BLE001 - not adapted or built yet
+                continue
+        elif isinstance(layer, keras.layers.Discretization):
+            state = [repr(b) for b in (layer.bin_boundaries or [])]
+        else:
+            continue
+        out.append([layer.name, type(layer).__name__, len(state),
+                    zlib.crc32("\x1f".join(state).encode("utf-8"))])
+    return out
 
 
 def _shape(v):
@@ -287,6 +313,16 @@ def _dense_differences(a, b, ra, rb):
         return (f"rank {more} has more weights ({len(wa)} on rank {ra}, "
                 f"{len(wb)} on rank {rb}; the first extra one: "
                 f"'{extra[0]}' {extra[2]}{extra[1]})")
+    for x, y in zip(a.get("vocabularies") or [], b.get("vocabularies") or []):
+        if x[1:] != y[1:]:
+            what = ("bin boundaries" if x[1] == "Discretization"
+                    else "vocabulary")
+            return (f"layer '{x[0]}' ({x[1]}) has another {what} on rank "
+                    f"{rb} than on rank {ra} ({x[2]} and {y[2]} entries): "
+                    "`adapt` it on the same data on every rank (not on the "
+                    "rank's own slice), or give it its "
+                    f"{'bin_boundaries' if what != 'vocabulary' else what}"
+                    "=")
     return None
 
 

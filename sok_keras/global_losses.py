@@ -18,38 +18,53 @@ on the data:
 With padding or weights spread unevenly over the ranks, each rank divided
 by its own count and N ranks trained another model than one process on
 the same global batches (QA: a masked sequence tagger was 0.13 off after
-three steps). Inside the train and test steps of a model with sok tables
-on several ranks (`fit`, `evaluate`, `train_on_batch`, `test_on_batch`;
-every rank runs them, in one program order), those two divisors are now
-the ranks' mean count (one scalar all-reduce per such loss and step), so
-the mean of the ranks' losses is the loss of the global batch, and so are
-the averaged gradients and the logged loss. Everything else (other
-reductions, losses in metrics, one rank, `tf.distribute` strategies,
-whose convention Keras owns, and a custom `train_step` calling
-`compute_loss` itself) is Keras' own.
+three steps). Inside the train and test steps of a model with sok
+tables on several ranks (those of `fit`, `evaluate`, `train_on_batch`,
+`test_on_batch`: every rank runs them, in one program order; a custom
+`train_step` or `compute_loss` included), those two divisors are now the
+ranks' mean count (one scalar all-reduce per such loss and step), so the
+mean of the ranks' losses is the loss of the global batch, and so are the
+averaged gradients and, with equal per-rank batch sizes, the logged loss
+(Keras' loss tracker weighs each rank's loss by its batch size). Not in a
+`tf.cond` branch of the step (which may run on some ranks only: there the
+rank's own count divides, as before), nor on one rank, nor under a
+`tf.distribute` strategy, whose convention Keras owns (each replica's
+mean). A data-dependent Python `if` around a loss in an eagerly run step
+(`run_eagerly=True`) that differs between ranks would leave one rank in
+the all-reduce until `SOK_COMM_TIMEOUT`.
 """
 
 import contextvars
 import functools
 
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_v2_func_graphs import (
+    CondBranchFuncGraph)
 
-# Whether the loss being computed is one of a step every rank runs.
-_GLOBAL = contextvars.ContextVar("sok_keras_global_losses", default=False)
+from sok_keras.comm import TraceCounter
+
+# While a step that every rank runs is traced (or runs eagerly): the graph
+# it is traced in (True eagerly); None otherwise.
+_GLOBAL = contextvars.ContextVar("sok_keras_global_losses", default=None)
 _ORIGINALS = {}
+_KEYS = TraceCounter()
 
 
-_KEYS = []  # [TraceCounter], made at the first use
-
-
-def _key():
-    """This call site's key: one per loss within a traced step."""
-    if not _KEYS:
-        from sok_keras.comm import TraceCounter
-
-        _KEYS.append(TraceCounter())
-    n = _KEYS[0].next("sok_loss/count")
-    return "sok_loss/count" + (str(n) if n else "")
+def _in_a_branch():
+    """Whether the graph being traced is a branch of a `tf.cond` (or
+    `switch_case`) inside the step (the graph `_GLOBAL` holds), at any
+    depth: a branch may run on some ranks only, so no collective may be
+    added there. (Keras runs the step itself in a `tf.cond` branch with
+    `steps_per_execution` > 1: that one every rank takes alike.)"""
+    if tf.executing_eagerly():
+        return False
+    step = _GLOBAL.get()
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and graph is not step:
+        if isinstance(graph, CondBranchFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def _global_mean(count):
@@ -57,8 +72,10 @@ def _global_mean(count):
     same order: one key per call within a traced step)."""
     from sok_keras import world
 
+    n = _KEYS.next("sok_loss/count")
     x = tf.reshape(tf.stop_gradient(tf.cast(count, tf.float32)), [1])
-    mean = world.communicator().all_reduce(x, key=_key(), op="mean")
+    mean = world.communicator().all_reduce(
+        x, key="sok_loss/count" + (str(n) if n else ""), op="mean")
     return tf.cast(mean[0], count.dtype)
 
 
@@ -69,10 +86,15 @@ def _rescaled(value, local):
     return value * tf.cast(ratio, value.dtype)
 
 
+def _active():
+    return _GLOBAL.get() is not None and not _in_a_branch()
+
+
 def _apply_mask(sample_weight, mask, dtype, reduction):
+    # Keras weighs each unmasked position total / valid (its count here).
     out = _ORIGINALS["apply_mask"](sample_weight, mask, dtype, reduction)
     if (mask is None or reduction not in ("mean", "sum_over_batch_size")
-            or not _GLOBAL.get()):
+            or not _active()):
         return out
     local = tf.reduce_sum(tf.cast(mask, dtype))
     return _rescaled(out, local)
@@ -80,10 +102,12 @@ def _apply_mask(sample_weight, mask, dtype, reduction):
 
 def _reduce_values(values, sample_weight=None,
                    reduction="sum_over_batch_size"):
+    # Keras divides the sum by the weights' sum (its sum here); a scalar
+    # is returned as it is. The collective never depends on the data (an
+    # empty batch on one rank still takes part).
     out = _ORIGINALS["reduce_values"](values, sample_weight, reduction)
     if (reduction != "mean_with_sample_weight" or sample_weight is None
-            or not _GLOBAL.get() or values.shape.rank in (None, 0)
-            or tuple(values.shape) == (0,)):
+            or values.shape.rank == 0 or not _active()):
         return out
     local = tf.cast(tf.reduce_sum(sample_weight), out.dtype)
     return _rescaled(out, local)
@@ -100,30 +124,42 @@ def _in_ranks_step(model):
                  or is_sok_aware(getattr(model, "optimizer", None))))
 
 
-def install():
-    """Routes Keras' mask and `mean_with_sample_weight` divisors through
-    the ranks' mean count inside Keras' train and test steps of models
-    with sok tables on several ranks (idempotent; see the module
-    docstring)."""
-    if _ORIGINALS:
-        return
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers.trainer import Trainer
+def _globally_divided(step_function):
+    """`step_function` (a train or test step) with `_GLOBAL` set while it
+    is traced or runs eagerly."""
 
-    _ORIGINALS.update(apply_mask=loss_module.apply_mask,
-                      reduce_values=loss_module.reduce_values,
-                      compute_loss=Trainer._compute_loss)
-    loss_module.apply_mask = _apply_mask
-    loss_module.reduce_values = _reduce_values
-
-    @functools.wraps(_ORIGINALS["compute_loss"])
-    def _compute_loss(self, *args, **kwargs):
-        if not _in_ranks_step(self):
-            return _ORIGINALS["compute_loss"](self, *args, **kwargs)
-        token = _GLOBAL.set(True)
+    @functools.wraps(step_function)
+    def step(*args, **kwargs):
+        token = _GLOBAL.set(True if tf.executing_eagerly()
+                            else tf.compat.v1.get_default_graph())
         try:
-            return _ORIGINALS["compute_loss"](self, *args, **kwargs)
+            return step_function(*args, **kwargs)
         finally:
             _GLOBAL.reset(token)
 
-    Trainer._compute_loss = _compute_loss
+    return step
+
+
+def install():
+    """Routes Keras' mask and `mean_with_sample_weight` divisors through
+    the ranks' mean count inside the train and test steps of models with
+    sok tables on several ranks (idempotent; see the module docstring)."""
+    if _ORIGINALS:
+        return
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.losses import loss as loss_module
+
+    _ORIGINALS.update(apply_mask=loss_module.apply_mask,
+                      reduce_values=loss_module.reduce_values,
+                      make_function=TensorFlowTrainer._make_function)
+    loss_module.apply_mask = _apply_mask
+    loss_module.reduce_values = _reduce_values
+
+    @functools.wraps(_ORIGINALS["make_function"])
+    def _make_function(self, step_function):
+        # (The train and test steps; `predict_step` computes no loss.)
+        if step_function != self.predict_step and _in_ranks_step(self):
+            step_function = _globally_divided(step_function)
+        return _ORIGINALS["make_function"](self, step_function)
+
+    TensorFlowTrainer._make_function = _make_function

@@ -25,6 +25,7 @@ CASES = [
     ("vocabulary_size", "function"), ("embedding_dim", "function"),
     ("none", "function"),
     ("dense", "fit"), ("metrics", "fit"), ("metric_args", "fit"),
+    ("vocabulary", "fit"), ("normalization", "fit"),
     ("order", "eager"), ("order", "fit"),
 ]
 
@@ -125,6 +126,24 @@ def test_different_metrics_raise_on_every_rank(_run):
         on_0, on_1 = r["error"].split(" on rank 0, ")
         assert '"num_thresholds": 10' in on_0, detail
         assert '"num_thresholds": 20' in on_1, detail
+
+
+def test_preprocessing_state_of_each_ranks_own_is_found(_run):
+    """A lookup layer `adapt`ed on each rank's own slice maps ids (or
+    strings) to other rows on each rank, with every table and weight of
+    the same shape: found at the start of fit, naming the layer (QA: it
+    trained on silently). A Normalization adapted per rank got rank 0's
+    variables from the start of fit, but normalized with the tensors made
+    from its own: it uses rank 0's on every rank now."""
+    r0, r1, detail = _run("vocabulary")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert ("layer 'lookup' (IntegerLookup) has another vocabulary on "
+                "rank 1 than on rank 0 (16 and 16 entries): `adapt` it on "
+                "the same data on every rank") in r["error"], detail
+    r0, r1, detail = _run("normalization")
+    assert r0["error"] is None and r1["error"] is None, detail
+    assert r0["mean"] == r1["mean"], detail
 
 
 def test_different_number_of_tables_raises_on_every_rank(_run):

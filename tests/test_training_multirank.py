@@ -148,8 +148,11 @@ def test_losses_divided_by_data_dependent_counts_on_two_ranks_equal_one():
     ranks, 2 ranks trained another model than 1 process (QA: 0.13 off
     after three steps; the logged and evaluated losses differed too). The
     divisors are the ranks' mean count now (`sok_keras/global_losses.py`):
-    two masked outputs with steps_per_execution=2, evaluate, and
-    mean_with_sample_weight through fit and train_on_batch."""
+    two masked outputs with steps_per_execution=2, evaluate,
+    mean_with_sample_weight through fit and train_on_batch, and a custom
+    train_step calling `compute_loss`. A `compute_loss` whose loss is in a
+    `tf.cond` on the rank's data runs (no collective in a branch: the
+    rank's own count there)."""
     out = {n: run_workers(worker_path("masked_losses"), n, timeout=180)
            for n in (1, 2)}
     one = out[1][0]
@@ -158,9 +161,10 @@ def test_losses_divided_by_data_dependent_counts_on_two_ranks_equal_one():
                     "weighted_on_batch"):
             np.testing.assert_allclose(r[key], one[key], rtol=1e-5,
                                        err_msg=key)
-        for key in ("masked", "weighted"):
+        for key in ("masked", "weighted", "custom"):
             np.testing.assert_allclose(r[key]["table"], one[key]["table"],
                                        rtol=1e-5, atol=1e-6, err_msg=key)
             for a, b in zip(r[key]["dense"], one[key]["dense"]):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
                                            err_msg=key)
+        assert np.isfinite(r["cond"]["table"]).all()

@@ -314,7 +314,8 @@ def _awaits_tables(model):
 def _batch_spec(iterator):
     """The structure of `iterator`'s batches as their `tf.TypeSpec`s (the
     dataset's `element_spec`: what Keras' `_symbolic_build` reads of a
-    batch is its shape and dtype), or None where a spec's rank is unknown.
+    batch is its shape and dtype), or None where a spec's rank, or a
+    dense component's size past the batch dimension, is unknown.
 
     Building from the spec pulls no batch: Keras' `fit` resets the
     iterator after the build, and over a dataset that reshuffles each
@@ -333,6 +334,12 @@ def _batch_spec(iterator):
                          or s.shape.rank is None
                          or getattr(s, "dtype", None) is None
                          for s in leaves):
+        return None
+    if any(isinstance(s, tf.TensorSpec) and None in s.shape[1:]
+           for s in leaves):
+        # (A dense batch's own shape is known where its spec's is not, a
+        # `padded_batch`'s lengths: a model built from it, as Keras
+        # builds one eagerly, may need them. Pull the batch, as before.)
         return None
     return spec
 
@@ -561,6 +568,12 @@ def _check_first_steps(model, kind):
             [v for v in model.weights
              if keras.backend.is_float_dtype(v.dtype)],
             key="consistency/align")
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer, keras.layers.Normalization):
+                # Its call reads tensors made from its variables by
+                # `adapt`: made again from rank 0's (QA: each rank adapted
+                # on its own slice and kept normalizing with its own).
+                layer.finalize_state()
     for step, function in _STEPS[kind]:
         if getattr(model, function, None) is None:
             consistency.wrap_step(model, step, kind)

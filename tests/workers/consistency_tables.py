@@ -4,7 +4,9 @@ argv: FIELD [STAGE]. FIELD is what rank 1 does differently: "none",
 "vocabulary_size", "embedding_dim", "dtype", "mode", "optimizer",
 "table_optimizer", "order", "count", "dense" (a Dense of another
 width), "metrics" (compiled with AUC, rank 1 also with MAE),
-"metric_args" (AUC with another number of thresholds). STAGE: "fit" (default), "evaluate",
+"metric_args" (AUC with another number of thresholds), "vocabulary" (an
+IntegerLookup of another vocabulary before the tables), "normalization"
+(a Normalization adapted on each rank's own data: rank 0's everywhere). STAGE: "fit" (default), "evaluate",
 "predict", "eager" (the model called on a batch before fit), "function"
 (a custom training step in a `tf.function`, SOK's way) or "load"
 (`load_weights` into the differing model).
@@ -44,6 +46,11 @@ def two_tables(field):
     layers = {"a": kind(vocab, dim, dtype=dtype, optimizer=own, name="a"),
               "b": sok.layers.DistributedEmbedding(16, 4, name="b")}
     ids = keras.Input(shape=(2,), dtype="int64", name="ids")
+    raw = ids
+    if field == "vocabulary":  # rank 1's lookup maps the ids otherwise
+        terms = list(range(1, 16))
+        ids = keras.layers.IntegerLookup(
+            vocabulary=terms[::-1] if odd else terms, name="lookup")(ids)
     order = ("b", "a") if differs == "order" else ("a", "b")
     outs = {n: keras.ops.cast(layers[n](ids[:, i:i + 1]), "float32")
             for i, n in enumerate(order)}
@@ -56,11 +63,15 @@ def two_tables(field):
     if differs == "count":
         c = sok.layers.DistributedEmbedding(16, 4, name="c")
         feats.append(keras.layers.Flatten()(c(ids[:, :1])))
+    if field == "normalization":  # adapted on each rank's own ids
+        norm = keras.layers.Normalization(name="norm")
+        norm.adapt(globals()["ids"].astype("float32"))  # this rank's data
+        feats.append(norm(keras.ops.cast(ids, "float32")))
     x = keras.layers.Concatenate()(feats)
     if field == "dense":  # a weight outside the tables differs
         x = keras.layers.Dense(3 if odd else 2, name="hidden")(x)
     head = keras.layers.Dense(1, name="head")(x)
-    return keras.Model(ids, head, name="two_tables")
+    return keras.Model(raw, head, name="two_tables")
 
 
 def compiled(field):
@@ -112,6 +123,8 @@ try:
             model.evaluate(ids, y, batch_size=4, verbose=0)
         else:
             model.predict(ids, batch_size=4, verbose=0)
+    if FIELD == "normalization":  # what the layer normalizes with
+        result["mean"] = model.get_layer("norm").mean.numpy().ravel().tolist()
 except Exception as e:  # noqa: BLE001 - reported to the test
     result = {"error": str(e), "type": type(e).__name__}
 result["elapsed"] = time.monotonic() - start
