@@ -1,5 +1,8 @@
 """Input helpers for multi-rank training."""
 
+import functools
+import inspect
+
 import tensorflow as tf
 
 from sok_keras import world as _world
@@ -53,6 +56,36 @@ _WHAT = {"_ShuffleDataset": "a `shuffle` with no seed",
                            "seed"}
 
 
+# Datasets whose function makes each element's values only.
+_VALUE_MAPS = frozenset(("_MapDataset", "_ParallelMapDataset"))
+
+
+def _record_interleave_determinism():
+    """`interleave(..., num_parallel_calls=k, deterministic=False)` keeps
+    its `deterministic` only in its op (`map` and `batch` keep it as
+    `_deterministic`): kept on the dataset too, for `_nondeterminism`
+    (idempotent)."""
+    from tensorflow.python.data.ops import interleave_op
+
+    cls = getattr(interleave_op, "_ParallelInterleaveDataset", None)
+    if cls is None or getattr(cls.__init__, "_sok_keras", False):
+        return
+    original = cls.__init__
+    params = list(inspect.signature(original).parameters)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = dict(zip(params[1:], args), **kwargs)
+        self._sok_deterministic = bound.get("deterministic")
+        original(self, *args, **kwargs)
+
+    __init__._sok_keras = True
+    cls.__init__ = __init__
+
+
+_record_interleave_determinism()
+
+
 def _unseeded(seeds):
     """Whether tf.data's `(seed, seed2)` mean "a random seed": (0, 0) or
     None (a seeded op never gets both)."""
@@ -68,10 +101,12 @@ def _const(nodes, name):
     return tf.make_ndarray(node.attr["value"].tensor)
 
 
-def _function_nondeterminism(wrapper):
+def _function_nondeterminism(wrapper, values_only):
     """What in a dataset function's graph (and the functions it calls)
-    differs between processes: an unseeded random op, a dataset made
-    inside it with no seed, a `deterministic=False` one; or None."""
+    differs between processes: an unseeded random op (unless the function
+    only makes values, a `map`'s: its rows stay the same, augmented
+    otherwise on each rank, as one process's are), a dataset made inside
+    it with no seed, a `deterministic=False` one; or None."""
     try:
         graph_def = wrapper.function.graph.as_graph_def()
     except Exception:  # noqa: BLE001 - not a traced function we can read
@@ -81,11 +116,11 @@ def _function_nondeterminism(wrapper):
     for nodes in bodies:
         by_name = {n.name: n for n in nodes}
         for n in nodes:
-            if n.op in _RANDOM_OPS and n.attr["seed"].i == 0 and (
-                    n.attr["seed2"].i == 0):
-                return (f"a random op ({n.op}, e.g. `tf.random.uniform`) "
-                        "with no seed in a dataset function (`map`, "
-                        "`filter`, `interleave`...)")
+            if not values_only and n.op in _RANDOM_OPS and (
+                    n.attr["seed"].i == 0 and n.attr["seed2"].i == 0):
+                return (f"a random op ({n.op}) with no seed in a dataset "
+                        "function that decides which elements come "
+                        "(`filter`, `interleave`, `flat_map`...)")
             where = _SEEDED_DATASET_OPS.get(n.op)
             if where and len(n.input) > max(where) and all(
                     _const(by_name, n.input[i]) in (None, 0) for i in where):
@@ -114,14 +149,16 @@ def _nondeterminism(dataset):
         if kind in _WHAT and _unseeded(
                 (getattr(ds, "_seed", None), getattr(ds, "_seed2", None))):
             return _WHAT[kind]
-        if getattr(ds, "_deterministic", None) in ("false", False):
+        if getattr(ds, "_deterministic", getattr(
+                ds, "_sok_deterministic", None)) in ("false", False):
             return f"`deterministic=False` (in {kind.strip('_')})"
         try:
             functions = ds._functions()
         except Exception:  # noqa: BLE001 - a dataset kind without them
             functions = []
         for wrapper in functions:
-            found = _function_nondeterminism(wrapper)
+            found = _function_nondeterminism(
+                wrapper, values_only=kind in _VALUE_MAPS)
             if found:
                 return found
         try:
@@ -184,9 +221,11 @@ def shard_batches(dataset, global_batch_size=None):
             from `global_batch_size`, or is not divisible by the number of
             ranks; on several ranks, if the pipeline reads differently in
             each process: a `shuffle`, `Dataset.random()`,
-            `sample_from_datasets` or random op with no seed (neither its
+            `sample_from_datasets`, or a random op in a `filter`,
+            `interleave` or `flat_map` function, with no seed (neither its
             own nor a global one when it was made), or a
-            `deterministic=False` stage or option.
+            `deterministic=False` stage or option (a `map`'s random op
+            changes values only and is allowed).
 
     Example:
 
