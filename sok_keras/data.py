@@ -44,8 +44,7 @@ _RANDOM_OPS = frozenset((
     "RandomGamma", "RandomPoisson", "RandomPoissonV2", "Multinomial"))
 # Dataset ops made inside a function (`interleave`, `flat_map`), by the
 # positions of their seed inputs.
-_SEEDED_DATASET_OPS = {"ShuffleDataset": (2, 3), "ShuffleDatasetV2": None,
-                       "ShuffleDatasetV3": (2, 3),
+_SEEDED_DATASET_OPS = {"ShuffleDataset": (2, 3), "ShuffleDatasetV3": (2, 3),
                        "ShuffleAndRepeatDataset": (2, 3),
                        "ShuffleAndRepeatDatasetV2": (2, 3),
                        "RandomDataset": (0, 1), "RandomDatasetV2": (0, 1),
@@ -122,8 +121,9 @@ def _function_nondeterminism(wrapper, values_only):
                         "function that decides which elements come "
                         "(`filter`, `interleave`, `flat_map`...)")
             where = _SEEDED_DATASET_OPS.get(n.op)
+            # (Seeds computed in the function, not constants: seeded.)
             if where and len(n.input) > max(where) and all(
-                    _const(by_name, n.input[i]) in (None, 0) for i in where):
+                    _const(by_name, n.input[i]) == 0 for i in where):
                 return (f"a dataset with no seed ({n.op}) made inside a "
                         "dataset function (`interleave`, `flat_map`...)")
             if n.attr["deterministic"].s == b"false" or n.attr["sloppy"].b:
@@ -287,26 +287,22 @@ def shard_batches(dataset, global_batch_size=None):
     # A component made after batching (`tf.strings.split` in a `.map`,
     # say) may have lost its static size: it must have the batch's rows,
     # which is checked as each batch is sliced.
-    unknown = [p or "element" for p, d in zip(paths, per) if d is None]
-
     def rows_checked(t, path):
         rows = (t.nrows() if isinstance(t, tf.RaggedTensor) else
                 tf.shape(t, out_type=tf.int64)[0])
-        check = tf.debugging.assert_equal(
+        # (A stateful op: the dataset function runs it before the slice.)
+        tf.debugging.assert_equal(
             tf.cast(rows, tf.int64), tf.constant(size, tf.int64), message=(
-                f"shard_batches: component {path} of a batch does not have "
-                f"{size} rows, as the other components of the batch"))
-        with tf.control_dependencies([check]):
-            return tf.identity(t) if isinstance(t, tf.Tensor) else t
+                f"shard_batches: component {path or 'element'} of a batch "
+                f"does not have {size} rows, as the other components of the "
+                "batch"))
+        return t
 
     def keep(*args):
         element = args if is_tuple else args[0]
-        flat_in = tf.nest.flatten(element, expand_composites=False)
-        flat_out = [
-            _slice(rows_checked(t, p) if (p or "element") in unknown else t,
-                   start, b)
-            for t, p in zip(flat_in, paths)]
-        out = tf.nest.pack_sequence_as(element, flat_out)
+        flat = [_slice(rows_checked(t, p) if d is None else t, start, b)
+                for t, p, d in zip(tf.nest.flatten(element), paths, per)]
+        out = tf.nest.pack_sequence_as(element, flat)
         return tuple(out) if is_tuple else out
 
     return dataset.map(keep, num_parallel_calls=tf.data.AUTOTUNE,
