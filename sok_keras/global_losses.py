@@ -1,5 +1,5 @@
-"""Masked and weight-normalised Keras losses divided by global counts on N
-ranks.
+"""Masked, weight-normalised and summed Keras losses divided by global
+counts on N ranks.
 
 Each rank's loss is a mean over its own slice of the global batch, and the
 ranks' gradients are averaged (docs/design.md, "Data parallelism and
@@ -14,6 +14,13 @@ on the data:
   (`keras.src.losses.loss.apply_mask`);
 - `reduction="mean_with_sample_weight"` divides by the sum of the sample
   weights (`reduce_values`).
+
+And `reduction="sum"` divides by nothing: the ranks' mean of their sums
+is 1/N of the global batch's sum (QA: the loss and every gradient were
+halved on 2 ranks). Inside those steps such a loss is multiplied by the
+number of ranks (no collective). A custom loss function returning a
+scalar is left as it is: Keras cannot tell a sum from a mean there, and
+it is averaged over the ranks as a mean (README, custom `train_step`).
 
 With padding or weights spread unevenly over the ranks, each rank divided
 by its own count and N ranks trained another model than one process on
@@ -106,8 +113,16 @@ def _reduce_values(values, sample_weight=None,
     # is returned as it is. The collective never depends on the data (an
     # empty batch on one rank still takes part).
     out = _ORIGINALS["reduce_values"](values, sample_weight, reduction)
+    if values.shape.rank == 0:
+        return out
+    if reduction == "sum" and _GLOBAL.get() is not None:
+        # The global batch's sum is the ranks' sum: N times their mean
+        # (no collective, so in a `tf.cond` branch as well).
+        from sok_keras import world
+
+        return out * tf.cast(world.num_ranks(), out.dtype)
     if (reduction != "mean_with_sample_weight" or sample_weight is None
-            or values.shape.rank == 0 or not _active()):
+            or not _active()):
         return out
     local = tf.cast(tf.reduce_sum(sample_weight), out.dtype)
     return _rescaled(out, local)

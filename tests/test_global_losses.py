@@ -94,3 +94,24 @@ def test_no_collective_in_a_branch_of_the_step():
 
     outer(tf.constant(True))
     assert seen == {"step": False, "branch": True}
+
+
+def test_a_summed_loss_is_the_global_batchs_sum(monkeypatch):
+    """`reduction="sum"`: the ranks' mean of their sums times N (the
+    global sum); a scalar (a custom loss's own reduction) is left alone;
+    nothing changes outside a step."""
+    from sok_keras import world
+
+    monkeypatch.setattr(world, "num_ranks", lambda: 3)
+    values = tf.constant([1.0, 2.0, 4.0])
+    assert float(global_losses._reduce_values(values, None, "sum")) == 7.0
+    token = global_losses._GLOBAL.set(True)
+    try:
+        assert float(global_losses._reduce_values(values, None,
+                                                  "sum")) == 21.0
+        assert float(global_losses._reduce_values(
+            tf.constant(5.0), None, "sum")) == 5.0
+        np.testing.assert_allclose(global_losses._reduce_values(
+            values, None, "sum_over_batch_size"), 7.0 / 3, rtol=1e-6)
+    finally:
+        global_losses._GLOBAL.reset(token)

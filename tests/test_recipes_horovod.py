@@ -40,6 +40,47 @@ def test_world_and_collectives(runs):
                                     [1.0, 2.0, 20.0]]
 
 
+def test_collectives_have_horovods_gradients(runs):
+    """Rank s's loss weighs each collective's output by s + 1; each rank
+    gets the gradient of the ranks' summed losses (Horovod's rules).
+    Before, a GradientTape through them failed: "gradient registry has no
+    entry for: CollectiveGatherV2" (and a model gathering in-batch
+    negatives from every rank could not train)."""
+    two, one = runs
+    w = [1.0, 2.0]  # the ranks' weights
+    for r in (0, 1):
+        for mode in ("eager", "function"):
+            g = two[r]["gradients"][mode]
+            np.testing.assert_allclose(g["average"], [sum(w) / 2] * 2)
+            np.testing.assert_allclose(g["sum"], [sum(w)] * 2)
+            # rank 0 sent 1 copy of `a` (gathered row 0), rank 1 two
+            # (rows 1, 2); position k of the gathered [3, 2] is weighed
+            # by k: d/da is the sum of this rank's rows of k.
+            k = np.arange(6.0).reshape(3, 2)
+            mine = k[:1] if r == 0 else k[1:]
+            np.testing.assert_allclose(g["allgather"],
+                                       sum(w) * mine.sum(0))
+            np.testing.assert_allclose(
+                g["broadcast"], [sum(w) if r == 1 else 0.0] * 2)
+    g = one["gradients"]["eager"]  # one rank: plain identities
+    np.testing.assert_allclose(g["allgather"], [0.0, 1.0])
+    np.testing.assert_allclose(g["sum"], [1.0, 1.0])
+
+
+def test_in_batch_negatives_gathered_from_every_rank_train_as_one_process():
+    """A two-tower model scoring its users against the whole global
+    batch's items (`hvd.allgather` in a custom `train_step`) trains on 2
+    ranks the model 1 process trains (before: LookupError, no gradient
+    for the gather)."""
+    two = run_workers(worker_path("global_negatives"), 2, timeout=240)
+    one = run_workers(worker_path("global_negatives"), 1, timeout=240)[0]
+    for r in two:
+        np.testing.assert_allclose(r["loss"], one["loss"], rtol=1e-5)
+        for a, b in zip(r["tables"] + r["dense"],
+                        one["tables"] + one["dense"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_experimental_recipe(runs):
     two, one = runs
     assert two[0]["experimental"]["shapes"] == [[9, 3], [4, 5]]

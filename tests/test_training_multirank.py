@@ -149,7 +149,9 @@ def test_losses_divided_by_data_dependent_counts_on_two_ranks_equal_one():
     after three steps; the logged and evaluated losses differed too). The
     divisors are the ranks' mean count now (`sok_keras/global_losses.py`):
     two masked outputs with steps_per_execution=2, evaluate,
-    mean_with_sample_weight through fit and train_on_batch, and a custom
+    mean_with_sample_weight through fit and train_on_batch, a
+    `reduction="sum"` loss (each rank's sum was averaged: half the global
+    sum on 2 ranks; now multiplied by N), and a custom
     train_step calling `compute_loss`. A `compute_loss` whose loss is in a
     `tf.cond` on the rank's data runs (no collective in a branch: the
     rank's own count there)."""
@@ -158,10 +160,10 @@ def test_losses_divided_by_data_dependent_counts_on_two_ranks_equal_one():
     one = out[1][0]
     for r in out[2]:
         for key in ("masked_loss", "masked_evaluate", "weighted_loss",
-                    "weighted_on_batch"):
+                    "weighted_on_batch", "summed_loss", "summed_evaluate"):
             np.testing.assert_allclose(r[key], one[key], rtol=1e-5,
                                        err_msg=key)
-        for key in ("masked", "weighted", "custom"):
+        for key in ("masked", "weighted", "summed", "custom"):
             np.testing.assert_allclose(r[key]["table"], one[key]["table"],
                                        rtol=1e-5, atol=1e-6, err_msg=key)
             for a, b in zip(r[key]["dense"], one[key]["dense"]):

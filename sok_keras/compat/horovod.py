@@ -30,6 +30,11 @@ inside one `tf.function` are numbered in tracing order (the same on every
 rank), and eager calls of one kind share one name (they run one after the
 other).
 
+`allreduce` (Average, Sum), `allgather` and `broadcast` have Horovod's
+gradients (each rank gets the gradient of every rank's loss with respect
+to its input), so in-batch negatives gathered from every rank train as
+on one process (docs/recipes.md).
+
 Gradients of sharded tables (`sok_keras.Variable`) are never reduced here:
 each rank owns its rows, and the lookup's backward pass already summed
 every rank's contribution on the owner. `allreduce`, `allgather` and
@@ -347,10 +352,41 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     x = tf.convert_to_tensor(tensor)
     if prescale_factor != 1.0:
         x = x * tf.cast(prescale_factor, x.dtype)
-    y = _comm().all_reduce(x, _key("allreduce", name), op=_OPS[op])
+    key = _key("allreduce", name)
+    comm = _comm()
+
+    def forward(x):
+        return comm.all_reduce(x, key, op=_OPS[op])
+
+    def backward(dy):
+        # Horovod's rule: the same reduction of the ranks' gradients (the
+        # gradient of the ranks' summed losses with respect to this
+        # rank's input).
+        if op not in (Average, Sum):
+            raise ValueError(
+                f"hvd.allreduce with op={op!r} has no gradient (as in "
+                "Horovod); use hvd.Average or hvd.Sum inside a "
+                "GradientTape.")
+        return comm.all_reduce(dy, key + "/grad", op=_OPS[op])
+
+    y = _differentiable(forward, backward, x)
     if postscale_factor != 1.0:
         y = y * tf.cast(postscale_factor, y.dtype)
     return y
+
+
+def _differentiable(forward, backward, x):
+    """`forward(x)` whose gradient is `backward(dy)` (a collective every
+    rank runs in its backward pass, as in Horovod) for floating-point `x`;
+    other dtypes have no gradient."""
+    if not (x.dtype.is_floating or x.dtype.is_complex):
+        return forward(x)
+
+    @tf.custom_gradient
+    def op(x):
+        return forward(x), backward
+
+    return op(x)
 
 
 def grouped_allreduce(tensors, average=None, op=None, name=None, **kwargs):
@@ -389,18 +425,29 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=None):
     key = _key("allgather", name)
     rows = tf.shape(x, out_type=tf.int64)[:1]
     counts = comm.all_gather(rows, key + "/rows")  # [N]
-    most = tf.reduce_max(counts)
-    padded = tf.pad(x, tf.concat(
-        [[[0, most - rows[0]]],
-         tf.zeros([x.shape.rank - 1, 2], tf.int64)], 0))
-    # The padded shape is the same on every rank (mod dynamic dims).
-    gathered = comm.all_gather(padded, key + "/data")
-    keep = tf.reshape(
-        tf.range(most)[tf.newaxis, :] < counts[:, tf.newaxis], [-1])
-    out = tf.boolean_mask(gathered, keep)
-    if x.shape[1:].is_fully_defined():
-        out = tf.ensure_shape(out, [None] + x.shape[1:].as_list())
-    return out
+
+    def forward(x):
+        most = tf.reduce_max(counts)
+        padded = tf.pad(x, tf.concat(
+            [[[0, most - rows[0]]],
+             tf.zeros([x.shape.rank - 1, 2], tf.int64)], 0))
+        # The padded shape is the same on every rank (mod dynamic dims).
+        gathered = comm.all_gather(padded, key + "/data")
+        keep = tf.reshape(
+            tf.range(most)[tf.newaxis, :] < counts[:, tf.newaxis], [-1])
+        out = tf.boolean_mask(gathered, keep)
+        if x.shape[1:].is_fully_defined():
+            out = tf.ensure_shape(out, [None] + x.shape[1:].as_list())
+        return out
+
+    def backward(dy):
+        # Horovod's rule: every rank's gradient of the gathered tensor
+        # summed, then this rank's rows of it.
+        total = comm.all_reduce(dy, key + "/grad", op="sum")
+        start = tf.reduce_sum(counts[:comm.rank])
+        return tf.reshape(total[start:start + rows[0]], tf.shape(x))
+
+    return _differentiable(forward, backward, x)
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
@@ -424,8 +471,19 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         raise ValueError(
             f"hvd.broadcast: root_rank must be a rank in [0, {size()}); got "
             f"{root_rank!r}.")
-    return _comm().broadcast(tf.convert_to_tensor(tensor),
-                             _key("broadcast", name), root=root_rank)
+    comm = _comm()
+    key = _key("broadcast", name)
+
+    def forward(x):
+        return comm.broadcast(x, key, root=root_rank)
+
+    def backward(dy):
+        # Horovod's rule: the ranks' gradients summed on the root, zeros
+        # elsewhere (only the root's value reached the output).
+        total = comm.all_reduce(dy, key + "/grad", op="sum")
+        return total if comm.rank == root_rank else tf.zeros_like(total)
+
+    return _differentiable(forward, backward, tf.convert_to_tensor(tensor))
 
 
 def broadcast_variables(variables, root_rank, process_set=None,

@@ -3,7 +3,7 @@ where the ranks' slices hold different counts: a per-position loss on an
 unpooled lookup's masked output (Keras divides by the unmasked positions),
 with two outputs (two such losses a step, steps_per_execution=2); and
 `reduction="mean_with_sample_weight"` (divides by the weights' sum),
-through fit and train_on_batch; a custom train_step calling
+through fit and train_on_batch; `reduction="sum"` (a global sum); a custom train_step calling
 `compute_loss`; a `compute_loss` computing its loss in a `tf.cond` on the
 rank's data (which must run: no collective in a branch). Rank r's rows are
 x[r::N]: the even rows are mostly padding and weigh 5, the odd ones are
@@ -71,6 +71,18 @@ result["weighted_loss"] = history.history["loss"]
 result["weighted_on_batch"] = weighted.train_on_batch(
     x[R:B:N], y[R:B:N, 0], sample_weight=sw[R:B:N])
 result["weighted"] = trained(weighted)
+# reduction="sum": the global batch's sum, not the ranks' mean of sums.
+summed = model_of(lambda e: keras.layers.Dense(
+    3, activation="softmax", name="o")(keras.layers.GlobalAveragePooling1D()(e)))
+summed.compile(optimizer=keras.optimizers.SGD(0.05),
+               loss=keras.losses.SparseCategoricalCrossentropy(
+                   reduction="sum"))
+history = summed.fit(x[R::N], y[R::N, 0], batch_size=B // N, epochs=2,
+                     shuffle=False, verbose=0)
+result["summed_loss"] = history.history["loss"]
+result["summed_evaluate"] = summed.evaluate(x[R::N], y[R::N, 0],
+                                            batch_size=B // N, verbose=0)
+result["summed"] = trained(summed)
 
 
 class CustomStep(keras.Model):

@@ -91,6 +91,33 @@ def _in_function(a):
 result["collectives"]["in_function"] = [
     t.numpy().tolist() for t in _in_function(x)]
 
+
+def _gradients(a):
+    # Rank s weighs each collective's output by (s + 1): Horovod's rule
+    # gives this rank the gradient of every rank's loss.
+    w = float(RANK + 1)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(a)
+        rows = tf.tile(a[tf.newaxis], [RANK + 1, 1])  # r + 1 copies
+        gathered = hvd.allgather(rows)
+        losses = {
+            "average": tf.reduce_sum(w * hvd.allreduce(a)),
+            "sum": tf.reduce_sum(w * hvd.allreduce(a, op=hvd.Sum)),
+            "allgather": tf.reduce_sum(w * gathered * tf.reshape(
+                tf.range(tf.size(gathered), dtype=a.dtype),
+                tf.shape(gathered))),
+            "broadcast": tf.reduce_sum(
+                w * hvd.broadcast(a, root_rank=N - 1)),
+        }
+    return {k: tape.gradient(v, a) for k, v in losses.items()}
+
+
+result["gradients"] = {
+    "eager": {k: v.numpy().tolist() for k, v in _gradients(x).items()},
+    "function": {k: v.numpy().tolist()
+                 for k, v in tf.function(_gradients)(x).items()},
+}
+
 # --- the seed's TF2 Horovod recipe: DemoModel (All2AllDenseEmbedding) -------
 GLOBAL_BATCH = 8
 SLOT_NUM, NNZ, EMB_SIZE, DENSE = 4, 3, 8, 2
