@@ -69,6 +69,8 @@ import keras
 _KV_KEY = "sok_keras/divergence/hub"
 _GRACE = 10.0  # seconds a failing rank waits for the others to fail too
 _POLL = 0.25  # seconds between the reader's periodic checks
+_HELLO_LIMIT = 4096  # bytes of a connection's first line (its hello)
+_LINE_LIMIT = 16 << 20  # bytes of any later line (a rank's report)
 _PEER_REPORT = 2.0  # seconds a failed collective waits for a peer's report
 _DEPARTED_GRACE = 1.0  # a collective still in flight this long after a
 #                        peer left can never complete
@@ -361,37 +363,70 @@ class _Channel:
                 state = buffers[sock]
                 if not data:
                     sel.unregister(sock)
+                    del buffers[sock]
                     sock.close()
                     if state[1] is not None:
                         self._peer_closed(state[1])
                     continue
                 state[0] += data
-                *lines, state[0] = state[0].split(b"\n")
+                lines = []
+                if b"\n" in data:  # (never re-split a long partial line)
+                    *lines, state[0] = state[0].split(b"\n")
+                # A stranger gets one short hello line; a rank's lines are
+                # small JSON too. Past the limit the connection is dropped
+                # (QA: an unbounded line cost memory and quadratic time).
+                limit = _HELLO_LIMIT if state[1] is None else _LINE_LIMIT
+                keep = len(state[0]) <= limit
                 for line in lines:
-                    self._hub_line(sock, state, line)
+                    if not keep:
+                        break
+                    try:
+                        keep = self._hub_line(sock, state, line)
+                    except Exception as e:  # never let a line end the hub
+                        _LOG.warning("sok_keras: dropped a bad message on "
+                                     "the ranks' side channel: %r", e)
+                        keep = state[1] is not None
+                if not keep:
+                    sel.unregister(sock)
+                    del buffers[sock]
+                    _shut(sock)
+                    if state[1] is not None:
+                        self._peer_closed(state[1])
             self._periodic()
         sel.close()
 
     def _hub_line(self, sock, state, line):
+        """Handles one line of a connection; False to drop it (anything
+        but a valid hello first: a process that is not one of the ranks,
+        or that does not hold the job's token)."""
         try:
             msg = json.loads(line)
         except ValueError:
-            return
+            msg = None
+        if not isinstance(msg, dict):  # (QA: `1` or `[]` ended the hub)
+            return state[1] is not None
         if state[1] is None:  # the first line must be a valid hello
-            if (msg.get("t") != "hello" or msg.get("token") != self._token
-                    or not isinstance(msg.get("rank"), int)):
-                _shut(sock)
-                return
-            r = msg["rank"]
-            state[1] = r
-            with self.lock:
-                self._peers[r] = sock
-                backlog = [m for m in self._backlog or () if m["rank"] != r]
-                if len(self._peers) == self.n - 1:
-                    self._backlog = None  # everyone is here
-            for m in backlog:
-                self._send_to(sock, m)
-            return
+            return (msg.get("t") == "hello"
+                    and msg.get("token") == self._token
+                    and isinstance(msg.get("rank"), int)
+                    and 0 < msg["rank"] < self.n
+                    and self._hello(sock, state, msg["rank"]))
+        self._hub_message(sock, state, msg)
+        return True
+
+    def _hello(self, sock, state, r):
+        """A rank's valid hello: registers it and sends what it missed."""
+        state[1] = r
+        with self.lock:
+            self._peers[r] = sock
+            backlog = [m for m in self._backlog or () if m["rank"] != r]
+            if len(self._peers) == self.n - 1:
+                self._backlog = None  # everyone is here
+        for m in backlog:
+            self._send_to(sock, m)
+        return True
+
+    def _hub_message(self, sock, state, msg):
         msg["rank"] = state[1]  # a rank speaks for itself only
         if msg.get("t") == "where?":
             self._send_to(sock, {"t": "where", "rank": 0,

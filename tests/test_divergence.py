@@ -169,8 +169,13 @@ def test_rank_that_stops_training_early():
                    "rank 0 is at step 1 of epoch 2 of fit (6 steps)")
 
 
-def test_rank_that_raises_mid_fit():
-    job, detail = _job(8, 8, "raise")
+@pytest.mark.parametrize("extra", ["raise", "raise_poisoned"])
+def test_rank_that_raises_mid_fit(extra):
+    """Rank 1 raises at step 5: rank 0 stops with an error naming it. Also
+    after local processes sent rank 0's side channel lines that are not a
+    rank's (QA: a line `null` ended the hub's thread; rank 0 then saw
+    only gRPC's "Socket closed" late, and a healthy job hung at exit)."""
+    job, detail = _job(8, 8, extra)
     assert job.returncode == 0, detail
     r0, r1 = job.results[0], job.results[1]
     assert r1["type"] == "RuntimeError", detail

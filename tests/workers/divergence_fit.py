@@ -5,6 +5,9 @@ epoch. EXTRA: "none"; "metrics" (GlobalMetrics); "save" (model.save after
 fit); "validate" (validation data, GlobalMetrics); "raise" (rank 1 raises
 in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 "raise_uncaught" (as "raise", and rank 1 lets the error end the program);
+"raise_poisoned" (as "raise", after strangers sent rank 0's side channel
+lines that are not a rank's: `null`, `[]`, `1`, a hello with a wrong or no
+token, a long line without a newline; one stays connected);
 "stop" (rank 1 stops training after its first epoch); "unknown" (data and
 validation data of unknown length, through `.filter`, and GlobalMetrics:
 Keras then begins one more step per epoch, which finds the data empty);
@@ -88,6 +91,22 @@ if EXTRA in ("validate", "unknown"):
     kwargs["validation_data"] = data(3, 7 + RANK)
 if EXTRA == "spe_validate":
     kwargs["validation_data"] = data(1 + RANK, 7 + RANK)
+if EXTRA == "raise_poisoned" and RANK == 0:
+    import socket
+
+    from sok_keras import divergence
+
+    port = divergence.channel()._server.getsockname()[1]
+    strangers = []
+    for junk in (b"null\n", b"[]\n", b"1\n",
+                 b'{"t": "hello", "token": "guess", "rank": 1}\n',
+                 b'{"t": "hello", "rank": 1}\n', b"x" * 300000):
+        stranger = socket.create_connection(("127.0.0.1", port))
+        try:
+            stranger.sendall(junk)
+        except OSError:  # dropped while sending: what should happen
+            pass
+        strangers.append(stranger)
 result = {"error": None, "type": None}
 start = time.monotonic()
 try:
