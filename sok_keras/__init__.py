@@ -83,6 +83,11 @@ _global_views.install()
 from sok_keras import _keras_h5 as _keras_h5  # noqa: E402
 
 _keras_h5.install()
+# model.save / save_weights of models with sok tables: atomic on one rank,
+# one writer on several (sok_keras/saving.py).
+from sok_keras import saving as _saving  # noqa: E402
+
+_saving.install()
 
 # tf.saved_model.save of a model whose optimizer has made tables' slots
 # writes them as plain variables, which tf.saved_model.load can read.

@@ -68,13 +68,68 @@ def install():
     # folder these paths make before the process dies (`_terminate`).
     from sok_keras._terminate import guarded
 
-    lib.save_model = guarded(_model_optimizer_state(lib.save_model))
+    lib.tempfile = _TrackedTempfiles(lib.tempfile)
+    lib.save_model = guarded(_temporaries_removed(
+        _model_optimizer_state(lib.save_model)))
     lib.save_weights_only = _model_optimizer_state(lib.save_weights_only)
     lib.load_model = guarded(_no_optimizer_state_without_compile(
         lib.load_model))
     _keep_optimizer_state_whole()
     _interruptions_end_the_fallback()
     _INSTALLED = True
+
+
+class _TrackedTempfiles:
+    """`saving_lib`'s `tempfile`: the weights file Keras' on-disk save
+    makes beside the `.keras` file is named for sok_keras
+    (`.sok-tmp-weights-*`) and remembered (per thread), so that
+    `_temporaries_removed` removes it when the save ends. Keras closes
+    (deletes) it after `weights_store.close()`, which raises on a full
+    disk: the file, as large as the weights, then stayed until garbage
+    collection, and the next save in that process found no space (QA)."""
+
+    def __init__(self, module):
+        import threading
+
+        self._module = getattr(module, "_module", module)
+        self._local = threading.local()
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def opened(self):
+        if not hasattr(self._local, "files"):
+            self._local.files = []
+        return self._local.files
+
+    def NamedTemporaryFile(self, *args, **kwargs):  # noqa: N802 - tempfile's
+        kwargs.setdefault("prefix", ".sok-tmp-weights-")
+        f = self._module.NamedTemporaryFile(*args, **kwargs)
+        self.opened().append(f)
+        return f
+
+
+def _temporaries_removed(fn):
+    """`fn` (Keras' `save_model`) removing the temporary files it made
+    through `_TrackedTempfiles`, also when it fails."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        tracked = _saving_lib().tempfile
+        files = tracked.opened() if isinstance(
+            tracked, _TrackedTempfiles) else []
+        before = len(files)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            while len(files) > before:
+                f = files.pop()
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+    return call
 
 
 def _interruptions_end_the_fallback():

@@ -26,7 +26,10 @@ more than one rank, `sok_keras.init()` routes `keras.Model.save` through
 `keras.callbacks.BackupAndRestore` and `ModelCheckpoint`, which call it on
 every rank), and `BackupAndRestore` deletes its shared folder at the end of
 training from rank 0 only. The file's layout does not depend on the number
-of ranks. This module wraps `keras.Model.save` and `save_weights`; its test
+of ranks. On one rank a model with sok tables is saved by Keras into the
+same kind of hidden file, renamed onto `path` (Keras alone writes in
+place: a save killed half-way destroyed the previous file). This module
+wraps `keras.Model.save` and `save_weights`; its test
 fails when Keras changes under it (`tests/test_saving.py`).
 """
 
@@ -230,7 +233,8 @@ def save_model(model, filepath, overwrite=True, **kwargs):
                                    model, target, overwrite=True, **kwargs),
                                lambda: original(model, filepath,
                                                 overwrite=overwrite,
-                                                **kwargs))
+                                                **kwargs),
+                               unzipped=kwargs.get("zipped") is False)
 
 
 def save_weights(model, filepath, overwrite=True, **kwargs):
@@ -258,17 +262,22 @@ def save_weights(model, filepath, overwrite=True, **kwargs):
 
 
 def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
-                        sharded=False):
+                        sharded=False, unzipped=False):
     """One writer (rank 0, `write(temporary_path)`), the others serving
     their rows; atomic rename; the same outcome on every rank. `plain()`
-    is Keras' own save, for one rank or a model without sok tables;
-    `sharded`: Keras writes several files (`_Staging`)."""
+    is Keras' own save, for a model without sok tables (one rank:
+    `_save_alone`); `sharded`: Keras writes several files (`_Staging`);
+    `unzipped`: Keras writes a folder (`zipped=False`)."""
     # On every rank: the others serve rank 0 the rows of the slots it
     # writes (Keras' save, on rank 0, claims them too: _keras_h5).
     _model_optimizer_slots(model)
-    n = world.num_ranks()
-    if n == 1 or not _has_sok_tables(model):
+    # (Before `sok.init()`, each process is a world of its own.)
+    n = world.num_ranks() if world.is_initialized() else 1
+    if not _has_sok_tables(model):
         return plain()
+    if n == 1:
+        return _save_alone(filepath, overwrite, write, plain, sharded,
+                           unzipped)
     rank = world.rank()
     path = os.fspath(filepath)
     global_views.check_in(f"{what}('{path}') (rank 0 writes the file)",
@@ -289,6 +298,31 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
         finally:
             if rank == 0:
                 staging.remove()
+    return None
+
+
+def _save_alone(filepath, overwrite, write, plain, sharded, unzipped):
+    """One rank: Keras' own save, into a hidden file beside `filepath`
+    renamed onto it, so that a save stopped half-way (SIGKILL, a full
+    disk) leaves the previous file as it was (QA: Keras writes in place,
+    and a killed save of a 768 MB model left 3 KB that did not load).
+    Remote paths (`gs://`...), unzipped saves and `overwrite=False` on an
+    existing file (Keras asks) stay Keras' own."""
+    path = (os.fspath(filepath)
+            if isinstance(filepath, (str, os.PathLike)) else None)
+    if (path is None or "://" in path or unzipped
+            or (not overwrite and os.path.exists(path))):
+        return plain()
+    staging = _Staging(path, sharded)
+    with _terminate.on_sigterm_clean_up():
+        try:
+            staging.prepare()
+            write(staging.target)
+            staging.publish()
+        except Exception as e:
+            raise _in_user_terms(e, staging.target, path) from None
+        finally:
+            staging.remove()
     return None
 
 

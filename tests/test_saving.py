@@ -1,6 +1,8 @@
 """model.save on several ranks: one writer, atomic, the same outcome on
 every rank (sok_keras/saving.py)."""
 
+import os
+
 import keras
 import pytest
 
@@ -235,3 +237,59 @@ def test_a_writer_whose_last_agreement_is_aborted_raises_its_own_error(
     with pytest.raises(tf.errors.AbortedError):
         saving._fail_together("save/done", None, "model.save",
                               "/tmp/x.keras", staging, 1, 2)
+
+
+@pytest.mark.parametrize("fails", ["weights", "close"])
+@pytest.mark.parametrize("what", ["save", "save_weights"])
+def test_a_failed_save_on_one_rank_leaves_the_previous_file_and_no_other(
+        tmp_path, monkeypatch, fails, what):
+    """On one rank Keras writes in place: a save that failed (or was
+    killed) half-way destroyed the previous file (QA: a 768 MB model
+    became 3 KB that did not load). Now it is written beside the file and
+    renamed. "weights": a layer's save fails; "close": the weights file's
+    close fails (a full disk), after which Keras' own temporary weights
+    file stayed on disk as long as the error was referenced."""
+    import errno
+
+    import numpy as np
+    from keras.src.saving import saving_lib
+
+    import sok_keras as sok
+
+    ids = keras.Input((2,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(50, 4, name="emb")
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(emb(ids)))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adam(0.1)), loss="mse")
+    model.fit(np.arange(40).reshape(20, 2), np.ones((20, 1)), verbose=0)
+    path = str(tmp_path / ("m.keras" if what == "save" else "m.weights.h5"))
+    getattr(model, what)(path)
+    before = emb.embeddings.numpy().copy()
+    emb.embeddings.assign(before + 1.0)  # the failed save's new values
+    disk_full = OSError(errno.ENOSPC, "No space left on device")
+    if fails == "weights":
+        def fail(self, store):
+            raise disk_full
+        monkeypatch.setattr(keras.layers.Dense, "save_own_variables", fail)
+    else:
+        original_close = saving_lib.H5IOStore.close
+
+        def fail(self):
+            original_close(self)
+            if self.mode == "w":
+                raise disk_full
+        monkeypatch.setattr(saving_lib.H5IOStore, "close", fail)
+    with pytest.raises(OSError, match="No space left") as failed:
+        getattr(model, what)(path)
+    # Nothing beside the file, while the error (and its traceback) lives.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        os.path.basename(path)], failed
+    monkeypatch.undo()
+    emb.embeddings.assign(before - 7.0)
+    if what == "save":
+        loaded = keras.models.load_model(path)
+        np.testing.assert_array_equal(
+            loaded.get_layer("emb").embeddings.numpy(), before)
+    else:
+        model.load_weights(path)
+        np.testing.assert_array_equal(emb.embeddings.numpy(), before)
