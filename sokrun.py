@@ -296,9 +296,14 @@ def main(argv=None):
     """
     ns = _parse(sys.argv[1:] if argv is None else list(argv))
     n = ns.np
-    ports, held = _free_ports(n)
-    addrs = ",".join(f"127.0.0.1:{p}" for p in ports)
     printer = _Printer()
+    try:
+        ports, held = _free_ports(n)
+    except OSError as e:  # (QA: -np 100000 ended in a raw traceback)
+        printer.say(f"cannot reserve {n} ports for {n} ranks on this "
+                    f"machine: {e}")
+        return 1
+    addrs = ",".join(f"127.0.0.1:{p}" for p in ports)
     stop = {"signal": None}
 
     def on_signal(signum, frame):

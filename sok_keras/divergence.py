@@ -85,6 +85,24 @@ def _steps(n):
     return f"{n} step" if n == 1 else f"{n} steps"
 
 
+def unhealthy_ranks(message):
+    """The ranks TensorFlow's coordination service says stopped sending
+    heartbeats in `message` ("The following tasks are unhealthy (stopped
+    sending heartbeats):" then `/job:worker/replica:0/task:R` lines; task
+    R is rank R), sorted; [] if it says none."""
+    at = message.find("stopped sending heartbeats")
+    if at < 0:
+        return []
+    rest = message[at:].split("\n", 1)[-1]
+    ranks = []
+    for line in rest.splitlines():
+        m = re.fullmatch(r"\s*/job:\w+/replica:\d+/task:(\d+)\s*", line)
+        if not m:
+            break
+        ranks.append(int(m.group(1)))
+    return sorted(set(ranks))
+
+
 def headline(error):
     """`error` as `Type: message` on one line, for the other ranks: the
     message, not the generic first line TensorFlow or Keras put above it.
@@ -817,6 +835,12 @@ class _Channel:
                            else self._ask_where())
                 peers = [f"rank {r} at {w}, {age:.0f} s ago"
                          for r, w, age in reports]
+            frozen = unhealthy_ranks(str(error))
+            if frozen:  # (QA: a SIGSTOPped rank was named as task:1 only)
+                text += (f" (rank{'s' if len(frozen) > 1 else ''} "
+                         f"{', '.join(map(str, frozen))} stopped sending "
+                         "heartbeats: frozen (SIGSTOP, a debugger), stuck "
+                         "in the kernel, or on a host that is unreachable)")
             if peers:
                 text += (f" (the other ranks' last reports: "
                          f"{'; '.join(peers)}: a rank whose report is old "

@@ -586,3 +586,19 @@ def test_a_peer_is_not_released_while_a_loop_runs_here():
     ch.end_loop(loop)
     ch._release()
     assert sent == [{"t": "released", "rank": 0, "to": 1}]
+
+
+def test_ranks_that_stopped_sending_heartbeats_are_named():
+    """A frozen rank (SIGSTOP) is found by TensorFlow's heartbeats, whose
+    error names it as `task:R` only: sok's error names the rank (QA:
+    "rank 0 failed" was all a user read)."""
+    from sok_keras import divergence
+
+    message = (
+        "Collective ops is aborted by: Error reported from "
+        "/job:worker/task:1: The following tasks are unhealthy (stopped "
+        "sending heartbeats):\n/job:worker/replica:0/task:3\n"
+        "/job:worker/replica:0/task:1\nThe tasks have crashed. Check the "
+        "task logs for an earlier error.\n\t [[{{node x/task:7}}]]")
+    assert divergence.unhealthy_ranks(message) == [1, 3]
+    assert divergence.unhealthy_ranks("Socket closed /task:1") == []

@@ -183,6 +183,19 @@ def test_usage_errors():
     )
     assert out.returncode == 127
     assert b"sokrun -np 1 python missing_script.py" in out.stderr
+    # More ranks than this machine has ports (file descriptors) for: a
+    # sentence, not a traceback (QA: "Too many open files" raw).
+    import resource
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sokrun", "-np", "500", "true"],
+        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                              (64, 64)), timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert (b"sokrun: cannot reserve 500 ports for 500 ranks on this "
+            b"machine: [Errno 24] Too many open files") in out.stderr
+    assert b"Traceback" not in out.stderr
 
 
 def test_a_python_script_runs_with_this_python(tmp_path):
