@@ -113,7 +113,8 @@ def _reduce_values(values, sample_weight=None,
     # is returned as it is. The collective never depends on the data (an
     # empty batch on one rank still takes part).
     out = _ORIGINALS["reduce_values"](values, sample_weight, reduction)
-    if values.shape.rank == 0:
+    shape = getattr(values, "shape", ())
+    if getattr(shape, "rank", None if shape is None else len(shape)) == 0:
         return out
     if reduction == "sum" and _GLOBAL.get() is not None:
         # The global batch's sum is the ranks' sum: N times their mean

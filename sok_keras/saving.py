@@ -320,7 +320,10 @@ def _save_alone(filepath, overwrite, write, plain, sharded, unzipped):
             write(staging.target)
             staging.publish()
         except Exception as e:
-            raise _in_user_terms(e, staging.target, path) from None
+            clear = _in_user_terms(e, staging.target, path)
+            if clear is e:
+                raise
+            raise clear from e
         finally:
             staging.remove()
     return None

@@ -384,7 +384,8 @@ def _differentiable(forward, backward, x):
 
     @tf.custom_gradient
     def op(x):
-        return forward(x), backward
+        # (A gradient may come as IndexedSlices: a gather of the output.)
+        return forward(x), lambda dy: backward(tf.convert_to_tensor(dy))
 
     return op(x)
 
