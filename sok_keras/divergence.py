@@ -390,11 +390,7 @@ class _Channel:
                 lines = []
                 if b"\n" in data:  # (never re-split a long partial line)
                     *lines, state[0] = state[0].split(b"\n")
-                # A stranger gets one short hello line; a rank's lines are
-                # small JSON too. Past the limit the connection is dropped
-                # (QA: an unbounded line cost memory and quadratic time).
-                limit = _HELLO_LIMIT if state[1] is None else _LINE_LIMIT
-                keep = len(state[0]) <= limit
+                keep = True
                 for line in lines:
                     if not keep:
                         break
@@ -404,6 +400,11 @@ class _Channel:
                         _LOG.warning("sok_keras: dropped a bad message on "
                                      "the ranks' side channel: %r", e)
                         keep = state[1] is not None
+                # A stranger gets one short hello line; a rank's lines are
+                # small JSON too. Past the limit the connection is dropped
+                # (QA: an unbounded line cost memory and quadratic time).
+                limit = _HELLO_LIMIT if state[1] is None else _LINE_LIMIT
+                keep = keep and len(state[0]) <= limit
                 if not keep:
                     sel.unregister(sock)
                     del buffers[sock]
@@ -426,7 +427,7 @@ class _Channel:
         if state[1] is None:  # the first line must be a valid hello
             return (msg.get("t") == "hello"
                     and msg.get("token") == self._token
-                    and isinstance(msg.get("rank"), int)
+                    and type(msg.get("rank")) is int
                     and 0 < msg["rank"] < self.n
                     and self._hello(sock, state, msg["rank"]))
         self._hub_message(sock, state, msg)

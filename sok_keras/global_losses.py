@@ -18,7 +18,9 @@ on the data:
 And `reduction="sum"` divides by nothing: the ranks' mean of their sums
 is 1/N of the global batch's sum (QA: the loss and every gradient were
 halved on 2 ranks). Inside those steps such a loss is multiplied by the
-number of ranks (no collective). A custom loss function returning a
+number of ranks (no collective): those of `compile`'s loss, the batch's
+outputs' (a sum-reduced penalty on weights in `add_loss` is the same on
+every rank and left alone). A custom loss function returning a
 scalar is left as it is: Keras cannot tell a sum from a mean there, and
 it is averaged over the ranks as a mean (README, custom `train_step`).
 
@@ -53,6 +55,10 @@ from sok_keras.comm import TraceCounter
 # While a step that every rank runs is traced (or runs eagerly): the graph
 # it is traced in (True eagerly); None otherwise.
 _GLOBAL = contextvars.ContextVar("sok_keras_global_losses", default=None)
+# While `compile`'s loss (Keras' `CompileLoss`) runs: the losses of the
+# batch's outputs. A sum-reduced loss elsewhere (`add_loss` of a penalty
+# on weights, the same on every rank) is no sum over the batch.
+_COMPILED = contextvars.ContextVar("sok_keras_compiled_loss", default=False)
 _ORIGINALS = {}
 _KEYS = TraceCounter()
 
@@ -116,7 +122,8 @@ def _reduce_values(values, sample_weight=None,
     shape = getattr(values, "shape", ())
     if getattr(shape, "rank", None if shape is None else len(shape)) == 0:
         return out
-    if reduction == "sum" and _GLOBAL.get() is not None:
+    if (reduction == "sum" and _GLOBAL.get() is not None
+            and _COMPILED.get()):
         # The global batch's sum is the ranks' sum: N times their mean
         # (no collective, so in a `tf.cond` branch as well).
         from sok_keras import world
@@ -164,12 +171,24 @@ def install():
         return
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.losses import loss as loss_module
+    from keras.src.trainers.compile_utils import CompileLoss
 
     _ORIGINALS.update(apply_mask=loss_module.apply_mask,
                       reduce_values=loss_module.reduce_values,
-                      make_function=TensorFlowTrainer._make_function)
+                      make_function=TensorFlowTrainer._make_function,
+                      compile_loss=CompileLoss.__call__)
     loss_module.apply_mask = _apply_mask
     loss_module.reduce_values = _reduce_values
+
+    @functools.wraps(_ORIGINALS["compile_loss"])
+    def compile_loss(self, *args, **kwargs):
+        token = _COMPILED.set(True)
+        try:
+            return _ORIGINALS["compile_loss"](self, *args, **kwargs)
+        finally:
+            _COMPILED.reset(token)
+
+    CompileLoss.__call__ = compile_loss
 
     @functools.wraps(_ORIGINALS["make_function"])
     def _make_function(self, step_function):

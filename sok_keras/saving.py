@@ -169,6 +169,10 @@ class _Staging:
 
     def __init__(self, path, sharded, pid=None):
         self.folder = None
+        if os.path.islink(path):
+            # A link to the file: the file is replaced, the link kept (as
+            # Keras writes through it).
+            path = os.path.realpath(path)
         if sharded:
             self.folder = _temporary_path(path, pid) + ".d"
             self.target = os.path.join(self.folder, os.path.basename(path))
@@ -181,7 +185,23 @@ class _Staging:
             os.makedirs(self.folder, exist_ok=True)
 
     def publish(self):
+        if self.folder is None and os.path.isdir(self.target):
+            # `zipped=False`: Keras wrote a folder. An existing one is
+            # moved aside first (a folder is not replaced in one step).
+            aside = None
+            if os.path.isdir(self.path):
+                aside = self.target + ".old"
+                os.replace(self.path, aside)
+            os.replace(self.target, self.path)
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            return
         if self.folder is None:
+            if os.path.exists(self.path):
+                # The replaced file's permission bits (Keras' in-place
+                # write kept them).
+                with contextlib.suppress(OSError):
+                    shutil.copymode(self.path, self.target)
             os.replace(self.target, self.path)
             return
         into = os.path.dirname(os.path.abspath(self.path))
@@ -193,8 +213,8 @@ class _Staging:
         os.rmdir(self.folder)
 
     def remove(self):
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder is not None or os.path.isdir(self.target):
+            shutil.rmtree(self.folder or self.target, ignore_errors=True)
             return
         with contextlib.suppress(OSError):
             os.remove(self.target)
@@ -217,7 +237,8 @@ def save_model(model, filepath, overwrite=True, **kwargs):
     original = _ORIGINAL["save"] or type(model).save
     path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) \
         else None
-    if (world.num_ranks() > 1 and _has_sok_tables(model) and path
+    if (path and _has_sok_tables(model) and world.is_initialized()
+            and world.num_ranks() > 1
             and (path.endswith((".h5", ".hdf5"))
                  or kwargs.get("save_format") == "h5")):
         # (Every rank raises: the same path and model on every rank.)
@@ -228,13 +249,32 @@ def save_model(model, filepath, overwrite=True, **kwargs):
             "the file would hold part of the tables. Save to a `.keras` "
             "file (one file, loaded at any number of ranks), or "
             "`model.save_weights('....weights.h5')`.")
-    return _save_on_every_rank(model, filepath, overwrite, "model.save",
-                               lambda target: original(
-                                   model, target, overwrite=True, **kwargs),
-                               lambda: original(model, filepath,
-                                                overwrite=overwrite,
-                                                **kwargs),
-                               unzipped=kwargs.get("zipped") is False)
+    with _compile_config_kept(model):
+        return _save_on_every_rank(
+            model, filepath, overwrite, "model.save",
+            lambda target: original(model, target, overwrite=True,
+                                    **kwargs),
+            lambda: original(model, filepath, overwrite=overwrite, **kwargs),
+            unzipped=kwargs.get("zipped") is False)
+
+
+@contextlib.contextmanager
+def _compile_config_kept(model):
+    """Keras' legacy `.h5` save pops "optimizer" from the model's compile
+    config itself (`legacy/saving/saving_utils.py`), so a `.keras` file
+    saved after it named no optimizer: plain Keras then loads it with
+    RMSprop, and a model with sok tables failed to load (review). Restored
+    after a save of a model with sok tables."""
+    config = getattr(getattr(model, "_compile_config", None), "config",
+                     None)
+    kept = (dict(config) if isinstance(config, dict)
+            and _has_sok_tables(model) else None)
+    try:
+        yield
+    finally:
+        if kept is not None:
+            config.clear()
+            config.update(kept)
 
 
 def save_weights(model, filepath, overwrite=True, **kwargs):
@@ -268,13 +308,13 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
     is Keras' own save, for a model without sok tables (one rank:
     `_save_alone`); `sharded`: Keras writes several files (`_Staging`);
     `unzipped`: Keras writes a folder (`zipped=False`)."""
+    if not _has_sok_tables(model):  # Keras' own, untouched
+        return plain()
     # On every rank: the others serve rank 0 the rows of the slots it
     # writes (Keras' save, on rank 0, claims them too: _keras_h5).
     _model_optimizer_slots(model)
     # (Before `sok.init()`, each process is a world of its own.)
     n = world.num_ranks() if world.is_initialized() else 1
-    if not _has_sok_tables(model):
-        return plain()
     if n == 1:
         return _save_alone(filepath, overwrite, write, plain, sharded,
                            unzipped)
@@ -311,7 +351,10 @@ def _save_alone(filepath, overwrite, write, plain, sharded, unzipped):
     path = (os.fspath(filepath)
             if isinstance(filepath, (str, os.PathLike)) else None)
     if (path is None or "://" in path or unzipped
-            or (not overwrite and os.path.exists(path))):
+            or (not overwrite and os.path.exists(path))
+            or not os.access(os.path.dirname(os.path.abspath(path)) or ".",
+                             os.W_OK)):
+        # (A folder where only the file may be written: in place.)
         return plain()
     staging = _Staging(path, sharded)
     with _terminate.on_sigterm_clean_up():
@@ -501,13 +544,18 @@ def install():
     _ORIGINAL["save"] = keras.Model.save
     _ORIGINAL["save_weights"] = keras.Model.save_weights
 
+    # Keras' own positional parameters (review: `save(path, True, False)`
+    # failed with a TypeError).
     @functools.wraps(_ORIGINAL["save"])
-    def save(self, filepath, overwrite=True, **kwargs):
-        return save_model(self, filepath, overwrite=overwrite, **kwargs)
+    def save(self, filepath, overwrite=True, zipped=None, **kwargs):
+        return save_model(self, filepath, overwrite=overwrite,
+                          zipped=zipped, **kwargs)
 
     @functools.wraps(_ORIGINAL["save_weights"])
-    def save_weights_(self, filepath, overwrite=True, **kwargs):
-        return save_weights(self, filepath, overwrite=overwrite, **kwargs)
+    def save_weights_(self, filepath, overwrite=True, max_shard_size=None,
+                      **kwargs):
+        return save_weights(self, filepath, overwrite=overwrite,
+                            max_shard_size=max_shard_size, **kwargs)
 
     save._sok_keras = True
     save_weights_._sok_keras = True

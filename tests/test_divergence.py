@@ -602,3 +602,51 @@ def test_ranks_that_stopped_sending_heartbeats_are_named():
         "task logs for an earlier error.\n\t [[{{node x/task:7}}]]")
     assert divergence.unhealthy_ranks(message) == [1, 3]
     assert divergence.unhealthy_ranks("Socket closed /task:1") == []
+
+
+def test_the_hub_keeps_its_ranks_and_drops_strangers():
+    """Rank 0's side channel without a job: a rank whose hello comes in
+    one read with more than the hello limit of its next line is kept
+    (review: it was dropped); a stranger's lines that are not a rank's
+    hello (not an object, a bool rank, a long line, bad bytes) close that
+    connection only, and the hub's thread goes on."""
+    import json
+    import socket
+
+    from sok_keras import divergence
+
+    ch = divergence._Channel(0, 3, lambda message: None)
+    ch._token = "tok"
+    ch._server = socket.create_server(("127.0.0.1", 0))
+    ch._server.settimeout(0.25)
+    ch._spawn(ch._serve, "test-hub")
+    port = ch._server.getsockname()[1]
+
+    def closed(sock):
+        sock.settimeout(5.0)
+        try:
+            return sock.recv(16) == b""
+        except OSError:
+            return True
+
+    try:
+        rank = socket.create_connection(("127.0.0.1", port))
+        hello = json.dumps({"t": "hello", "rank": 1, "token": "tok"})
+        report = json.dumps({"t": "progress", "msg": "x" * 6000})
+        rank.sendall((hello + "\n" + report[:5000]).encode())
+        strangers = []
+        for junk in (b"null\n", b"[]\n", b"1\n", b"x" * 5000, b"\xff\xfe\n",
+                     b'{"t": "hello", "rank": true, "token": "tok"}\n'):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(junk)
+            strangers.append(s)
+        assert all(closed(s) for s in strangers)
+        assert sorted(ch._peers) == [1]
+        assert all(t.is_alive() for t in ch._threads)
+        rank.settimeout(0.5)
+        with pytest.raises(socket.timeout):  # still open
+            rank.recv(16)
+        rank.close()
+    finally:
+        ch.closing = True
+        ch._server.close()

@@ -107,11 +107,16 @@ def test_a_summed_loss_is_the_global_batchs_sum(monkeypatch):
     assert float(global_losses._reduce_values(values, None, "sum")) == 7.0
     token = global_losses._GLOBAL.set(True)
     try:
+        # Not a loss of `compile` (an add_loss penalty on weights, say).
+        assert float(global_losses._reduce_values(values, None,
+                                                  "sum")) == 7.0
+        compiled = global_losses._COMPILED.set(True)
         assert float(global_losses._reduce_values(values, None,
                                                   "sum")) == 21.0
         assert float(global_losses._reduce_values(
             tf.constant(5.0), None, "sum")) == 5.0
         np.testing.assert_allclose(global_losses._reduce_values(
             values, None, "sum_over_batch_size"), 7.0 / 3, rtol=1e-6)
+        global_losses._COMPILED.reset(compiled)
     finally:
         global_losses._GLOBAL.reset(token)

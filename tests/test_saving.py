@@ -293,3 +293,50 @@ def test_a_failed_save_on_one_rank_leaves_the_previous_file_and_no_other(
     else:
         model.load_weights(path)
         np.testing.assert_array_equal(emb.embeddings.numpy(), before)
+
+
+def test_one_rank_saves_keep_what_keras_saves_keep(tmp_path, monkeypatch):
+    """The wrapped saves keep Keras' positional parameters (review: a
+    TypeError), leave models without sok tables to Keras even where the
+    environment names a world sok has not joined (review: a RuntimeError
+    of `world_from_env`), write through a symbolic link and keep the
+    replaced file's permission bits (as Keras' in-place write), and a
+    legacy `.h5` save no longer drops the optimizer from the `.keras`
+    files saved after it (Keras pops it from the compile config: the
+    file then failed to load)."""
+    import stat
+
+    import numpy as np
+
+    import sok_keras as sok
+
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile("sgd", "mse")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no addresses: not a world
+    plain.save(str(tmp_path / "p.keras"), True, True)
+    plain.save_weights(str(tmp_path / "p.weights.json"), True, 1.0)
+    monkeypatch.delenv("WORLD_SIZE")
+
+    ids = keras.Input((2,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(50, 4, name="emb")
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(emb(ids)))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adam(0.1)), loss="mse")
+    model.fit(np.arange(40).reshape(20, 2), np.ones((20, 1)), verbose=0)
+    real = tmp_path / "real.keras"
+    model.save(str(real), True, True)
+    os.chmod(real, 0o640)
+    link = tmp_path / "link.keras"
+    os.symlink(real, link)
+    model.save(str(tmp_path / "legacy.h5"))
+    emb.embeddings.assign(emb.embeddings + 1.0)
+    model.save(str(link))
+    assert os.path.islink(link)
+    assert stat.S_IMODE(os.stat(real).st_mode) == 0o640
+    loaded = keras.models.load_model(str(real))
+    assert type(loaded.optimizer.inner_optimizer).__name__ == "Adam"
+    np.testing.assert_array_equal(loaded.get_layer("emb").embeddings.numpy(),
+                                  emb.embeddings.numpy())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "legacy.h5", "link.keras", "p.keras", "p.weights.json",
+        "p_00000.weights.h5", "real.keras"]

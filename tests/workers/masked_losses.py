@@ -71,8 +71,18 @@ result["weighted_loss"] = history.history["loss"]
 result["weighted_on_batch"] = weighted.train_on_batch(
     x[R:B:N], y[R:B:N, 0], sample_weight=sw[R:B:N])
 result["weighted"] = trained(weighted)
+class Anchored(keras.layers.Dense):
+    """A Dense whose kernel is pulled to 0 by a sum-reduced loss on the
+    weights (`add_loss`): the same on every rank, not scaled by N."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.losses.MeanSquaredError(reduction="sum")(
+            tf.zeros_like(self.kernel), self.kernel))
+        return super().call(x)
+
+
 # reduction="sum": the global batch's sum, not the ranks' mean of sums.
-summed = model_of(lambda e: keras.layers.Dense(
+summed = model_of(lambda e: Anchored(
     3, activation="softmax", name="o")(keras.layers.GlobalAveragePooling1D()(e)))
 summed.compile(optimizer=keras.optimizers.SGD(0.05),
                loss=keras.losses.SparseCategoricalCrossentropy(
