@@ -47,6 +47,7 @@ def test_every_rank_saves_one_file_atomically(tmp_path):
         assert files == ["w.weights.json"] + [
             f"w_{i:05d}.weights.h5" for i in range(len(files) - 1)], files
         assert len(files) > 2, files  # the table and Adam's slots: 3 MB
+    assert r0["unzipped"] == ["m"], r0["unzipped"]  # zipped=False twice
     assert "disk full (injected)" in r0["failure"]
     assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"]

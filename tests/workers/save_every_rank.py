@@ -114,6 +114,14 @@ sharded = {
     "loaded": bool(np.array_equal(emb.embeddings.read_global(), saved)),
 }
 
+# `zipped=False` (a folder) saved twice: the second replaces the first
+# (review: "Directory not empty", and rank 0's hidden copy stayed).
+unzipped = os.path.join(folder, "unzipped")
+os.makedirs(unzipped, exist_ok=True)
+for _ in range(2):
+    model.save(os.path.join(unzipped, "m"), zipped=False)
+unzipped = sorted(os.listdir(unzipped))
+
 # A failing save: the writer (rank 0) fails half-way; nothing may change.
 before = open(path, "rb").read() if RANK == 0 else None
 from sok_keras import saving  # noqa: E402
@@ -169,6 +177,6 @@ more = {
     "then": outcome(lambda: model.save(path)),
 }
 write_result({"checks": checks, "leftovers": leftovers, "failure": failure,
-              "sharded": sharded,
+              "sharded": sharded, "unzipped": unzipped,
               "unchanged": unchanged, "more": more,
               "after": [n for n in os.listdir(folder) if "sok-tmp" in n]})
