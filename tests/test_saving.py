@@ -240,6 +240,22 @@ def test_a_writer_whose_last_agreement_is_aborted_raises_its_own_error(
                               "/tmp/x.keras", staging, 1, 2)
 
 
+def _trained_one_rank_model():
+    """A small model with a sok table, trained a step with Adam; and its
+    embedding layer."""
+    import numpy as np
+
+    import sok_keras as sok
+
+    ids = keras.Input((2,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(50, 4, name="emb")
+    model = keras.Model(ids, keras.layers.Dense(1, name="head")(emb(ids)))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.Adam(0.1)), loss="mse")
+    model.fit(np.arange(40).reshape(20, 2), np.ones((20, 1)), verbose=0)
+    return model, emb
+
+
 @pytest.mark.parametrize("fails", ["weights", "close"])
 @pytest.mark.parametrize("what", ["save", "save_weights"])
 def test_a_failed_save_on_one_rank_leaves_the_previous_file_and_no_other(
@@ -255,14 +271,7 @@ def test_a_failed_save_on_one_rank_leaves_the_previous_file_and_no_other(
     import numpy as np
     from keras.src.saving import saving_lib
 
-    import sok_keras as sok
-
-    ids = keras.Input((2,), dtype="int64")
-    emb = sok.layers.DistributedEmbedding(50, 4, name="emb")
-    model = keras.Model(ids, keras.layers.Dense(1, name="head")(emb(ids)))
-    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
-        keras.optimizers.Adam(0.1)), loss="mse")
-    model.fit(np.arange(40).reshape(20, 2), np.ones((20, 1)), verbose=0)
+    model, emb = _trained_one_rank_model()
     path = str(tmp_path / ("m.keras" if what == "save" else "m.weights.h5"))
     getattr(model, what)(path)
     before = emb.embeddings.numpy().copy()
@@ -309,7 +318,6 @@ def test_one_rank_saves_keep_what_keras_saves_keep(tmp_path, monkeypatch):
 
     import numpy as np
 
-    import sok_keras as sok
 
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     plain.compile("sgd", "mse")
@@ -318,12 +326,7 @@ def test_one_rank_saves_keep_what_keras_saves_keep(tmp_path, monkeypatch):
     plain.save_weights(str(tmp_path / "p.weights.json"), True, 1.0)
     monkeypatch.delenv("WORLD_SIZE")
 
-    ids = keras.Input((2,), dtype="int64")
-    emb = sok.layers.DistributedEmbedding(50, 4, name="emb")
-    model = keras.Model(ids, keras.layers.Dense(1, name="head")(emb(ids)))
-    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
-        keras.optimizers.Adam(0.1)), loss="mse")
-    model.fit(np.arange(40).reshape(20, 2), np.ones((20, 1)), verbose=0)
+    model, emb = _trained_one_rank_model()
     real = tmp_path / "real.keras"
     model.save(str(real), True, True)
     os.chmod(real, 0o640)
