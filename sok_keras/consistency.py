@@ -225,7 +225,13 @@ def _vocabulary_signature(model):
     the data makes id 1 mean "a" on one rank and "c" on another, with
     every table and weight of the same shape (QA)."""
     out = []
-    for layer in model._flatten_layers(include_self=False):
+    layers = list(model._flatten_layers(include_self=False))
+    # A `TextVectorization`'s vocabulary is its inner lookup layer's: read
+    # once (O(V) strings), through the outer layer.
+    inner = {id(getattr(layer, "_lookup_layer", None)) for layer in layers}
+    for layer in layers:
+        if id(layer) in inner:
+            continue
         if hasattr(layer, "get_vocabulary") and hasattr(
                 layer, "vocabulary_size"):
             try:

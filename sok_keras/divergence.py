@@ -425,12 +425,14 @@ class _Channel:
         if not isinstance(msg, dict):  # (QA: `1` or `[]` ended the hub)
             return state[1] is not None
         if state[1] is None:  # the first line must be a valid hello
-            return (msg.get("t") == "hello"
+            if not (msg.get("t") == "hello"
                     and msg.get("token") == self._token
                     and type(msg.get("rank")) is int
-                    and 0 < msg["rank"] < self.n
-                    and self._hello(sock, state, msg["rank"]))
-        self._hub_message(sock, state, msg)
+                    and 0 < msg["rank"] < self.n):
+                return False
+            self._hello(sock, state, msg["rank"])
+        else:
+            self._hub_message(sock, state, msg)
         return True
 
     def _hello(self, sock, state, r):
@@ -443,7 +445,6 @@ class _Channel:
                 self._backlog = None  # everyone is here
         for m in backlog:
             self._send_to(sock, m)
-        return True
 
     def _hub_message(self, sock, state, msg):
         msg["rank"] = state[1]  # a rank speaks for itself only
