@@ -76,8 +76,37 @@ def install():
         lib.load_model))
     _keep_optimizer_state_whole()
     _interruptions_end_the_fallback()
+    _legacy_h5_loads_masks()
     _INSTALLED = True
 
+
+
+def _legacy_h5_loads_masks():
+    """Keras' legacy `.h5` loader finds a model's layers by class name
+    among Keras' layers, and a functional model can hold one operation
+    that is not a layer: the `ids != -1` (`NotEqual`) that computes an
+    unpooled sok layer's mask, which Keras records in the graph when a
+    mask-aware layer takes the mask. Such a file saved, but did not load:
+    "Unknown layer: 'NotEqual'" (QA; plain Keras' `Embedding(...,
+    mask_zero=True)` fails the same way). The loader is given the class,
+    unless the caller's `custom_objects` name another."""
+    from keras.src.legacy.saving import legacy_h5_format
+
+    original = legacy_h5_format.load_model_from_hdf5
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def load_model_from_hdf5(filepath, custom_objects=None, *args,
+                             **kwargs):
+        from keras.src.ops.numpy import NotEqual
+
+        objects = {"NotEqual": NotEqual}
+        objects.update(custom_objects or {})
+        return original(filepath, objects, *args, **kwargs)
+
+    load_model_from_hdf5._sok_keras = True
+    legacy_h5_format.load_model_from_hdf5 = load_model_from_hdf5
 
 class _TrackedTempfiles:
     """`saving_lib`'s `tempfile`: the weights file Keras' on-disk save
@@ -315,3 +344,11 @@ def check_keras_internals():
     assert not gone, f"H5IOStore lacks {gone}"
     params = list(inspect.signature(lib.safe_get_h5_dataset).parameters)
     assert params == ["group", "name"], params
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.ops import numpy as ops_numpy
+
+    params = list(inspect.signature(getattr(
+        legacy_h5_format.load_model_from_hdf5, "__wrapped__",
+        legacy_h5_format.load_model_from_hdf5)).parameters)
+    assert params[:2] == ["filepath", "custom_objects"], params
+    assert hasattr(ops_numpy, "NotEqual"), "keras.src.ops.numpy.NotEqual"

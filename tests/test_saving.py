@@ -110,6 +110,39 @@ def test_save_on_rank_0_after_the_other_rank_exited_names_the_mistake(
     assert job.leftovers == []
 
 
+
+@pytest.mark.parametrize("layer", ["DistributedEmbedding",
+                                   "LocalizedEmbedding"])
+def test_a_legacy_h5_file_of_an_unpooled_layer_with_its_mask_loads(
+        tmp_path, layer):
+    """An unpooled layer's mask (`ids != -1`) taken by a mask-aware layer
+    is a `NotEqual` operation in the functional graph: the legacy `.h5`
+    file saved, and `load_model` failed, "Unknown layer: 'NotEqual'"
+    (QA). It loads and computes what the saved model computes; a
+    caller's own `custom_objects` are kept."""
+    import numpy as np
+
+    import sok_keras as sok
+
+    ids = keras.Input((5,), dtype="int64")
+    emb = getattr(sok.layers, layer)(input_dim=50, output_dim=4)
+    pooled = keras.layers.GlobalAveragePooling1D()(emb(ids))
+    model = keras.Model(ids, keras.layers.Dense(1)(pooled))
+    path = str(tmp_path / "m.h5")
+    model.save(path)
+    x = np.array([[1, 2, -1, -1, -1], [3, 4, 5, 6, 7]])
+
+    class Marker(keras.layers.Layer):
+        pass
+
+    for objects in (None, {"Marker": Marker}):
+        loaded = keras.models.load_model(path, custom_objects=objects,
+                                         compile=False)
+        assert [type(op).__name__ for op in loaded.operations] == [
+            type(op).__name__ for op in model.operations]
+        np.testing.assert_allclose(loaded(x), model(x), rtol=1e-6)
+
+
 def test_keras_still_has_the_saving_internals_sok_keras_relies_on():
     """sok_keras/_keras_h5.py reaches into keras.src.saving.saving_lib:
     fail loudly (naming what changed) when Keras changes under it."""

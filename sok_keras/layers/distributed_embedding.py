@@ -53,6 +53,9 @@ class DistributedEmbedding(BaseEmbedding):
     Call arguments:
         inputs: ids, as a dense int tensor `[batch]` or `[batch, n]` (`-1`
             is padding), a `tf.RaggedTensor` or a `tf.SparseTensor`.
+            Unpooled (`combiner=None`), a `tf.SparseTensor`'s positions
+            without an id are padding too: zero rows, with no gradient
+            (`keras.layers.Embedding` looks up row 0 there).
         weights: optional per-id weights with the structure of `inputs`.
 
     Example:

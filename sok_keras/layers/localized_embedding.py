@@ -63,7 +63,9 @@ class LocalizedEmbedding(BaseEmbedding):
             rows when the layer is built; not saved in the config.
 
     Call arguments:
-        inputs: ids, dense (`-1` padding), ragged or sparse.
+        inputs: ids, dense (`-1` padding), ragged or sparse; unpooled,
+            a sparse tensor's positions without an id are zero rows, as
+            for `DistributedEmbedding`.
         weights: optional per-id weights.
 
     Example:
