@@ -35,6 +35,9 @@ class All2AllDenseEmbedding(BaseEmbedding):
             used (applied lazily, like `OptimizerWrapper`); clipping and the
             cross-rank averaging still come from the model's optimizer,
             which must be an `OptimizerWrapper` or a `sok.optimizers` class.
+            Callbacks that set the model's learning rate
+            (`ReduceLROnPlateau`, `LearningRateScheduler`) leave this
+            one's alone: give it a schedule.
             Defaults to `None` (the model's optimizer rules the table).
         **kwargs: base layer arguments (`name`, `dtype`, ...), and
             `keras.layers.Embedding`'s `weights`: the whole initial table

@@ -31,9 +31,10 @@ class _TablesMixin(tf_slots.TableSlots):
         # As OptimizerWrapper's: whether the dense weights' update runs as
         # one XLA computation (see wrapper.compiles_dense_update).
         self.jit_compile = check_jit_compile(type(self).__name__, jit_compile)
-        # Fail early, as OptimizerWrapper does: EMA, gradient accumulation
-        # and loss scaling would apply to the dense weights only, and
-        # weight decay has a sparse rule for Adam / AdamW only.
+        # Fail early, as OptimizerWrapper does: a rule this class has no
+        # sparse form of, `use_ema` and `loss_scale_factor` (which would
+        # apply to the dense weights only), and gradient accumulation
+        # together with clipping (wrapper._check_supported).
         sparse_rules.rule_for(self)
         _check_supported(self)
 
