@@ -26,7 +26,6 @@ sharded `save_weights`, a dict) falls back to whole arrays.
 """
 
 import functools
-import os
 
 _INSTALLED = False
 
@@ -111,8 +110,8 @@ def _legacy_h5_loads_masks():
 
 class _TrackedTempfiles:
     """`saving_lib`'s `tempfile`: the weights file Keras' on-disk save
-    makes beside the `.keras` file is named for sok_keras and its owner
-    (`.sok-tmp-weights-<owner>-*`, `_leftovers`) and remembered (per thread), so that
+    makes beside the `.keras` file is named for sok_keras
+    (`.sok-tmp-weights-*`) and remembered (per thread), so that
     `_temporaries_removed` removes it when the save ends. Keras closes
     (deletes) it after `weights_store.close()`, which raises on a full
     disk: the file, as large as the weights, then stayed until garbage
@@ -133,25 +132,10 @@ class _TrackedTempfiles:
         return self._local.files
 
     def NamedTemporaryFile(self, *args, **kwargs):  # noqa: N802 - tempfile's
-        from sok_keras import _leftovers
-
-        kwargs.setdefault(
-            "prefix", f".{_leftovers.MARK}weights-{_leftovers.owner()}-")
+        kwargs.setdefault("prefix", ".sok-tmp-weights-")
         f = self._module.NamedTemporaryFile(*args, **kwargs)
         self.opened().append(f)
         return f
-
-    def TemporaryDirectory(self, *args, **kwargs):  # noqa: N802 - tempfile's
-        """The folder a loading rank extracts the weights to, beside the
-        model's file: named for its owner (`_leftovers`), which a later
-        load removes if a SIGKILL left it."""
-        from sok_keras import _leftovers
-
-        if kwargs.get("dir") is not None:
-            _leftovers.remove_dead(os.fspath(kwargs["dir"]))
-            kwargs.setdefault(
-                "prefix", f".{_leftovers.MARK}load-{_leftovers.owner()}-")
-        return self._module.TemporaryDirectory(*args, **kwargs)
 
 
 def _temporaries_removed(fn):

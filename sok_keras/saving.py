@@ -41,7 +41,6 @@ import shutil
 import numpy as np
 import tensorflow as tf
 
-from sok_keras import _leftovers
 from sok_keras import _terminate
 from sok_keras import global_views
 from sok_keras import world
@@ -148,16 +147,14 @@ def _agree(what, value, timeout):
     return world.control_communicator().agree(what, value, timeout)
 
 
-def _temporary_path(path, owner=None):
+def _temporary_path(path, pid=None):
     """A hidden name beside `path` that keeps its full suffix (Keras
-    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<owner>.keras`
-    (`owner`: the writer's `<host>-<pid>`, by default this process';
-    `_leftovers`)."""
+    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<pid>.keras`
+    (`pid`: the writer's, by default this process')."""
     folder = os.path.dirname(os.path.abspath(path))
     stem, dot, rest = os.path.basename(path).partition(".")
-    owner = _leftovers.owner() if owner is None else owner
-    return os.path.join(folder,
-                        f".{stem}.{_leftovers.MARK}{owner}{dot}{rest}")
+    pid = os.getpid() if pid is None else pid
+    return os.path.join(folder, f".{stem}.sok-tmp-{pid}{dot}{rest}")
 
 
 class _Staging:
@@ -170,22 +167,20 @@ class _Staging:
     the final names, whose shards are moved into place before the json.
     """
 
-    def __init__(self, path, sharded, owner=None):
+    def __init__(self, path, sharded, pid=None):
         self.folder = None
         if os.path.islink(path):
             # A link to the file: the file is replaced, the link kept (as
             # Keras writes through it).
             path = os.path.realpath(path)
         if sharded:
-            self.folder = _temporary_path(path, owner) + ".d"
+            self.folder = _temporary_path(path, pid) + ".d"
             self.target = os.path.join(self.folder, os.path.basename(path))
         else:
-            self.target = _temporary_path(path, owner)
+            self.target = _temporary_path(path, pid)
         self.path = path
 
     def prepare(self):
-        # What saves killed outright on this host left here (_leftovers).
-        _leftovers.remove_dead(os.path.dirname(self.path))
         if self.folder is not None:
             os.makedirs(self.folder, exist_ok=True)
 
@@ -333,13 +328,9 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
             f"sok_keras: '{path}' exists and overwrite=False.")
     # Every rank names rank 0's temporary file, to check before the
     # rename that its path is rank 0's.
-    pid = _agree("save/writer", os.getpid() if rank == 0 else 0,
-                 world.timeout())
-    host = _agree("save/writer-host",
-                  int(_leftovers.host_tag(), 16) if rank == 0 else 0,
-                  world.timeout())
-    staging = _Staging(path, sharded,
-                       _leftovers.owner(pid=pid, host=f"{host:08x}"))
+    writer = _agree("save/writer", os.getpid() if rank == 0 else 0,
+                    world.timeout())
+    staging = _Staging(path, sharded, writer)
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
     with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:

@@ -33,7 +33,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from sok_keras import _leftovers
 from sok_keras import world
 from sok_keras.layers.base_embedding import padding_mask
 
@@ -425,10 +424,9 @@ def _export(model, path, verbose, input_signature, **kwargs):
                 tables[id(v)] = _whole_table(v)
         if rank == 0:
             folder = os.path.dirname(os.path.abspath(path))
-            # What exports and saves killed outright left (_leftovers).
-            _leftovers.remove_dead(folder)
-            tmp = os.path.join(folder, f".{os.path.basename(path)}."
-                               f"{_leftovers.MARK}{_leftovers.owner()}")
+            _remove_dead_exports(folder, os.path.basename(path))
+            tmp = os.path.join(
+                folder, f".{os.path.basename(path)}.sok-tmp-{os.getpid()}")
             write = _export_cloned if clone else _export_traced
             write(model, layers, tables, tmp, verbose=verbose,
                   input_signature=input_signature, **kwargs)
@@ -598,6 +596,28 @@ def _refuse_sharded_reads(model, archive):
             "layers (e.g. tied output weights reading `layer.embeddings`): "
             "the export would hold one rank's rows. Only lookups are "
             "served from whole tables.")
+
+
+def _remove_dead_exports(folder, name):
+    """Removes `.<name>.sok-tmp-<pid>` folders of exports whose process is
+    gone (killed mid-export: SIGKILL skips every clean-up)."""
+    prefix = f".{name}.sok-tmp-"
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix):]
+        if not (entry.startswith(prefix) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive: another export in progress
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # (another user's process: not ours to judge)
+        shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
 def install():

@@ -35,52 +35,6 @@ def test_sigterm_mid_save_or_load_leaves_no_temporary_files(tmp_path, mode):
     assert left == ([] if mode == "save" else ["model.keras"]), (left, out)
 
 
-
-@pytest.mark.parametrize("mode", ["save", "load"])
-def test_what_a_sigkill_left_goes_at_the_next_save_or_load(tmp_path, mode):
-    """SIGKILL (the OOM killer, a preemption's grace running out) skips
-    every clean-up: a killed save left its hidden `.keras` and Keras'
-    weights file, a killed load its extracted copy of the weights, each
-    as large as the weights, until someone found them. The next save or
-    load in the folder removes what dead processes of this host left;
-    a live process' files and another host's (a shared disk) stay."""
-    import keras
-    import numpy as np
-
-    from sok_keras import _leftovers
-
-    proc = subprocess.run(
-        [sys.executable, worker_path("terminated_save_load"), mode,
-         str(tmp_path)], env=dict(_repo_env(), STOP_SIGNAL="SIGKILL"),
-        capture_output=True, text=True, timeout=180)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == -signal.SIGKILL, out
-    killed = sorted(n for n in os.listdir(tmp_path) if "sok-tmp" in n)
-    if mode == "save":
-        assert len(killed) == 2, (killed, out)  # sok's and Keras' files
-    else:
-        assert len(killed) == 1, (killed, out)  # the extracted weights
-    other_host = "00000000" if _leftovers.host_tag() != "00000000" else (
-        "11111111")
-    kept = [f".model.sok-tmp-{other_host}-1.keras",
-            f".sok-tmp-weights-{_leftovers.owner()}-live",
-            ".model.sok-tmp-notes.keras"]  # not a name sok_keras makes
-    for name in kept:
-        (tmp_path / name).write_bytes(b"x")
-    path = tmp_path / "model.keras"
-    if mode == "save":
-        import sok_keras as sok
-
-        ids = keras.Input((2,), dtype="int64")
-        model = keras.Model(ids, keras.layers.Dense(1)(
-            sok.layers.DistributedEmbedding(1000, 8, name="emb")(ids)))
-        model.save(str(path))
-    else:
-        model = keras.models.load_model(str(path))
-    assert model.predict(np.array([[1, 2]]), verbose=0).shape == (1, 1)
-    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["model.keras"])
-
-
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_keras_extracts_the_weights_stops_the_load(
         tmp_path, sig):

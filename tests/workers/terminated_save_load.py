@@ -3,8 +3,7 @@
 the middle of `model.save` ("save-ranks"), sent from inside the layer's own
 save/load of its table, when Keras' temporary weights file (save) or
 extracted weights folder (load) exists; "load-extract": while Keras
-extracts the weights file (STOP_SIGNAL: SIGTERM, SIGINT, or SIGKILL,
-which leaves the temporary files behind); "export":
+extracts the weights file (STOP_SIGNAL: SIGTERM or SIGINT); "export":
 model.export, SIGTERM when its temporary folder is complete. "save-ranks-stream": rank 0 gets
 it right after telling the others to send a table's rows (they are inside
 that collective); "save-ranks-zip": while Keras copies its weights file
@@ -35,8 +34,7 @@ def terminate(original):
         if sok.rank() == 0:
             # Keras' temporary file or folder exists now, beside `path`.
             print("during:", sorted(os.listdir(folder)), flush=True)
-            os.kill(os.getpid(), getattr(
-                signal, os.environ.get("STOP_SIGNAL", "SIGTERM")))
+            os.kill(os.getpid(), signal.SIGTERM)
         return original(self, store)
 
     return hook
@@ -77,10 +75,7 @@ elif mode == "export":
     # SIGTERM once the export's temporary folder is complete.
     from sok_keras import serving
 
-    from sok_keras import _leftovers
-
-    os.makedirs(os.path.join(
-        folder, f".served.sok-tmp-{_leftovers.owner(pid=999999999)}", "x"))
+    os.makedirs(os.path.join(folder, ".served.sok-tmp-999999999", "x"))
     replace = serving._replace_dir
 
     def stopped_replace(tmp, target):
