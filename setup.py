@@ -80,15 +80,54 @@ def _gencode_flags(nvcc):
     return flags
 
 
+def _csrc_files():
+    """Every file of csrc/ a build reads: the extension depends on them
+    all (headers, CUDA sources), not only on its C++ sources."""
+    files = []
+    for pattern in ("*.h", "*.cuh", "*.cc", "*.c"):
+        files += glob.glob(os.path.join("csrc", "**", pattern),
+                           recursive=True)
+    return sorted(files)
+
+
 class BuildTfOps(build_ext):
-    """Adds TensorFlow's flags and compiles the sources in parallel."""
+    """Adds TensorFlow's flags and compiles the sources in parallel.
+
+    A build in a folder that holds an earlier one (`build/`, which `pip
+    install .` leaves in the checkout) recompiles everything when what
+    the objects were compiled for changed: the TensorFlow version, its
+    flags, the CUDA compiler and targets (`_stamp`); distutils alone
+    looked at the sources' times only, and relabelled the old library
+    with the new TensorFlow's version.
+    """
 
     def finalize_options(self):
         super().finalize_options()
         if self.parallel is None:
             self.parallel = max(1, os.cpu_count() or 1)
 
-    def _build_cuda(self, nvcc, abi_flags):
+    def _stamp(self, key):
+        """Writes `key` (what the objects are compiled for) to a file in
+        the build folder when it differs from the last build's, and then
+        forces every object to be compiled again; returns the file, on
+        which the extension and the CUDA objects depend."""
+        import json
+
+        os.makedirs(self.build_temp, exist_ok=True)
+        path = os.path.join(self.build_temp, "sok_build_key.json")
+        text = json.dumps(key, sort_keys=True)
+        try:
+            with open(path) as f:
+                same = f.read() == text
+        except OSError:
+            same = False
+        if not same:
+            with open(path, "w") as f:
+                f.write(text)
+            self.force = True
+        return path
+
+    def _build_cuda(self, nvcc, abi_flags, stamp):
         """Compiles csrc/**/*.cu.cc with nvcc; returns the object files."""
         cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
         out_dir = os.path.join(self.build_temp, "cuda")
@@ -97,9 +136,9 @@ class BuildTfOps(build_ext):
         jobs = []
         for src in _sources(cuda=True):
             obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
-            deps = [src] + glob.glob(os.path.join("csrc", "core", "*.h")) + (
-                glob.glob(os.path.join("csrc", "core", "*.cuh")))
-            fresh = os.path.exists(obj) and all(
+            deps = [src, stamp] + [f for f in _csrc_files()
+                                   if f.endswith((".h", ".cuh"))]
+            fresh = not self.force and os.path.exists(obj) and all(
                 os.path.getmtime(obj) >= os.path.getmtime(d) for d in deps)
             cmd = [nvcc, "-x", "cu", "-std=c++17", "-O3", "-c", src, "-o", obj,
                    "-I", os.path.join(HERE, "csrc"), "-DSOK_WITH_CUDA=1",
@@ -161,11 +200,19 @@ class BuildTfOps(build_ext):
         cflags = list(tf.sysconfig.get_compile_flags())
         lflags = list(tf.sysconfig.get_link_flags())
         nvcc = _nvcc()
+        stamp = self._stamp({
+            "tensorflow": tf.__version__, "cflags": cflags,
+            "lflags": lflags, "nvcc": nvcc and os.path.realpath(nvcc),
+            "gencode": nvcc and _gencode_flags(nvcc)})
         cuda_objects, cuda_libs = [], []
         if nvcc is not None:
             abi = [f for f in cflags if f.startswith("-D_GLIBCXX_USE_CXX11_ABI")]
-            cuda_objects, cuda_libs = self._build_cuda(nvcc, abi)
+            cuda_objects, cuda_libs = self._build_cuda(nvcc, abi, stamp)
             cflags.append("-DSOK_WITH_CUDA=1")
+        for ext in self.extensions:
+            # Any header or CUDA source newer than the library, or another
+            # TensorFlow (the stamp), rebuilds it.
+            ext.depends = _csrc_files() + [stamp]
         for ext in self.extensions:
             if ext.name == "sok_keras._sok_bind_guard":
                 ext.extra_compile_args = ["-O2", "-g0", "-fPIC",

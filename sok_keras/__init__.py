@@ -12,11 +12,11 @@ try:
 except ImportError as _e:
     raise ImportError(
         "sok_keras needs TensorFlow 2.21, which is not installed (the "
-        "package leaves the choice of build to an extra). From a sok_keras "
-        "checkout: `pip install --no-build-isolation '.[cpu]'` (tensorflow-"
-        "cpu) or `'.[gpu]'` (tensorflow with CUDA, and NCCL); or install "
-        "TensorFlow yourself: `pip install tensorflow-cpu~=2.21.0` or "
-        "`pip install tensorflow~=2.21.0 nvidia-nccl-cu12`.") from _e
+        "package leaves the choice of build to an extra). Install it: "
+        "`pip install tensorflow-cpu~=2.21.0`, or for GPUs `pip install "
+        "'tensorflow[and-cuda]~=2.21.0' nvidia-nccl-cu12`; or install "
+        "sok_keras with it, from its checkout: `pip install '.[cpu]'` or "
+        "`pip install '.[gpu]'`.") from _e
 
 from sok_keras import _ops  # noqa: E402
 from sok_keras import callbacks

@@ -12,6 +12,7 @@ import threading
 
 import tensorflow as tf
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _LOCK = threading.Lock()
 _LIB = None
 _GRADIENTS = set()
@@ -19,9 +20,34 @@ _GRADIENTS = set()
 
 def library_path():
     """Returns the path of the compiled op library, or None."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    found = sorted(glob.glob(os.path.join(here, "_sok_ops*.so")))
+    found = sorted(glob.glob(os.path.join(_HERE, "_sok_ops*.so")))
     return found[0] if found else None
+
+
+def _release(version):
+    """'2.21.0' -> (2, 21): TensorFlow keeps a custom op library's ABI
+    within a minor release (extension packages pin major.minor alone)."""
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _tensorflow_distribution():
+    """The pip distribution that installed TensorFlow: its name is the one
+    to reinstall (`tensorflow-cpu` and `tensorflow` provide one module)."""
+    from importlib import metadata
+
+    for name in ("tensorflow-cpu", "tensorflow", "tf-nightly"):
+        try:
+            metadata.version(name)
+            return name
+        except metadata.PackageNotFoundError:
+            continue
+    return "tensorflow"
+
+
+def _rebuild_advice():
+    return ("Rebuild sok_keras against the installed TensorFlow (in the "
+            "sok_keras checkout: `pip install --no-build-isolation "
+            "--force-reinstall --no-deps .`, or `make build`)")
 
 
 def _check_versions():
@@ -29,16 +55,29 @@ def _check_versions():
         from sok_keras import _build_info
     except ImportError:
         return  # built by hand; the load below still reports symbols
-    if _build_info.TF_VERSION != tf.__version__:
+    if _release(_build_info.TF_VERSION) != _release(tf.__version__):
         raise ImportError(
             "sok_keras's op library was built against TensorFlow "
             f"{_build_info.TF_VERSION}, but TensorFlow {tf.__version__} is "
-            "installed. Rebuild sok_keras against the installed TensorFlow "
-            "(in the sok_keras checkout: `pip install --no-build-isolation "
-            "--force-reinstall .`, or `make build`) or install TensorFlow "
+            f"installed. {_rebuild_advice()} or install TensorFlow "
             f"{_build_info.TF_VERSION} (`pip install "
-            f"tensorflow-cpu=={_build_info.TF_VERSION}`)."
+            f"{_tensorflow_distribution()}=={_build_info.TF_VERSION}`)."
         )
+
+
+def _missing_library_message():
+    message = (f"sok_keras's op library (_sok_ops*.so) is missing from "
+               f"{_HERE}.")
+    if os.path.exists(os.path.join(os.path.dirname(_HERE), "setup.py")):
+        # A source checkout, imported because it is the working directory
+        # or on PYTHONPATH (an installed sok_keras is shadowed by it).
+        return message + (
+            " That is a source checkout: build it in place "
+            "(`python setup.py build_ext --inplace`, or `make build`), or "
+            "run from another directory to import an installed sok_keras.")
+    return message + (
+        " Reinstall the package (from a sok_keras checkout: `pip install "
+        "--no-build-isolation .`).")
 
 
 def ops():
@@ -51,11 +90,7 @@ def ops():
             return _LIB
         path = library_path()
         if path is None:
-            raise ImportError(
-                "sok_keras's op library (_sok_ops*.so) is missing. Install "
-                "the package with `pip install --no-build-isolation .` or "
-                "build it in place with `python setup.py build_ext --inplace`."
-            )
+            raise ImportError(_missing_library_message())
         _check_versions()
         try:
             _LIB = tf.load_op_library(path)
@@ -69,8 +104,7 @@ def ops():
             raise ImportError(
                 f"sok_keras's op library at {path} (built against "
                 f"TensorFlow {built}) does not load into TensorFlow "
-                f"{tf.__version__}: {e}. Rebuild sok_keras against the "
-                "installed TensorFlow."
+                f"{tf.__version__}: {e}. {_rebuild_advice()}."
             ) from None
         return _LIB
 

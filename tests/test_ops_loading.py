@@ -22,6 +22,33 @@ def test_library_built_for_another_tensorflow_gives_clear_import_error(
         _ops._check_versions()
     message = str(info.value)
     assert "2.99.0" in message and tf.__version__ in message
+    # The distribution that is installed (QA: tensorflow-cpu was advised
+    # to users of tensorflow, two distributions of one module).
+    assert f"pip install {_ops._tensorflow_distribution()}==2.99.0" in (
+        message)
+    # Another patch release of the same minor one loads (QA: pip's build
+    # isolation builds against the newest 2.21.x, whatever is installed).
+    major, minor = tf.__version__.split(".")[:2]
+    fake.TF_VERSION = f"{major}.{minor}.99"
+    _ops._check_versions()
+
+
+def test_a_missing_library_says_where_it_looked(monkeypatch, tmp_path):
+    """QA: in a checkout, after a non-editable install, Python imports the
+    checkout's sok_keras (no library) and the error advised the install
+    just made. It names the folder, and for a checkout how to build it in
+    place or to run from elsewhere."""
+    monkeypatch.setattr(_ops, "library_path", lambda: None)
+    monkeypatch.setattr(_ops, "_LIB", None)
+    checkout = tmp_path / "checkout"
+    (checkout / "sok_keras").mkdir(parents=True)
+    (checkout / "setup.py").write_text("")
+    for here, says in ((checkout / "sok_keras", "source checkout"),
+                       (tmp_path / "site" / "sok_keras", "Reinstall")):
+        monkeypatch.setattr(_ops, "_HERE", str(here))
+        with pytest.raises(ImportError, match=says) as info:
+            _ops.ops()
+        assert str(here) in str(info.value)
 
 
 def test_matching_build_info_passes():

@@ -1,0 +1,86 @@
+"""The source distribution and rebuilds of the op library (setup.py,
+MANIFEST.in), as a user installing with pip meets them."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tracked_files():
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=REPO, check=True,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [f for f in out.stdout.splitlines()
+            if os.path.isfile(os.path.join(REPO, f))]
+
+
+def _copy_of_the_checkout(into):
+    """The tracked files, as a fresh clone has them (no build outputs)."""
+    for name in _tracked_files():
+        target = os.path.join(into, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(REPO, name), target)
+    return into
+
+
+def _setup(tree, *args, **env):
+    return subprocess.run(
+        [sys.executable, "setup.py", *args], cwd=tree,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env),
+        capture_output=True, text=True, timeout=600)
+
+
+def test_the_source_distribution_holds_every_file_the_build_reads(
+        tmp_path):
+    """QA: the sdist held only the sources setup.py lists, so building
+    it (`pip install sok_keras-*.tar.gz`, `python -m build`) failed at
+    the first header: "core/blocks.h: No such file or directory"."""
+    tree = _copy_of_the_checkout(str(tmp_path / "src"))
+    done = _setup(tree, "-q", "sdist", "-d", str(tmp_path / "dist"))
+    assert done.returncode == 0, done.stderr
+    (archive,) = os.listdir(tmp_path / "dist")
+    with tarfile.open(tmp_path / "dist" / archive) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    wanted = {f for f in _tracked_files() if f.startswith("csrc/")
+              and f.endswith((".h", ".cuh", ".cc", ".c"))}
+    assert wanted and not wanted - names, sorted(wanted - names)
+    assert {"setup.py", "setup.cfg", "pyproject.toml", "README.md",
+            "sok_keras/__init__.py", "sokrun.py"} <= names
+    assert not [n for n in names if n.endswith((".so", ".o"))
+                or n.endswith("_build_info.py")], names
+
+
+def test_a_rebuild_for_another_tensorflow_compiles_again(tmp_path):
+    """QA: `pip install .` leaves `build/` in the checkout; the next build
+    there (after a TensorFlow upgrade, as the version error advises)
+    found the sources older than the library, kept the old library and
+    wrote the new TensorFlow's version beside it. The build now records
+    what it compiled for (`sok_build_key.json`) and compiles everything
+    again when that changes, or when any header does; an unchanged tree
+    is not compiled again."""
+    tree = _copy_of_the_checkout(str(tmp_path / "src"))
+    args = ("build_ext", "-b", str(tmp_path / "lib"),
+            "-t", str(tmp_path / "temp"))
+
+    def compiled():
+        done = _setup(tree, *args, SOK_CUDA="0")
+        assert done.returncode == 0, done.stdout + done.stderr
+        return [line for line in done.stdout.splitlines()
+                if " -c csrc/" in line]
+
+    assert len(compiled()) > 10  # every source
+    assert compiled() == []  # up to date
+    stamp = tmp_path / "temp" / "sok_build_key.json"
+    stamp.write_text(stamp.read_text().replace('"tensorflow": "',
+                                               '"tensorflow": "0.'))
+    assert len(compiled()) > 10  # what the objects were built for changed
+    os.utime(os.path.join(tree, "csrc", "core", "status.h"))
+    assert len(compiled()) > 10  # a header
