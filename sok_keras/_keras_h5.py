@@ -26,6 +26,7 @@ sharded `save_weights`, a dict) falls back to whole arrays.
 """
 
 import functools
+import os
 
 _INSTALLED = False
 
@@ -111,7 +112,8 @@ def _legacy_h5_loads_masks():
 class _TrackedTempfiles:
     """`saving_lib`'s `tempfile`: the weights file Keras' on-disk save
     makes beside the `.keras` file is named for sok_keras
-    (`.sok-tmp-weights-*`) and remembered (per thread), so that
+    (`.sok-tmp-<token>-weights-*` in sok's save, `_leftovers`) and
+    remembered (per thread), so that
     `_temporaries_removed` removes it when the save ends. Keras closes
     (deletes) it after `weights_store.close()`, which raises on a full
     disk: the file, as large as the weights, then stayed until garbage
@@ -132,10 +134,53 @@ class _TrackedTempfiles:
         return self._local.files
 
     def NamedTemporaryFile(self, *args, **kwargs):  # noqa: N802 - tempfile's
-        kwargs.setdefault("prefix", ".sok-tmp-weights-")
+        from sok_keras import _leftovers
+
+        # Inside sok's save (a claim on the folder): the save's token, so
+        # that a SIGKILL's leftover goes at the next save (`_leftovers`).
+        token = _leftovers.active_token(kwargs.get("dir"))
+        kwargs.setdefault("prefix", f".{_leftovers.MARK}{token}-weights-"
+                          if token else f".{_leftovers.MARK}weights-")
         f = self._module.NamedTemporaryFile(*args, **kwargs)
         self.opened().append(f)
         return f
+
+    def TemporaryDirectory(self, *args, **kwargs):  # noqa: N802 - tempfile's
+        if kwargs.get("dir") is None or args:
+            return self._module.TemporaryDirectory(*args, **kwargs)
+        return _ClaimedDirectory(self._module, kwargs)
+
+
+class _ClaimedDirectory:
+    """The folder into which a loading rank extracts the weights beside the
+    model's file (`TemporaryDirectory(dir=...)`, a full copy each): named
+    `.sok-tmp-<token>-load-*` and claimed while it exists, so that one a
+    SIGKILL left goes at the next save or load there (`_leftovers`)."""
+
+    def __init__(self, module, kwargs):
+        from sok_keras import _leftovers
+
+        self._claim = _leftovers.Claim(os.fspath(kwargs["dir"]))
+        kwargs.setdefault(
+            "prefix", f".{_leftovers.MARK}{self._claim.token}-load-")
+        try:
+            self._dir = module.TemporaryDirectory(**kwargs)
+        except BaseException:
+            self._claim.release()
+            raise
+        self.name = self._dir.name
+
+    def cleanup(self):
+        try:
+            self._dir.cleanup()
+        finally:
+            self._claim.release()
+
+    def __enter__(self):
+        return self.name
+
+    def __exit__(self, *exc):
+        self.cleanup()
 
 
 def _temporaries_removed(fn):

@@ -3,8 +3,9 @@
 Saving and loading a model with sok tables goes through files on disk
 (`sok_keras._keras_h5`): the writer builds the weights in a temporary file
 beside the `.keras` file (and sok's writer renames a hidden
-`.<name>.sok-tmp-<pid>.keras` into place), and each reader extracts the
-whole `model.weights.h5` into a `tmp*` folder beside it. Each is removed in
+`.<name>.sok-tmp-<token>.keras` into place), and each reader extracts the
+whole `model.weights.h5` into a `.sok-tmp-<token>-load-*` folder beside
+it (`_leftovers`: what a SIGKILL leaves goes at the next operation). Each is removed in
 a `finally` block, which Python's default SIGTERM (death at once) skips:
 `sokrun --timeout`, Slurm or Kubernetes stopping a job mid-load would leave
 a full copy of the weights per rank on disk.

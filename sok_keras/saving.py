@@ -41,6 +41,7 @@ import shutil
 import numpy as np
 import tensorflow as tf
 
+from sok_keras import _leftovers
 from sok_keras import _terminate
 from sok_keras import global_views
 from sok_keras import world
@@ -147,14 +148,14 @@ def _agree(what, value, timeout):
     return world.control_communicator().agree(what, value, timeout)
 
 
-def _temporary_path(path, pid=None):
+def _temporary_path(path, token):
     """A hidden name beside `path` that keeps its full suffix (Keras
-    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<pid>.keras`
-    (`pid`: the writer's, by default this process')."""
+    checks `.keras` and `.weights.h5`): `.model.sok-tmp-<token>.keras`
+    (`token`: the writer's operation's, `_leftovers`)."""
     folder = os.path.dirname(os.path.abspath(path))
     stem, dot, rest = os.path.basename(path).partition(".")
-    pid = os.getpid() if pid is None else pid
-    return os.path.join(folder, f".{stem}.sok-tmp-{pid}{dot}{rest}")
+    return os.path.join(folder,
+                        f".{stem}.{_leftovers.MARK}{token}{dot}{rest}")
 
 
 class _Staging:
@@ -167,24 +168,41 @@ class _Staging:
     the final names, whose shards are moved into place before the json.
     """
 
-    def __init__(self, path, sharded, pid=None):
+    def __init__(self, path, sharded, token=None):
         self.folder = None
         if os.path.islink(path):
             # A link to the file: the file is replaced, the link kept (as
             # Keras writes through it).
             path = os.path.realpath(path)
+        # The writer's (`prepare`) marks its temporaries as alive, and
+        # what killed saves left is removed (`_leftovers`).
+        self.token = token or _leftovers.new_token()
+        self._claim = None
         if sharded:
-            self.folder = _temporary_path(path, pid) + ".d"
+            self.folder = _temporary_path(path, self.token) + ".d"
             self.target = os.path.join(self.folder, os.path.basename(path))
         else:
-            self.target = _temporary_path(path, pid)
+            self.target = _temporary_path(path, self.token)
         self.path = path
 
     def prepare(self):
+        self._claim = _leftovers.Claim(
+            os.path.dirname(os.path.abspath(self.path)), self.token)
         if self.folder is not None:
             os.makedirs(self.folder, exist_ok=True)
 
     def publish(self):
+        """Moves the temporary file or folder into place; the claim on the
+        folder ends with it (no temporaries remain)."""
+        self._publish()
+        self._release()
+
+    def _release(self):
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+    def _publish(self):
         if self.folder is None and os.path.isdir(self.target):
             # `zipped=False`: Keras wrote a folder. An existing one is
             # moved aside first (a folder is not replaced in one step).
@@ -213,11 +231,14 @@ class _Staging:
         os.rmdir(self.folder)
 
     def remove(self):
-        if self.folder is not None or os.path.isdir(self.target):
-            shutil.rmtree(self.folder or self.target, ignore_errors=True)
-            return
-        with contextlib.suppress(OSError):
-            os.remove(self.target)
+        try:
+            if self.folder is not None or os.path.isdir(self.target):
+                shutil.rmtree(self.folder or self.target, ignore_errors=True)
+                return
+            with contextlib.suppress(OSError):
+                os.remove(self.target)
+        finally:
+            self._release()
 
 
 def save_model(model, filepath, overwrite=True, **kwargs):
@@ -328,9 +349,10 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
             f"sok_keras: '{path}' exists and overwrite=False.")
     # Every rank names rank 0's temporary file, to check before the
     # rename that its path is rank 0's.
-    writer = _agree("save/writer", os.getpid() if rank == 0 else 0,
-                    world.timeout())
-    staging = _Staging(path, sharded, writer)
+    token = _agree("save/writer",
+                   int(_leftovers.new_token(), 16) if rank == 0 else 0,
+                   world.timeout())
+    staging = _Staging(path, sharded, f"{token:012x}")
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
     with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:

@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from sok_keras import _leftovers
 from sok_keras import world
 from sok_keras.layers.base_embedding import padding_mask
 
@@ -413,7 +414,7 @@ def _export(model, path, verbose, input_signature, **kwargs):
     _check_target(path, n, rank)
     layers = _sok_layers(model)
     error = None
-    tmp = None
+    tmp = claim = None
     try:
         tables = {}
         for layer in layers:
@@ -424,9 +425,10 @@ def _export(model, path, verbose, input_signature, **kwargs):
                 tables[id(v)] = _whole_table(v)
         if rank == 0:
             folder = os.path.dirname(os.path.abspath(path))
-            _remove_dead_exports(folder, os.path.basename(path))
-            tmp = os.path.join(
-                folder, f".{os.path.basename(path)}.sok-tmp-{os.getpid()}")
+            # Removes what killed exports, saves and loads left here.
+            claim = _leftovers.Claim(folder)
+            tmp = os.path.join(folder, f".{os.path.basename(path)}."
+                               f"{_leftovers.MARK}{claim.token}")
             write = _export_cloned if clone else _export_traced
             write(model, layers, tables, tmp, verbose=verbose,
                   input_signature=input_signature, **kwargs)
@@ -452,6 +454,8 @@ def _export(model, path, verbose, input_signature, **kwargs):
     finally:
         if rank == 0 and tmp is not None and os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+        if claim is not None:
+            claim.release()
 
 
 def _export_cloned(model, layers, tables, tmp, **kwargs):
@@ -596,28 +600,6 @@ def _refuse_sharded_reads(model, archive):
             "layers (e.g. tied output weights reading `layer.embeddings`): "
             "the export would hold one rank's rows. Only lookups are "
             "served from whole tables.")
-
-
-def _remove_dead_exports(folder, name):
-    """Removes `.<name>.sok-tmp-<pid>` folders of exports whose process is
-    gone (killed mid-export: SIGKILL skips every clean-up)."""
-    prefix = f".{name}.sok-tmp-"
-    try:
-        entries = os.listdir(folder)
-    except OSError:
-        return
-    for entry in entries:
-        pid = entry[len(prefix):]
-        if not (entry.startswith(prefix) and pid.isdigit()):
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive: another export in progress
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue  # (another user's process: not ours to judge)
-        shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
 def install():

@@ -72,16 +72,22 @@ def test_a_save_killed_half_way_leaves_the_previous_file_loadable(
     the first save is still there and loads with its rows."""
     import numpy as np
 
+    import sok_keras  # noqa: F401 - its layers, for load_model
+
     job = launch(worker_path("save_every_rank"), 2,
                  args=["killed", str(tmp_path)], timeout=240)
     assert job.returncode != 0, job.output
     assert job.results == {}, job.results  # no rank got past the save
     assert job.leftovers == []
     first = np.load(tmp_path / "first.npy")
+    # Rank 0's hidden file and its lock (`_leftovers`) stay after a
+    # SIGKILL; the next load here removes them.
+    assert [n for n in os.listdir(tmp_path) if "sok-tmp" in n]
     model = keras.models.load_model(str(tmp_path / "model.keras"),
                                     compile=False)
     np.testing.assert_array_equal(
         model.get_layer("emb").embeddings.numpy(), first)
+    assert sorted(os.listdir(tmp_path)) == ["first.npy", "model.keras"]
 
 
 def test_save_on_rank_0_only_fails_fast_with_a_clear_error(tmp_path):

@@ -35,6 +35,73 @@ def test_sigterm_mid_save_or_load_leaves_no_temporary_files(tmp_path, mode):
     assert left == ([] if mode == "save" else ["model.keras"]), (left, out)
 
 
+
+@pytest.mark.parametrize("mode", ["save", "load"])
+def test_what_a_sigkill_left_goes_at_the_next_save_or_load(tmp_path, mode):
+    """SIGKILL (the OOM killer, a preemption's grace running out) skips
+    every clean-up: a killed save left its hidden `.keras` and Keras'
+    weights file, a killed load its extracted copy of the weights, each
+    as large as the weights, until someone found them. The next save or
+    load in the folder removes them (their owner's lock is free); a live
+    operation's files (its lock held) and a user's own stay."""
+    import fcntl
+
+    import keras
+    import numpy as np
+
+    import sok_keras as sok
+
+    proc = subprocess.run(
+        [sys.executable, worker_path("terminated_save_load"), mode,
+         str(tmp_path)], env=dict(_repo_env(), STOP_SIGNAL="SIGKILL"),
+        capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGKILL, out
+    killed = sorted(n for n in os.listdir(tmp_path) if "sok-tmp" in n)
+    # save: sok's file and Keras' weights file; load: the extracted
+    # weights; and the operation's lock file.
+    assert len(killed) == (3 if mode == "save" else 2), (killed, out)
+    live = tmp_path / ".sok-tmp-00000000000a.lock"
+    held = os.open(live, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    kept = [live.name, ".model.sok-tmp-00000000000a.keras",
+            ".sok-tmp-00000000000a-load-x", "notes.sok-tmp-backup"]
+    for name in kept[1:]:
+        (tmp_path / name).write_bytes(b"x")
+    path = tmp_path / "model.keras"
+    try:
+        if mode == "save":
+            ids = keras.Input((2,), dtype="int64")
+            model = keras.Model(ids, keras.layers.Dense(1)(
+                sok.layers.DistributedEmbedding(1000, 8, name="emb")(ids)))
+            model.save(str(path))
+        else:
+            model = keras.models.load_model(str(path))
+        assert model.predict(np.array([[1, 2]]), verbose=0).shape == (1, 1)
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            kept + ["model.keras"])
+    finally:
+        os.close(held)
+
+
+def test_a_model_moved_aside_by_a_killed_export_is_moved_back(tmp_path):
+    """An export replaces an earlier one in two renames (the old one aside,
+    the new one in): killed between them, the user's export is at
+    `.<name>.sok-tmp-<token>.old` and nothing at the name. The next
+    operation in the folder moves it back, and removes the rest."""
+    from sok_keras import _leftovers
+
+    (tmp_path / ".served.sok-tmp-0123456789ab.old").mkdir()
+    (tmp_path / ".served.sok-tmp-0123456789ab.old" / "saved_model.pb"
+     ).write_bytes(b"mine")
+    (tmp_path / ".served.sok-tmp-0123456789ab").mkdir()
+    (tmp_path / ".sok-tmp-0123456789ab.lock").write_bytes(b"")
+    with _leftovers.Claim(str(tmp_path)):
+        pass
+    assert sorted(os.listdir(tmp_path)) == ["served"]
+    assert (tmp_path / "served" / "saved_model.pb").read_bytes() == b"mine"
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_keras_extracts_the_weights_stops_the_load(
         tmp_path, sig):

@@ -97,6 +97,9 @@ for i in range(int(os.environ.get("SAVES", "10"))):
     got = keras.ops.convert_to_numpy(loaded.get_layer("emb").embeddings.value)
     checks.append(bad is None and bool(
         np.array_equal(got, table[RANK::sok.num_ranks()])))
+# (Once every rank has loaded: each one's extracted weights are in the
+# folder while it loads.)
+sok.world.control_communicator().agree("loaded", 1, 120)
 leftovers = [n for n in os.listdir(folder) if "sok-tmp" in n]
 
 # Keras' sharded weights (`max_shard_size`, in GB): a json naming shard

@@ -3,7 +3,8 @@
 the middle of `model.save` ("save-ranks"), sent from inside the layer's own
 save/load of its table, when Keras' temporary weights file (save) or
 extracted weights folder (load) exists; "load-extract": while Keras
-extracts the weights file (STOP_SIGNAL: SIGTERM or SIGINT); "export":
+extracts the weights file (STOP_SIGNAL: SIGTERM, SIGINT; or SIGKILL in
+"save" and "load", which leaves the temporary files behind); "export":
 model.export, SIGTERM when its temporary folder is complete. "save-ranks-stream": rank 0 gets
 it right after telling the others to send a table's rows (they are inside
 that collective); "save-ranks-zip": while Keras copies its weights file
@@ -34,7 +35,8 @@ def terminate(original):
         if sok.rank() == 0:
             # Keras' temporary file or folder exists now, beside `path`.
             print("during:", sorted(os.listdir(folder)), flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(
+                signal, os.environ.get("STOP_SIGNAL", "SIGTERM")))
         return original(self, store)
 
     return hook
@@ -75,7 +77,9 @@ elif mode == "export":
     # SIGTERM once the export's temporary folder is complete.
     from sok_keras import serving
 
-    os.makedirs(os.path.join(folder, ".served.sok-tmp-999999999", "x"))
+    # (its lock file, which no live process holds: `_leftovers`)
+    os.makedirs(os.path.join(folder, ".served.sok-tmp-0123456789ab", "x"))
+    open(os.path.join(folder, ".sok-tmp-0123456789ab.lock"), "w").close()
     replace = serving._replace_dir
 
     def stopped_replace(tmp, target):
