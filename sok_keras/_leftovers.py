@@ -11,28 +11,45 @@ nothing.
 
 Each operation (`Claim`) names its temporaries with a random token,
 `.<name>.sok-tmp-<token>.keras`, `.sok-tmp-<token>-weights-*`,
-`.sok-tmp-<token>-load-*`, and holds an exclusive `flock` on a lock file
-`.sok-tmp-<token>.lock` in the folder while it runs. The kernel releases
-the lock when the process dies, however it dies. `remove_dead(folder)`,
-at the start of the next operation there, takes each lock it can: those
-tokens' owners are gone, and their entries are removed. A user's file
-that a killed export or `zipped=False` save had moved aside
-(`.<name>.sok-tmp-<token>.old`) is moved back when nothing took its
-place. A live operation's lock cannot be taken, on this host or another
-(flock through NFS is a lock on the server), so its files stay; where the
-file system has no locks, nothing is removed.
+`.sok-tmp-<token>-load-*`, and while it runs holds an exclusive `flock`
+on the lock file `.sok-tmp-<token>.lock` in the folder, into which it
+writes the kernel it runs on (Linux' boot id, else the host name). The
+kernel releases the lock when the process dies, however it dies.
+`remove_dead(folder)`, at the start of the next operation there, takes
+each lock it can: if the lock file names this kernel, its owner is gone,
+and its entries are removed. A lock taken on a file that names another
+kernel proves nothing (some shared file systems lock on each host
+alone), so another host's files stay, as do a live operation's and any
+name that is not a claimed token's. A user's file that a killed export or
+`zipped=False` save had moved aside (`.<name>.sok-tmp-<token>.old`) is
+moved back when nothing took its place.
 """
 
 import contextlib
 import fcntl
+import json
 import os
 import secrets
 import shutil
+import socket
 import threading
+import time
+import weakref
 
 MARK = "sok-tmp-"
 _LOCK_SUFFIX = ".lock"
 _active = threading.local()  # the claims this thread holds, innermost last
+_CLAIMS = weakref.WeakSet()  # every live claim (for fork)
+# A lock file with nothing in it is younger than this while its owner
+# writes it; older and unlocked, its owner died before making anything.
+_EMPTY_GRACE_S = 60.0
+
+
+def _kernel():
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return "boot:" + f.read().strip()
+    return "host:" + socket.gethostname()
 
 
 def _lock_name(token):
@@ -44,6 +61,13 @@ def new_token():
     return secrets.token_hex(6)
 
 
+def _stack():
+    stack = getattr(_active, "claims", None)
+    if stack is None:
+        stack = _active.claims = []
+    return stack
+
+
 class Claim:
     """One operation's temporaries in `folder`: removes what dead
     operations left there, then holds the lock that marks this one's
@@ -51,38 +75,36 @@ class Claim:
 
     Args:
         folder: where the temporaries go.
-        token: the names' token (another rank's, agreed); by default a
-            new one.
-        lock: whether this process writes the temporaries (holds the
-            lock); False for ranks that only name rank 0's.
+        token: the names' token; by default a new one.
     """
 
-    def __init__(self, folder, token=None, lock=True):
+    def __init__(self, folder, token=None):
         self.folder = folder or "."
         self.token = token or new_token()
-        self._fd = None
-        if lock:
-            remove_dead(self.folder)
-            self._fd = _locked(os.path.join(self.folder,
-                                            _lock_name(self.token)),
-                               create=True)
-        stack = getattr(_active, "claims", None)
-        if stack is None:
-            stack = _active.claims = []
-        stack.append(self)
+        remove_dead(self.folder)
+        self._fd = _acquire(os.path.join(self.folder,
+                                         _lock_name(self.token)))
+        _stack().append(self)
+        _CLAIMS.add(self)
 
     def release(self):
-        stack = getattr(_active, "claims", [])
-        if self in stack:
-            stack.remove(self)
-        if self._fd is not None:
-            # Unlinked first: a cleaner that opens the name afterwards
-            # finds nothing; one that opened it before gets the lock only
-            # once this operation's temporaries are gone.
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(self.folder, _lock_name(self.token)))
-            os.close(self._fd)
-            self._fd = None
+        """Ends the claim. The lock file goes once the operation's
+        temporaries are gone (else the next operation removes both)."""
+        with contextlib.suppress(ValueError):
+            _stack().remove(self)
+        _CLAIMS.discard(self)
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if not _entries_of(self.folder, self.token):
+                # Unlinked before the lock is released: a cleaner that
+                # opens the name afterwards finds nothing.
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.folder,
+                                           _lock_name(self.token)))
+        finally:
+            os.close(fd)
 
     def __enter__(self):
         return self
@@ -92,46 +114,78 @@ class Claim:
         return False
 
 
+def _forget_in_child():
+    """A forked child does not own its parent's claims: it closes its copy
+    of their locks (the parent's still hold them) and never removes them."""
+    for claim in list(_CLAIMS):
+        fd, claim._fd = claim._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _CLAIMS.clear()
+    _active.claims = []
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def active_token(folder):
     """The token of this thread's innermost claim on `folder`, or None
     (Keras' temporary files made inside a save or load take it)."""
     real = os.path.realpath(folder or ".")
-    for claim in reversed(getattr(_active, "claims", [])):
+    for claim in reversed(_stack()):
         if os.path.realpath(claim.folder) == real:
             return claim.token
     return None
 
 
-def _locked(path, create=False):
-    """An fd of `path` holding an exclusive flock, or None (held by a live
-    process, gone, or the file system has no locks)."""
-    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+def _acquire(path):
+    """Creates `path`, locks it and writes this kernel into it; the fd, or
+    None where it cannot (a folder that is not writable, no locks)."""
     try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        for attempt in range(200):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 199:
+                    raise
+                time.sleep(0.01)  # a cleaner looks at it (it is empty)
+        os.write(fd, json.dumps({"kernel": _kernel(),
+                                 "pid": os.getpid()}).encode())
+        return fd
+    except OSError:  # (ENOLCK, EOPNOTSUPP...: no locks, no claim)
         os.close(fd)
-        if create:  # no locks here: no lock file either
-            with contextlib.suppress(OSError):
-                os.remove(path)
+        with contextlib.suppress(OSError):
+            os.remove(path)
         return None
-    return fd
+
+
+def _entries_of(folder, token):
+    """The names in `folder` of `token`'s temporaries (not its lock)."""
+    mark, lock = f"{MARK}{token}", _lock_name(token)
+    try:
+        return [e for e in os.listdir(folder) if mark in e and e != lock]
+    except OSError:
+        return []
 
 
 def _restore_or_remove(folder, entry, token):
     """A `.old` entry holds what the user had at the target: moved back if
-    nothing took its place (a kill between the two renames), else
-    removed."""
+    nothing took its place (a kill between the two renames), removed if
+    the new one is in place."""
     path = os.path.join(folder, entry)
     original = os.path.join(
         folder, entry[1:-len(".old")].replace(f".{MARK}{token}", "", 1))
     if not os.path.lexists(original):
         with contextlib.suppress(OSError):
             os.replace(path, original)
-            return
+        return
     _remove(path)
 
 
@@ -143,6 +197,25 @@ def _remove(path):
             os.remove(path)
 
 
+def _dead_owner(fd, path):
+    """Whether the lock file `path`, locked by us on `fd`, is a dead
+    operation's of this kernel: "dead", "empty" (died before writing,
+    long ago) or None (not ours to judge)."""
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            f.seek(0)
+            text = f.read(4096)
+        if not text:
+            old = time.time() - os.fstat(fd).st_mtime > _EMPTY_GRACE_S
+            return "empty" if old else None
+        owner = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(owner, dict) or owner.get("kernel") != _kernel():
+        return None
+    return "dead"
+
+
 def remove_dead(folder):
     """Removes the temporaries in `folder` of operations whose process is
     gone (see the module); returns the names removed or moved back."""
@@ -151,30 +224,39 @@ def remove_dead(folder):
         entries = os.listdir(folder)
     except OSError:
         return []
-    done = []
-    prefix = f".{MARK}"
+    prefix, done = f".{MARK}", []
     for lock in entries:
         if not (lock.startswith(prefix) and lock.endswith(_LOCK_SUFFIX)):
             continue
         token = lock[len(prefix):-len(_LOCK_SUFFIX)]
-        if len(token) != 12 or not all(c in "0123456789abcdef"
-                                       for c in token):
+        if len(token) != 12 or any(c not in "0123456789abcdef"
+                                   for c in token):
             continue
-        fd = _locked(os.path.join(folder, lock))
-        if fd is None:
-            continue  # alive (or not ours to judge)
+        path = os.path.join(folder, lock)
         try:
-            mark = f"{MARK}{token}"
-            for entry in entries:
-                if entry == lock or mark not in entry:
-                    continue
-                if entry.endswith(".old"):
-                    _restore_or_remove(folder, entry, token)
-                else:
-                    _remove(os.path.join(folder, entry))
-                done.append(entry)
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(folder, lock))
+            # (Read-write: NFS makes flock a POSIX lock, which an
+            # exclusive lock takes write access for.)
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # alive (or no locks here: nothing to judge)
+            verdict = _dead_owner(fd, path)
+            if verdict is None:
+                continue
+            if verdict == "dead":
+                for entry in _entries_of(folder, token):
+                    if entry.endswith(".old"):
+                        _restore_or_remove(folder, entry, token)
+                    else:
+                        _remove(os.path.join(folder, entry))
+                    done.append(entry)
+            if not _entries_of(folder, token):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
         finally:
             os.close(fd)
     return done

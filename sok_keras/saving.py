@@ -158,6 +158,12 @@ def _temporary_path(path, token):
                         f".{stem}.{_leftovers.MARK}{token}{dot}{rest}")
 
 
+def _written_path(path):
+    """The file a save of `path` replaces: a link's target (the link is
+    kept, as Keras writes through it)."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 class _Staging:
     """Where rank 0 writes before the result is moved into place.
 
@@ -168,16 +174,14 @@ class _Staging:
     the final names, whose shards are moved into place before the json.
     """
 
-    def __init__(self, path, sharded, token=None):
+    def __init__(self, path, sharded, token=None, claim=None):
         self.folder = None
-        if os.path.islink(path):
-            # A link to the file: the file is replaced, the link kept (as
-            # Keras writes through it).
-            path = os.path.realpath(path)
-        # The writer's (`prepare`) marks its temporaries as alive, and
-        # what killed saves left is removed (`_leftovers`).
-        self.token = token or _leftovers.new_token()
-        self._claim = None
+        path = _written_path(path)
+        # The writer's claim (`prepare`, or given) marks its temporaries
+        # as alive, and removes what killed operations left (`_leftovers`).
+        self._claim = claim
+        self.token = claim.token if claim is not None else (
+            token or _leftovers.new_token())
         if sharded:
             self.folder = _temporary_path(path, self.token) + ".d"
             self.target = os.path.join(self.folder, os.path.basename(path))
@@ -186,8 +190,9 @@ class _Staging:
         self.path = path
 
     def prepare(self):
-        self._claim = _leftovers.Claim(
-            os.path.dirname(os.path.abspath(self.path)), self.token)
+        if self._claim is None:
+            self._claim = _leftovers.Claim(
+                os.path.dirname(os.path.abspath(self.path)), self.token)
         if self.folder is not None:
             os.makedirs(self.folder, exist_ok=True)
 
@@ -348,11 +353,20 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
         raise FileExistsError(
             f"sok_keras: '{path}' exists and overwrite=False.")
     # Every rank names rank 0's temporary file, to check before the
-    # rename that its path is rank 0's.
-    token = _agree("save/writer",
-                   int(_leftovers.new_token(), 16) if rank == 0 else 0,
-                   world.timeout())
-    staging = _Staging(path, sharded, f"{token:012x}")
+    # rename that its path is rank 0's. Rank 0 claims the folder first
+    # (removing what killed operations left there) while no rank waits
+    # inside the save's streams.
+    claim = _leftovers.Claim(os.path.dirname(os.path.abspath(
+        _written_path(path)))) if rank == 0 else None
+    try:
+        token = _agree("save/writer",
+                       int(claim.token, 16) if rank == 0 else 0,
+                       world.timeout())
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
+    staging = _Staging(path, sharded, f"{token:012x}", claim)
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
     with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:

@@ -84,24 +84,6 @@ def test_what_a_sigkill_left_goes_at_the_next_save_or_load(tmp_path, mode):
         os.close(held)
 
 
-def test_a_model_moved_aside_by_a_killed_export_is_moved_back(tmp_path):
-    """An export replaces an earlier one in two renames (the old one aside,
-    the new one in): killed between them, the user's export is at
-    `.<name>.sok-tmp-<token>.old` and nothing at the name. The next
-    operation in the folder moves it back, and removes the rest."""
-    from sok_keras import _leftovers
-
-    (tmp_path / ".served.sok-tmp-0123456789ab.old").mkdir()
-    (tmp_path / ".served.sok-tmp-0123456789ab.old" / "saved_model.pb"
-     ).write_bytes(b"mine")
-    (tmp_path / ".served.sok-tmp-0123456789ab").mkdir()
-    (tmp_path / ".sok-tmp-0123456789ab.lock").write_bytes(b"")
-    with _leftovers.Claim(str(tmp_path)):
-        pass
-    assert sorted(os.listdir(tmp_path)) == ["served"]
-    assert (tmp_path / "served" / "saved_model.pb").read_bytes() == b"mine"
-
-
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_keras_extracts_the_weights_stops_the_load(
         tmp_path, sig):

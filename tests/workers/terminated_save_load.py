@@ -77,9 +77,15 @@ elif mode == "export":
     # SIGTERM once the export's temporary folder is complete.
     from sok_keras import serving
 
-    # (its lock file, which no live process holds: `_leftovers`)
+    # (its lock file, of this kernel, which no live process holds:
+    # `_leftovers`)
+    import json
+
+    from sok_keras import _leftovers
+
     os.makedirs(os.path.join(folder, ".served.sok-tmp-0123456789ab", "x"))
-    open(os.path.join(folder, ".sok-tmp-0123456789ab.lock"), "w").close()
+    with open(os.path.join(folder, ".sok-tmp-0123456789ab.lock"), "w") as f:
+        json.dump({"kernel": _leftovers._kernel(), "pid": 1}, f)
     replace = serving._replace_dir
 
     def stopped_replace(tmp, target):
