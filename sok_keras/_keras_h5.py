@@ -81,7 +81,6 @@ def install():
     _INSTALLED = True
 
 
-
 def _legacy_h5_loads_masks():
     """Keras' legacy `.h5` loader finds a model's layers by class name
     among Keras' layers, and a functional model can hold one operation
@@ -108,6 +107,7 @@ def _legacy_h5_loads_masks():
 
     load_model_from_hdf5._sok_keras = True
     legacy_h5_format.load_model_from_hdf5 = load_model_from_hdf5
+
 
 class _TrackedTempfiles:
     """`saving_lib`'s `tempfile`: the weights file Keras' on-disk save

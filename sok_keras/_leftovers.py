@@ -46,9 +46,9 @@ _EMPTY_GRACE_S = 60.0
 
 
 def _kernel():
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return "boot:" + f.read().strip()
+    with contextlib.suppress(OSError), open(
+            "/proc/sys/kernel/random/boot_id") as f:
+        return "boot:" + f.read().strip()
     return "host:" + socket.gethostname()
 
 
