@@ -127,17 +127,16 @@ class BuildTfOps(build_ext):
             self.force = True
         return path
 
-    def _build_cuda(self, nvcc, abi_flags, stamp):
-        """Compiles csrc/**/*.cu.cc with nvcc; returns the object files."""
+    def _build_cuda(self, nvcc, abi_flags, gencode, depends):
+        """Compiles csrc/**/*.cu.cc with nvcc (each also depending on
+        `depends`: the headers and the stamp); returns the object files."""
         cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
         out_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(out_dir, exist_ok=True)
-        gencode = _gencode_flags(nvcc)
         jobs = []
         for src in _sources(cuda=True):
             obj = os.path.join(out_dir, src.replace(os.sep, "_") + ".o")
-            deps = [src, stamp] + [f for f in _csrc_files()
-                                   if f.endswith((".h", ".cuh"))]
+            deps = [src] + depends
             fresh = not self.force and os.path.exists(obj) and all(
                 os.path.getmtime(obj) >= os.path.getmtime(d) for d in deps)
             cmd = [nvcc, "-x", "cu", "-std=c++17", "-O3", "-c", src, "-o", obj,
@@ -200,20 +199,23 @@ class BuildTfOps(build_ext):
         cflags = list(tf.sysconfig.get_compile_flags())
         lflags = list(tf.sysconfig.get_link_flags())
         nvcc = _nvcc()
+        gencode = _gencode_flags(nvcc) if nvcc is not None else None
         stamp = self._stamp({
             "tensorflow": tf.__version__, "cflags": cflags,
             "lflags": lflags, "nvcc": nvcc and os.path.realpath(nvcc),
-            "gencode": nvcc and _gencode_flags(nvcc)})
+            "gencode": gencode})
+        csrc = _csrc_files()
         cuda_objects, cuda_libs = [], []
         if nvcc is not None:
             abi = [f for f in cflags if f.startswith("-D_GLIBCXX_USE_CXX11_ABI")]
-            cuda_objects, cuda_libs = self._build_cuda(nvcc, abi, stamp)
+            headers = [f for f in csrc if f.endswith((".h", ".cuh"))]
+            cuda_objects, cuda_libs = self._build_cuda(
+                nvcc, abi, gencode, headers + [stamp])
             cflags.append("-DSOK_WITH_CUDA=1")
         for ext in self.extensions:
             # Any header or CUDA source newer than the library, or another
             # TensorFlow (the stamp), rebuilds it.
-            ext.depends = _csrc_files() + [stamp]
-        for ext in self.extensions:
+            ext.depends = csrc + [stamp]
             if ext.name == "sok_keras._sok_bind_guard":
                 ext.extra_compile_args = ["-O2", "-g0", "-fPIC",
                                           "-fvisibility=hidden"]

@@ -24,7 +24,7 @@ def library_path():
     return found[0] if found else None
 
 
-def _release(version):
+def _minor_release(version):
     """'2.21.0' -> (2, 21): TensorFlow keeps a custom op library's ABI
     within a minor release (extension packages pin major.minor alone)."""
     return tuple(version.split("+")[0].split(".")[:2])
@@ -55,7 +55,8 @@ def _check_versions():
         from sok_keras import _build_info
     except ImportError:
         return  # built by hand; the load below still reports symbols
-    if _release(_build_info.TF_VERSION) != _release(tf.__version__):
+    if (_minor_release(_build_info.TF_VERSION)
+            != _minor_release(tf.__version__)):
         raise ImportError(
             "sok_keras's op library was built against TensorFlow "
             f"{_build_info.TF_VERSION}, but TensorFlow {tf.__version__} is "

@@ -158,12 +158,6 @@ def _temporary_path(path, token):
                         f".{stem}.{_leftovers.MARK}{token}{dot}{rest}")
 
 
-def _written_path(path):
-    """The file a save of `path` replaces: a link's target (the link is
-    kept, as Keras writes through it)."""
-    return os.path.realpath(path) if os.path.islink(path) else path
-
-
 class _Staging:
     """Where rank 0 writes before the result is moved into place.
 
@@ -174,14 +168,16 @@ class _Staging:
     the final names, whose shards are moved into place before the json.
     """
 
-    def __init__(self, path, sharded, token=None, claim=None):
+    def __init__(self, path, sharded, token=None):
         self.folder = None
-        path = _written_path(path)
-        # The writer's claim (`prepare`, or given) marks its temporaries
-        # as alive, and removes what killed operations left (`_leftovers`).
-        self._claim = claim
-        self.token = claim.token if claim is not None else (
-            token or _leftovers.new_token())
+        if os.path.islink(path):
+            # A link to the file: the file is replaced, the link kept (as
+            # Keras writes through it).
+            path = os.path.realpath(path)
+        # The writer's claim (`claim`) marks its temporaries as alive, and
+        # removes what killed operations left (`_leftovers`).
+        self._claim = None
+        self.token = token or _leftovers.new_token()
         if sharded:
             self.folder = _temporary_path(path, self.token) + ".d"
             self.target = os.path.join(self.folder, os.path.basename(path))
@@ -189,10 +185,14 @@ class _Staging:
             self.target = _temporary_path(path, self.token)
         self.path = path
 
-    def prepare(self):
+    def claim(self):
+        """The writer's: claims the folder for this save's temporaries."""
         if self._claim is None:
             self._claim = _leftovers.Claim(
                 os.path.dirname(os.path.abspath(self.path)), self.token)
+
+    def prepare(self):
+        self.claim()
         if self.folder is not None:
             os.makedirs(self.folder, exist_ok=True)
 
@@ -356,17 +356,18 @@ def _save_on_every_rank(model, filepath, overwrite, what, write, plain,
     # rename that its path is rank 0's. Rank 0 claims the folder first
     # (removing what killed operations left there) while no rank waits
     # inside the save's streams.
-    claim = _leftovers.Claim(os.path.dirname(os.path.abspath(
-        _written_path(path)))) if rank == 0 else None
+    staging = _Staging(path, sharded) if rank == 0 else None
     try:
+        if staging is not None:
+            staging.claim()
         token = _agree("save/writer",
-                       int(claim.token, 16) if rank == 0 else 0,
+                       int(staging.token, 16) if rank == 0 else 0,
                        world.timeout())
     except BaseException:
-        if claim is not None:
-            claim.release()
+        if staging is not None:
+            staging.remove()
         raise
-    staging = _Staging(path, sharded, f"{token:012x}", claim)
+    staging = staging or _Staging(path, sharded, f"{token:012x}")
     # Also when a SIGTERM stops the save: rank 0's temporary file goes.
     with _terminate.on_sigterm_clean_up(), _keras_skipsets_made_together():
         try:
