@@ -29,6 +29,7 @@ summary table.
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -383,7 +384,19 @@ def main():
     result["sok_sparse_adam_ms"] = _time(adam_fn, sync, args.steps)[0]
     result["sparse_adam_variable_copy_bytes"] = (
         _ops.build_info()["variable_copy_bytes"] - copies0)
-    slots.clear()  # frees the two tables' worth of slots
+    # Free what the sections above hold before the models: the table, its
+    # slots, and the traced functions that capture them. On an 80 GB card,
+    # Keras' XLA step on a 10M x 128 table needs 24 GiB beside its own
+    # weights, and run 27 ran out of memory there with these still held.
+    slots.clear()
+    del (table, fwd, fwd_bwd, adam, adam_fn, stages, rows, up, grad_values,
+         grad_indices, feat, dedup, bags)
+    gc.collect()
+
+    def gpu_bytes():
+        if not result["gpus"]:
+            return None
+        return tf.config.experimental.get_memory_info("GPU:0")["current"]
 
     # 3. Training step, pooled features.
     x3 = ids.reshape(B, F, H)
@@ -397,6 +410,7 @@ def main():
         xt = tf.constant(x)
         yt = tf.constant(y)
         for kind in ("keras", "keras_nojit", "sok", "sok_opbyop"):
+            result[f"{name}_{kind}_gpu_bytes_before"] = gpu_bytes()
             model = step_model(kind, pooled)
             # Keras' "auto": XLA for the Keras model on a GPU; off for the
             # sok ones (the op library has no XLA kernels).
@@ -414,6 +428,8 @@ def main():
             result[f"{name}_{kind}_step_ms"] = ms
             result[f"{name}_{kind}_rounds"] = rounds
             result[f"{name}_{kind}_first_step_s"] = round(first, 2)
+            del model  # before the next model is built beside it
+            gc.collect()
 
     copy = result.get("copy_GBps")
     gpu_ms = result.get("sok_forward_gpu_ms")
