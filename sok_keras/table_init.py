@@ -309,10 +309,15 @@ class TablePlan:
         for l0, piece in self._pieces():
             # The raw op: `variable[a:b].assign` reads the variable first,
             # and the read makes the assignment copy the whole buffer.
+            # int64 bounds: given as lists, a block from below local row
+            # 2**31 to above it would have an int32 `begin` (the op's
+            # index type) and an `end` that wraps, and write nothing.
             tf.raw_ops.ResourceStridedSliceAssign(
-                ref=variable.handle, begin=[l0, 0],
-                end=[l0 + int(piece.shape[0]), self.global_shape[1]],
-                strides=[1, 1], value=piece)
+                ref=variable.handle,
+                begin=tf.constant([l0, 0], tf.int64),
+                end=tf.constant([l0 + int(piece.shape[0]),
+                                 self.global_shape[1]], tf.int64),
+                strides=tf.constant([1, 1], tf.int64), value=piece)
 
     def _pieces(self):
         """`(first local row, rows)` of this shard, block by block."""

@@ -252,9 +252,10 @@ class Variable(keras.Variable):
 
             def make_values():
                 np_dtype = keras.backend.standardize_dtype(dtype)
-                return [array[_owned_rows(global_shape[0], kind, target, r,
-                                          num_ranks)].astype(np_dtype)
-                        for r in owners], None
+                shards = (_owned_rows(global_shape[0], kind, target, r,
+                                      num_ranks) for r in owners)
+                return [array[rows.start:rows.stop:rows.step].astype(np_dtype)
+                        for rows in shards], None
         self._sok_replica_devices = (
             list(strategy.extended.worker_devices) if strategy is not None
             else None)
@@ -855,9 +856,13 @@ class _TableType(trace_types.Weakref):
 
 
 def _owned_rows(global_rows, kind, target, rank, num_ranks):
-    """The global ids of the rows `rank` holds of a table."""
-    rows = global_to_local(global_rows, kind, rank, num_ranks)
-    return rows[:0] if kind == LOCALIZED and rank != target else rows
+    """The global ids of the rows `rank` holds of a table, in local order,
+    as a `range` (not an array: a shard of a billion rows would need 8 GB
+    for its ids)."""
+    if kind == DISTRIBUTED:
+        return range(rank, global_rows, num_ranks)
+    return range(global_rows) if kind != LOCALIZED or rank == target else (
+        range(0))
 
 
 def _placeholder(shape, dtype=None):
@@ -988,15 +993,15 @@ def _checked_shape(shape, name):
 
 
 def _check_fits(name, global_shape, dtype, local_rows):
-    """A MemoryError naming the table when this rank's shard (its rows and
-    their int64 ids, made while initializing) cannot fit in the machine's
-    memory: where the system overcommits memory, the allocation would
-    succeed and the kernel kill the process while the rows are filled."""
+    """A MemoryError naming the table when this rank's shard cannot fit in
+    the machine's memory: where the system overcommits memory, the
+    allocation would succeed and the kernel kill the process while the rows
+    are filled."""
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return
-    need = local_rows * (global_shape[1] * _itemsize(dtype) + 8)
+    need = local_rows * global_shape[1] * _itemsize(dtype)
     if need > physical:
         raise _too_big(
             name, global_shape, dtype,

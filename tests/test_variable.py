@@ -162,7 +162,7 @@ def test_a_table_too_big_to_allocate_names_its_size():
     with pytest.raises(MemoryError, match=r"Variable 'embeddings': cannot "
                        r"allocate the table 1,099,511,627,776 x 2 float32: "
                        r"this rank's shard \(1,099,511,627,776 rows\) "
-                       r"needs 16,384.0 GiB"):
+                       r"needs 8,192.0 GiB"):
         sok.layers.DistributedEmbedding(2 ** 40, 2).build()
 
 
@@ -173,3 +173,51 @@ def test_errors_of_an_unnamed_table_do_not_call_it_none():
         sok.Variable(np.zeros((4,), np.float32))
     with pytest.raises(ValueError, match=r"Variable 'users' must be 2-D"):
         sok.Variable(np.zeros((4,), np.float32), name="users")
+
+
+def test_initializing_a_shard_makes_no_array_of_its_row_ids():
+    """The rows a rank owns are a `range`, not an int64 array: 8 bytes a
+    row that a billion-row shard (8 GB of ids) could not afford, and that
+    the memory check counted against the table (a 2**32 x 1 float16 table,
+    8 GiB, was refused on a 24 GiB machine as needing 40 GiB)."""
+    import tracemalloc
+
+    init = keras.initializers.RandomUniform(seed=1)
+    sok.Variable(init, shape=(1000, 1), dtype="float16")  # warm up
+    tracemalloc.start()
+    try:
+        table = sok.Variable(init, shape=(4_000_000, 1), dtype="float16")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # NumPy's allocations are traced; the ids would be 30.5 MiB.
+    assert peak < 4 << 20, peak
+    ref = sok.Variable(init, shape=(4_000_000, 1), dtype="float16")
+    np.testing.assert_array_equal(table.numpy(), ref.numpy())
+    # An array's rows are still sliced per owner.
+    a = np.arange(7 * 3, dtype=np.float32).reshape(7, 3)
+    np.testing.assert_array_equal(sok.Variable(a).numpy(), a)
+
+
+def test_block_writes_give_int64_bounds(monkeypatch):
+    """A block of an initializer's rows is written with int64 bounds.
+    Python lists made `begin` int32 (the op's index type) for a block that
+    starts below local row 2**31, and its `end` past 2**31 wrapped: the
+    write was empty and those rows stayed zero, with no error (a 2**31 +
+    1000 row shard: the 1,048,576 rows before row 2**31)."""
+    calls = []
+    write = tf.raw_ops.ResourceStridedSliceAssign
+
+    def recording(**kw):
+        calls.append({k: kw[k] for k in ("begin", "end", "strides")})
+        return write(**kw)
+
+    monkeypatch.setattr(tf.raw_ops, "ResourceStridedSliceAssign", recording)
+    init = keras.initializers.RandomNormal(seed=5)
+    table = sok.Variable(init, shape=(300_000, 8), name="t")
+    assert calls, "no block was written in place"
+    for call in calls:
+        for bound in call.values():
+            assert isinstance(bound, tf.Tensor) and bound.dtype == tf.int64
+    np.testing.assert_array_equal(
+        table.numpy(), np.asarray(init(shape=(300_000, 8))))
