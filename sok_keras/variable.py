@@ -729,22 +729,11 @@ class Variable(keras.Variable):
             return keras.ops.convert_to_numpy(self.value)
         if self._sok_shards:
             return self._read_replica_shards()
-        comm = world.communicator()
-        rows, dim = self._sok_global_shape
-        n = self._sok_num_ranks
-        key = f"read_global/{self.path}"
-        if self._sok_kind == LOCALIZED:
-            local = self.value if self._sok_rank == self._sok_target else (
-                tf.zeros([rows, dim], self.dtype))
-            return comm.broadcast(
-                tf.convert_to_tensor(local), key=key, root=self._sok_target
-            ).numpy()
-        per_rank = -(-rows // n)
-        shard = tf.convert_to_tensor(self.value)
-        shard = tf.pad(shard, [[0, per_rank - int(shard.shape[0])], [0, 0]])
-        everything = comm.all_gather(shard, key=key).numpy()
-        interleaved = everything.reshape(n, per_rank, dim).transpose(1, 0, 2)
-        return interleaved.reshape(n * per_rank, dim)[:rows]
+        # In chunks of about `CHUNK_BYTES`, as `model.save` streams a table:
+        # a whole shard in one collective could pass the transport's 2 GiB
+        # message limit (gRPC), and gathering every padded shard at once
+        # held the table three times over.
+        return _gather_whole(SavedEntry(self))
 
     def assign_global(self, table, name=None):
         """Sets this shard from the whole table (rows in global order).

@@ -111,7 +111,8 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     """One 2-rank job: model.save streams a distributed table, a table
     localized on rank 1 and an EmbeddingCollection (slots included) in
     4 KiB chunks; the file holds every table whole; no block rank 0 got
-    was over the chunk size; a write failing half-way through a table
+    was over the chunk size, nor any tensor a communicator sent for
+    `read_global` of a table or slot; a write failing half-way through a table
     raises on both ranks and leaves the file as it was; export_for_serving
     (and Keras' `model.export`, and the export of the model nested in
     another functional model) writes one SavedModel that predicts the
@@ -126,6 +127,10 @@ def test_streamed_save_reads_own_rows_and_exports_on_several_ranks(
     assert r0["in_file"] and all(r0["in_file"].values()), r0["in_file"]
     assert len(r0["in_file"]) == 9  # 3 tables, each with m and v
     assert 0 < r0["max_received"] <= r0["chunk_bytes"]
+    # `read_global` (and a slot's) too: one collective of a whole shard
+    # could pass gRPC's 2 GiB message limit.
+    for r in (r0, r1):
+        assert 0 < r["max_sent_reading_whole"] <= r["chunk_bytes"], r
     assert "disk full (injected)" in r0["failure"], r0["failure"]
     np.testing.assert_allclose(r0["subclassed"], r1["subclassed"])
     assert "rank 1: model.save(" in r1["failure"], r1["failure"]
