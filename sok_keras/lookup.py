@@ -25,7 +25,6 @@ With one rank there is no exchange at all.
 
 import collections
 import threading
-import weakref
 
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
@@ -45,8 +44,11 @@ SUPPORTED_COMBINERS = ("sum", "mean", "sqrtn")
 # Each lookup of a table in the function being traced (`_call_site_key`).
 _CALL_SITES = TraceCounter()
 _COUNTER_LOCK = threading.Lock()
-# Per graph, the outputs of the lookups traced into it (`_mark_lookup`).
-_GRAPH_LOOKUPS = weakref.WeakKeyDictionary()
+# The attribute of a graph that lists the outputs of the lookups traced
+# into it (`_mark_lookup`). On the graph itself, not in a dictionary keyed
+# by graphs: the tensors refer to their graph, so a WeakKeyDictionary's
+# entries never died and kept every traced graph alive for good.
+_GRAPH_LOOKUPS = "_sok_keras_lookup_outputs"
 
 
 def _mark_lookup(out):
@@ -57,7 +59,9 @@ def _mark_lookup(out):
                 if isinstance(t, tf.Tensor)]
         graph = tf.compat.v1.get_default_graph()
         with _COUNTER_LOCK:
-            _GRAPH_LOOKUPS.setdefault(graph, []).extend(flat)
+            if not hasattr(graph, _GRAPH_LOOKUPS):
+                setattr(graph, _GRAPH_LOOKUPS, [])
+            getattr(graph, _GRAPH_LOOKUPS).extend(flat)
     return out
 
 
@@ -79,7 +83,7 @@ def lookups_before_update():
     graph = tf.compat.v1.get_default_graph()
     while graph is not None:
         with _COUNTER_LOCK:
-            out.extend(_GRAPH_LOOKUPS.get(graph, ()))
+            out.extend(getattr(graph, _GRAPH_LOOKUPS, ()))
         graph = getattr(graph, "outer_graph", None)
     return out
 

@@ -495,3 +495,26 @@ def test_minus_one_is_padding_in_ragged_and_sparse_ids_too(form):
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
                        match="-5"):
         sok.lookup_sparse(v, bad, combiners="mean")
+
+
+def test_a_traced_lookups_graph_is_freed_with_its_function():
+    """The lookups traced into a graph are listed on the graph itself
+    (`lookups_before_update`): a WeakKeyDictionary from graphs to their
+    tensors kept every graph that held a lookup alive for good (the
+    tensors refer to their graph), a leak per model built in a loop."""
+    import gc
+
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    def graphs():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, FuncGraph))
+
+    table = sok.Variable(np.ones((100, 4), np.float32))
+    ids = tf.constant([[1, 2], [3, -1]], tf.int64)
+    before = graphs()
+    for _ in range(3):
+        f = tf.function(lambda: sok.lookup_sparse(table, ids, combiners="sum"))
+        f()
+        del f
+    assert graphs() == before
