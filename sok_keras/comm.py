@@ -47,6 +47,8 @@ HOST_GROUP_KEY = GROUP_KEY + 1
 """The collective group key of sok_keras's communicator (all ranks)."""
 
 _OPS = ("sum", "mean", "max", "min")
+# Instance keys are `base * 64 + exponent` in an int32: bases 1 .. 2**25 - 1.
+_BASES = 2 ** 25 - 1
 
 
 class TraceCounter:
@@ -417,15 +419,22 @@ class CollectiveCommunicator(Communicator):
     # -- instance keys ---------------------------------------------------
 
     def _base(self, site):
-        """A stable 24-bit key for `site`; refuses collisions."""
-        base = zlib.crc32(site.encode("utf-8")) % 0xFFFFFF + 1
+        """A stable 25-bit key for `site` (its instance keys, `base * 64 +
+        exponent`, then fill the int32 range); refuses collisions."""
+        base = zlib.crc32(site.encode("utf-8")) % _BASES + 1
         with self._sites_lock:
             other = self._sites.setdefault(base, site)
         if other != site:
             raise ValueError(
                 f"sok_keras: the collective keys {other!r} and {site!r} map "
-                "to the same instance key; rename one of the call sites."
-            )
+                "to the same instance key (a hash of the key: a chance of "
+                f"one in {_BASES:,} for each pair of keys, and each table "
+                "makes about 14). The keys are made from the names of the "
+                "layers and tables: rename one of the two (the layer's "
+                "`name=`, or the table's in an EmbeddingCollection), on "
+                "every rank. In a process that builds many models, "
+                "`keras.utils.clear_session()` between them keeps their "
+                "names, and so their keys, from piling up.")
         return base
 
     def _instance_key(self, site, exponent=None):
@@ -608,14 +617,20 @@ class CollectiveCommunicator(Communicator):
         if self.aborted is not None:
             raise tf.errors.DeadlineExceededError(None, None, self.aborted)
         ik = self._instance_key(f"agree:{what}")
-        with tf.device("/CPU:0"):
-            out = tf.raw_ops.CollectiveReduceV2(
-                input=tf.constant([int(value)], tf.int64),
-                group_size=self._num_ranks, group_key=self.group_key,
-                instance_key=ik, ordering_token=[], merge_op="Add",
-                final_op="Id", communication_hint="auto",
-                timeout_seconds=float(timeout))
-        return int(out.numpy()[0])
+        # The deadline is a timer of ours, not the op's `timeout_seconds`:
+        # TensorFlow gives each collective with a timeout a thread that
+        # sleeps for the whole timeout, done or not, so a job that saves
+        # or enters `fit` often on N ranks piled up hundreds of threads.
+        # Past it, both abort the process's collectives alike.
+        with _deadline(timeout, f"agree '{what}'"):
+            with tf.device("/CPU:0"):
+                out = tf.raw_ops.CollectiveReduceV2(
+                    input=tf.constant([int(value)], tf.int64),
+                    group_size=self._num_ranks, group_key=self.group_key,
+                    instance_key=ik, ordering_token=[], merge_op="Add",
+                    final_op="Id", communication_hint="auto",
+                    timeout_seconds=0)
+            return int(out.numpy()[0])
 
     def _exchange(self, x, c, site):
         x, back = _to_wire(x, "exchange")
@@ -676,6 +691,44 @@ def _on_device(name):
 for _name in ("all_reduce", "all_gather", "broadcast", "_exchange"):
     setattr(CollectiveCommunicator, _name, _on_device(_name))
 del _name
+
+
+class _deadline:
+    """Aborts the process's collectives (as TensorFlow's own collective
+    timeout does) if the block is still running after `seconds`: the
+    waiting op fails with `DeadlineExceededError` "Collective has timed
+    out ...". One timer thread per block, gone when the block ends."""
+
+    def __init__(self, seconds, what):
+        self.seconds, self.what = float(seconds), what
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._timer = None
+
+    def _expire(self):
+        from tensorflow.python.eager import context
+
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._done.set()
+        context.context().abort_collective_ops(
+            tf.errors.DEADLINE_EXCEEDED,
+            f"Collective has timed out: sok_keras {self.what} got no "
+            f"answer from every rank within {self.seconds:g} s.")
+
+    def __enter__(self):
+        self._timer = threading.Timer(self.seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.name = "sok_keras-agree-deadline"
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._done.set()
+        self._timer.cancel()
+        return False
 
 
 class HostCollectiveCommunicator(CollectiveCommunicator):

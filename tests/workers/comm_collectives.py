@@ -123,6 +123,22 @@ for step, high in enumerate([1, 6, 0, 17, 3, 40, 6]):
     np.testing.assert_allclose(tape.gradient(loss, xv).numpy(), want_grad,
                                rtol=1e-6)
 result["exchange_traces"] = exchange_fn.experimental_get_tracing_count()
+
+
+def threads():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f
+                    if line.startswith("Threads:"))
+
+
+# Host agreements with a long deadline (a save's, a fit's entry): each
+# left a thread sleeping out its timeout (TensorFlow's collective
+# timeout), so frequent saves piled up hundreds of threads.
+control = world.control_communicator()
+before = threads()
+sums = [control.agree("threads", R + 1, 120) for _ in range(30)]
+assert sums == [N * (N + 1) // 2] * 30, sums
+result["agree_thread_growth"] = threads() - before
 result["buckets"] = buckets
 result["seconds"] = time.time() - t0
 write_result(result)
