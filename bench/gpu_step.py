@@ -389,8 +389,8 @@ def main():
     # Keras' XLA step on a 10M x 128 table needs 24 GiB beside its own
     # weights, and run 27 ran out of memory there with these still held.
     slots.clear()
-    del (table, fwd, fwd_bwd, adam, adam_fn, stages, rows, up, grad_values,
-         grad_indices, feat, dedup, bags)
+    table = fwd = fwd_bwd = adam = adam_fn = stages = rows = up = None
+    grad_values = grad_indices = feat = dedup = bags = None
     gc.collect()
 
     def gpu_bytes():
@@ -428,7 +428,7 @@ def main():
             result[f"{name}_{kind}_step_ms"] = ms
             result[f"{name}_{kind}_rounds"] = rounds
             result[f"{name}_{kind}_first_step_s"] = round(first, 2)
-            del model  # before the next model is built beside it
+            model = None  # freed before the next model is built
             gc.collect()
 
     copy = result.get("copy_GBps")

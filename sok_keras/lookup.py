@@ -31,6 +31,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 
 from sok_keras import consistency
 from sok_keras import lookup_ops
+from sok_keras import _gradients
 from sok_keras import replicas
 from sok_keras import world
 from sok_keras._ops import ops
@@ -823,6 +824,7 @@ def pool(rows, inverse, feat, combiner):
 _HALF = (tf.float16, tf.bfloat16)
 
 
+@_gradients.weak
 @tf.custom_gradient
 def _gather_half(rows, inverse):
     """`tf.gather(rows, inverse)` of 16-bit rows whose gradient sums an
@@ -837,6 +839,7 @@ def _gather_half(rows, inverse):
     return tf.gather(rows, inverse), grad
 
 
+@_gradients.weak
 @tf.custom_gradient
 def _gather_half_weighted(rows, inverse, weights):
     """`_gather_half` times per-id weights (which have the table's dtype,

@@ -387,7 +387,9 @@ def _differentiable(forward, backward, x):
         # (A gradient may come as IndexedSlices: a gather of the output.)
         return forward(x), lambda dy: backward(tf.convert_to_tensor(dy))
 
-    return op(x)
+    from sok_keras import _gradients
+
+    return _gradients.weak(op)(x)
 
 
 def grouped_allreduce(tensors, average=None, op=None, name=None, **kwargs):
