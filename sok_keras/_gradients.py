@@ -33,6 +33,8 @@ def _weakly_registered(name, graph):
     if entry is None:
         return
     grad_fn = entry["type"]
+    if getattr(grad_fn, "_sok_keras_weak", False):
+        return  # (another thread's call, traced into the same graph)
     if not hasattr(graph, _KEEP):
         setattr(graph, _KEEP, [])
     getattr(graph, _KEEP).append(grad_fn)
@@ -45,6 +47,7 @@ def _weakly_registered(name, graph):
                               "was freed")
         return fn(op, *grads)
 
+    weak_grad_fn._sok_keras_weak = True
     entry["type"] = weak_grad_fn
     weakref.finalize(grad_fn, registry.pop, name, None)
 

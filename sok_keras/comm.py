@@ -720,16 +720,18 @@ class _deadline:
             f"answer from every rank within {self.seconds:g} s.")
 
     def __enter__(self):
-        self._timer = threading.Timer(self.seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.name = "sok_keras-agree-deadline"
-        self._timer.start()
+        if self.seconds > 0:  # (else no deadline, as `timeout_seconds=0`)
+            self._timer = threading.Timer(self.seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.name = "sok_keras-agree-deadline"
+            self._timer.start()
         return self
 
     def __exit__(self, *exc):
         with self._lock:
             self._done.set()
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         return False
 
 
