@@ -5,17 +5,18 @@ function under a new name ("CustomGradient-<uid>") in TensorFlow's global
 gradient registry, and never removes it. The function's closure holds
 tensors of the traced graph, and the graph holds the variables it captured:
 every model a process dropped kept its tables and slots in memory (on N
-ranks, the exchange's gradient; a shard with Adam's slots per model built
-again).
+ranks through the exchange's gradient; on one, through the all-reduce that
+Keras' optimizer runs on the dense gradients).
 
-`weak(fn)` wraps a `tf.custom_gradient` function so that, after each traced
-call, the registry holds the new gradient function weakly and the graph the
-call was traced into holds it strongly: it lives exactly as long as that
-graph (which anything that builds the gradient later, an outer tape or a
-function's backward, keeps alive), and its registry entry goes with it.
-Eagerly, nothing is registered and `fn` runs as it is.
+Inside `held_by_graph()`, each gradient function registered meanwhile is
+held weakly by the registry and strongly by the graph being traced: it
+lives exactly as long as that graph (which anything that builds the
+gradient later, an outer tape or a function's backward, keeps alive), and
+its registry entry goes with it. `weak(fn)` runs a `tf.custom_gradient`
+function inside it. Eagerly, nothing is registered and nothing changes.
 """
 
+import contextlib
 import functools
 import weakref
 
@@ -27,17 +28,21 @@ _PREFIX = "CustomGradient-"
 _KEEP = "_sok_keras_gradient_functions"
 
 
+def graph_list(graph, name):
+    """The list kept on `graph` as attribute `name` (made on first use):
+    state that lives and dies with the graph."""
+    if not hasattr(graph, name):  # (graphs have no `__dict__`)
+        setattr(graph, name, [])
+    return getattr(graph, name)
+
+
 def _weakly_registered(name, graph):
     registry = ops._gradient_registry._registry
     entry = registry.get(name)
-    if entry is None:
-        return
+    if entry is None or getattr(entry["type"], "_sok_keras_weak", False):
+        return  # (gone, or another thread's, traced into the same graph)
     grad_fn = entry["type"]
-    if getattr(grad_fn, "_sok_keras_weak", False):
-        return  # (another thread's call, traced into the same graph)
-    if not hasattr(graph, _KEEP):
-        setattr(graph, _KEEP, [])
-    getattr(graph, _KEEP).append(grad_fn)
+    graph_list(graph, _KEEP).append(grad_fn)
     ref = weakref.ref(grad_fn)
 
     def weak_grad_fn(op, *grads):
@@ -52,20 +57,31 @@ def _weakly_registered(name, graph):
     weakref.finalize(grad_fn, registry.pop, name, None)
 
 
-def weak(fn):
-    """Wraps `fn`, a `tf.custom_gradient` function (see the module)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if tf.executing_eagerly():
-            return fn(*args, **kwargs)
-        registry = ops._gradient_registry._registry
-        before = set(registry)
-        out = fn(*args, **kwargs)
+@contextlib.contextmanager
+def held_by_graph():
+    """Gradient functions registered inside the block are held by the
+    graph being traced, not for good by the registry (see the module)."""
+    if tf.executing_eagerly():
+        yield
+        return
+    registry = ops._gradient_registry._registry
+    before = set(registry)
+    try:
+        yield
+    finally:
         graph = tf.compat.v1.get_default_graph()
         for name in [k for k in registry
                      if k.startswith(_PREFIX) and k not in before]:
             _weakly_registered(name, graph)
-        return out
+
+
+def weak(fn):
+    """Wraps `fn`, a `tf.custom_gradient` function, to run it inside
+    `held_by_graph()`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with held_by_graph():
+            return fn(*args, **kwargs)
 
     return wrapper

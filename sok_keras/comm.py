@@ -39,6 +39,7 @@ import zlib
 
 import tensorflow as tf
 
+from sok_keras import _gradients
 from sok_keras import bucket_ops
 
 GROUP_KEY = 0x50C000
@@ -286,8 +287,6 @@ class Communicator:
                 return self._ragged(dy, c, _grad_site(site), not transpose)
 
             return y, grad
-
-        from sok_keras import _gradients
 
         return _gradients.weak(_fn)(x)
 
@@ -703,7 +702,7 @@ class _deadline:
 
     def __init__(self, seconds, what):
         self.seconds, self.what = float(seconds), what
-        self._done = threading.Event()
+        self._done = False
         self._lock = threading.Lock()
         self._timer = None
 
@@ -711,9 +710,9 @@ class _deadline:
         from tensorflow.python.eager import context
 
         with self._lock:
-            if self._done.is_set():
+            if self._done:
                 return
-            self._done.set()
+            self._done = True
         context.context().abort_collective_ops(
             tf.errors.DEADLINE_EXCEEDED,
             f"Collective has timed out: sok_keras {self.what} got no "
@@ -729,7 +728,7 @@ class _deadline:
 
     def __exit__(self, *exc):
         with self._lock:
-            self._done.set()
+            self._done = True
         if self._timer is not None:
             self._timer.cancel()
         return False

@@ -60,9 +60,7 @@ def _mark_lookup(out):
                 if isinstance(t, tf.Tensor)]
         graph = tf.compat.v1.get_default_graph()
         with _COUNTER_LOCK:
-            if not hasattr(graph, _GRAPH_LOOKUPS):
-                setattr(graph, _GRAPH_LOOKUPS, [])
-            getattr(graph, _GRAPH_LOOKUPS).extend(flat)
+            _gradients.graph_list(graph, _GRAPH_LOOKUPS).extend(flat)
     return out
 
 

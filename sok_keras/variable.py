@@ -86,18 +86,26 @@ def mode_for_world(mode, num_ranks):
     return mode
 
 
+def owned_rows(global_rows, kind, target_rank, rank, num_ranks):
+    """The global ids of the rows `rank` holds of a table, in local order,
+    as a `range` (not an array: a shard of a billion rows would need 8 GB
+    for its ids). The one sharding rule: distributed, `rank::num_ranks`;
+    localized, every row on `target_rank` and none elsewhere."""
+    if kind == DISTRIBUTED:
+        return range(rank, global_rows, num_ranks)
+    return range(global_rows) if rank == target_rank else range(0)
+
+
 def shard_rows(global_rows, kind, target_rank, rank, num_ranks):
     """Returns the number of rows the given rank holds."""
-    if kind == DISTRIBUTED:
-        return max(0, (global_rows - rank + num_ranks - 1) // num_ranks)
-    return global_rows if rank == target_rank else 0
+    return len(owned_rows(global_rows, kind, target_rank, rank, num_ranks))
 
 
 def global_to_local(global_rows, kind, rank, num_ranks):
-    """Returns the global ids of the rows the given rank holds, in order."""
-    if kind == DISTRIBUTED:
-        return np.arange(rank, global_rows, num_ranks, dtype=np.int64)
-    return np.arange(global_rows, dtype=np.int64)
+    """Returns the global ids of the rows the given rank holds, in order
+    (a localized table's rows as the rank that holds it)."""
+    rows = owned_rows(global_rows, kind, rank, rank, num_ranks)
+    return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
 
 
 
@@ -252,7 +260,7 @@ class Variable(keras.Variable):
 
             def make_values():
                 np_dtype = keras.backend.standardize_dtype(dtype)
-                shards = (_owned_rows(global_shape[0], kind, target, r,
+                shards = (owned_rows(global_shape[0], kind, target, r,
                                       num_ranks) for r in owners)
                 return [array[rows.start:rows.stop:rows.step].astype(np_dtype)
                         for rows in shards], None
@@ -844,16 +852,6 @@ class _TableType(trace_types.Weakref):
         raise ValueError(f"Can not cast {value!r} to {self!r}")
 
 
-def _owned_rows(global_rows, kind, target, rank, num_ranks):
-    """The global ids of the rows `rank` holds of a table, in local order,
-    as a `range` (not an array: a shard of a billion rows would need 8 GB
-    for its ids)."""
-    if kind == DISTRIBUTED:
-        return range(rank, global_rows, num_ranks)
-    return range(global_rows) if kind != LOCALIZED or rank == target else (
-        range(0))
-
-
 def _placeholder(shape, dtype=None):
     # What a read of a table still to be made gives inside Keras'
     # `StatelessScope` (shape inference on symbolic inputs only).
@@ -876,7 +874,7 @@ def _initializer_values(initializer, global_shape, dtype, kind, target,
     # The table's path ('emb/embeddings' in a layer), for messages.
     where = "/".join(p for p in (current_path(), name) if p)
     for r in owners:
-        rows = _owned_rows(global_shape[0], kind, target, r, num_ranks)
+        rows = owned_rows(global_shape[0], kind, target, r, num_ranks)
         with tf.init_scope():
             plan = table_init.TablePlan(
                 initializer, global_shape, dtype, rows,

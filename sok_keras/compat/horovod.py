@@ -52,6 +52,7 @@ import types
 
 import tensorflow as tf
 
+from sok_keras import _gradients
 from sok_keras import world as _world
 from sok_keras.variable import is_sok_variable
 
@@ -386,8 +387,6 @@ def _differentiable(forward, backward, x):
     def op(x):
         # (A gradient may come as IndexedSlices: a gather of the output.)
         return forward(x), lambda dy: backward(tf.convert_to_tensor(dy))
-
-    from sok_keras import _gradients
 
     return _gradients.weak(op)(x)
 

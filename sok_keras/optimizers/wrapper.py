@@ -6,6 +6,7 @@ import copy
 import keras
 import tensorflow as tf
 
+from sok_keras import _gradients
 from sok_keras import lookup
 from sok_keras import world
 from sok_keras.optimizers import sparse_kernels, sparse_rules, tf_slots
@@ -282,29 +283,6 @@ def _clipping_off(opt):
         yield
     finally:
         opt.clipnorm, opt.global_clipnorm, opt.clipvalue = saved
-
-
-@contextlib.contextmanager
-def _no_default_replica_all_reduce(opt):
-    """Keras' TF optimizer all-reduces the gradients over the replica
-    context even with no strategy (one replica: a no-op), through
-    TensorFlow's `tf.custom_gradient`, which registers each trace's
-    gradient function in a global registry for good. Its closure holds
-    the traced step's graph, and the graph its captured variables: every
-    model a process dropped kept its tables and slots in memory (GBs; a
-    notebook cell run again held one more copy each time). Keras' own
-    `Embedding` escapes it (IndexedSlices take another path); the dense
-    gradients this wrapper passes did not. With no strategy, the
-    all-reduce is skipped here; under a strategy it runs as in Keras."""
-    if tf.distribute.has_strategy() or not hasattr(
-            opt, "_all_reduce_sum_gradients"):
-        yield
-        return
-    object.__setattr__(opt, "_all_reduce_sum_gradients", list)
-    try:
-        yield
-    finally:
-        object.__delattr__(opt, "_all_reduce_sum_gradients")
 
 
 _INSTEAD = {
@@ -674,7 +652,9 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
     if not dense_v:
         opt._iterations.assign_add(1)  # (`iterations` // k if accumulating)
         return
-    with _clipping_off(opt), _no_default_replica_all_reduce(opt):
+    # (Keras' all-reduce of the dense gradients, even over one replica, is
+    # a `tf.custom_gradient`: held by the graph, not for good.)
+    with _clipping_off(opt), _gradients.held_by_graph():
         if compiles_dense_update(jit_compile, opt, dense_v):
             # Issued after the tables' updates: on a GPU, whose stream runs
             # kernels in the order they are issued, the tables' gradient
