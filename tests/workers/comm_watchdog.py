@@ -11,6 +11,10 @@ import sok_keras.world as world
 
 TIMEOUT = float(sys.argv[1])
 STALL = float(sys.argv[2])
+# Joining takes the default timeout (a rank importing TensorFlow on a
+# loaded machine can take more than TIMEOUT to start); the collectives
+# below take TIMEOUT (a later init() applies a new timeout).
+world.init()
 world.init(timeout=TIMEOUT)
 
 import tensorflow as tf  # noqa: E402
