@@ -78,6 +78,7 @@ def install():
     _keep_optimizer_state_whole()
     _interruptions_end_the_fallback()
     _legacy_h5_loads_masks()
+    _legacy_h5_loads_whole_tables()
     _INSTALLED = True
 
 
@@ -107,6 +108,47 @@ def _legacy_h5_loads_masks():
 
     load_model_from_hdf5._sok_keras = True
     legacy_h5_format.load_model_from_hdf5 = load_model_from_hdf5
+
+
+def _legacy_h5_loads_whole_tables():
+    """A legacy `.h5` file holds each layer's `get_weights()`, and sok
+    saves one only on one rank: its tables are whole. Keras' loader
+    (`load_model`, `load_weights`, by order or by name) compares each
+    saved array's shape with its variable's and assigns it whole, so on N
+    ranks, where a table is this rank's shard, the file did not load:
+    "Shape mismatch in layer #0 (named emb)for weight emb/embeddings.
+    Weight expects shape (4, 4). Received saved weight with shape (8, 4)"
+    (QA). A whole table saved for a sok table is now read as
+    `Variable.assign_global` reads it (this rank's rows), after Keras has
+    checked and assigned the layer's other weights; anything else is
+    Keras' to check."""
+    from keras.src.legacy.saving import legacy_h5_format
+
+    original = legacy_h5_format._set_weights
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def _set_weights(instance, symbolic_weights, weight_values, name,
+                     skip_mismatch=False):
+        from sok_keras.variable import is_sok_variable
+
+        keras_pairs, whole_tables = [], []
+        for v, value in zip(symbolic_weights, weight_values):
+            shape = tuple(getattr(value, "shape", ()))
+            if (is_sok_variable(v) and shape != tuple(v.shape)
+                    and shape == tuple(v.global_shape)):
+                whole_tables.append((v, value))
+            else:
+                keras_pairs.append((v, value))
+        original(instance, [v for v, _ in keras_pairs],
+                 [value for _, value in keras_pairs], name,
+                 skip_mismatch=skip_mismatch)
+        for v, value in whole_tables:
+            v.assign_global(value, f"{name}, '{v.path}'")
+
+    _set_weights._sok_keras = True
+    legacy_h5_format._set_weights = _set_weights
 
 
 class _TrackedTempfiles:
@@ -396,4 +438,14 @@ def check_keras_internals():
         legacy_h5_format.load_model_from_hdf5, "__wrapped__",
         legacy_h5_format.load_model_from_hdf5)).parameters)
     assert params[:2] == ["filepath", "custom_objects"], params
+    params = list(inspect.signature(getattr(
+        legacy_h5_format._set_weights, "__wrapped__",
+        legacy_h5_format._set_weights)).parameters)
+    assert params == ["instance", "symbolic_weights", "weight_values",
+                      "name", "skip_mismatch"], params
+    for fn in ("load_weights_from_hdf5_group",
+               "load_weights_from_hdf5_group_by_name"):
+        assert "_set_weights" in getattr(
+            legacy_h5_format, fn).__code__.co_names, (
+            f"{fn} no longer assigns through _set_weights")
     assert hasattr(ops_numpy, "NotEqual"), "keras.src.ops.numpy.NotEqual"

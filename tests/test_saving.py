@@ -384,3 +384,48 @@ def test_one_rank_saves_keep_what_keras_saves_keep(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "legacy.h5", "link.keras", "p.keras", "p.weights.json",
         "p_00000.weights.h5", "real.keras"]
+
+
+def test_a_legacy_h5_file_saved_on_one_rank_loads_on_two(tmp_path):
+    """A legacy `.h5` file holds whole tables (sok saves one only on one
+    rank). On 2 ranks Keras' loader compared them with each rank's shard
+    and failed, "Shape mismatch ... Weight expects shape (5, 4). Received
+    saved weight with shape (9, 4)" (QA). `load_model` and
+    `load_weights` (by order and by name) now give each rank its rows:
+    the tables read back whole and the predictions are the saved
+    model's."""
+    import numpy as np
+
+    import sok_keras as sok
+
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((3,), dtype="int64")
+    dist = sok.layers.DistributedEmbedding(9, 4, combiner=None,
+                                           name="dist")(ids)
+    loc = sok.layers.LocalizedEmbedding(9, 2, combiner="mean",
+                                        name="loc")(ids)
+    out = keras.layers.Dense(1, name="head")(keras.layers.Concatenate()(
+        [keras.layers.Flatten()(dist), loc]))
+    model = keras.Model(ids, out)
+    tables = {v.path: v.read_global() for v in model.weights
+              if hasattr(v, "global_shape")}
+    assert sorted(tables) == ["dist/embeddings", "loc/embeddings"]
+    path = str(tmp_path / "one_rank.h5")
+    model.save(path)
+    x = (np.arange(30).reshape(10, 3) * 7) % 9
+    np.save(tmp_path / "x.npy", x)
+    expected = model.predict(x, verbose=0)
+    r0, r1 = run_workers(worker_path("legacy_h5_load"), 2,
+                         args=[path, str(tmp_path / "x.npy")], timeout=240)
+    for r in (r0, r1):
+        assert sorted(r) == ["load_model", "load_weights_by_name_False",
+                             "load_weights_by_name_True", "pid"], sorted(r)
+        for how in ("load_model", "load_weights_by_name_False",
+                    "load_weights_by_name_True"):
+            got = r[how]
+            assert sorted(got["tables"]) == sorted(tables), (how, got)
+            for name, table in tables.items():
+                np.testing.assert_array_equal(
+                    np.array(got["tables"][name]), table, err_msg=how)
+            np.testing.assert_allclose(np.array(got["predictions"]),
+                                       expected, rtol=1e-6, err_msg=how)

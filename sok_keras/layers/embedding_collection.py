@@ -148,6 +148,7 @@ class EmbeddingCollection(keras.layers.Layer):
     The same layer written for keras-rs (only the class differs from
     `keras_rs.layers.DistributedEmbedding(feature_configs)`):
 
+    >>> import keras_rs
     >>> item = keras_rs.layers.TableConfig(
     ...     name="item", vocabulary_size=50_000, embedding_dim=32,
     ...     optimizer=keras.optimizers.Adagrad(0.05))
