@@ -70,6 +70,30 @@ class _KerasRsSpec:
         self.tables = tables
 
 
+def _check_table_stacking(value, tables, where):
+    """keras-rs' `table_stacking`: `"auto"`, None, or table names (a list,
+    or a list of lists); unused here, but a typo in ported code is
+    refused, as keras-rs would refuse it, rather than ignored."""
+    if value is None or value == "auto":
+        return
+    groups = value if isinstance(value, (list, tuple)) else None
+    if groups and all(isinstance(g, str) for g in groups):
+        groups = [groups]
+    names = [] if groups is None else [
+        n for g in groups if isinstance(g, (list, tuple)) for n in g]
+    if (not groups or any(not isinstance(g, (list, tuple)) for g in groups)
+            or any(not isinstance(n, str) for n in names)):
+        raise ValueError(
+            f"{where}: `table_stacking` must be 'auto', None, a list of "
+            "table names or a list of lists of them. Received: "
+            f"table_stacking={value!r}.")
+    unknown = sorted(set(names) - set(tables))
+    if unknown:
+        raise ValueError(
+            f"{where}: `table_stacking` names tables {unknown}, which are "
+            f"not the layer's ({sorted(tables)}).")
+
+
 @keras.saving.register_keras_serializable(package="sok_keras")
 class EmbeddingCollection(keras.layers.Layer):
     """Several sharded tables shared by named features, looked up together.
@@ -116,8 +140,10 @@ class EmbeddingCollection(keras.layers.Layer):
             rest of the model). `False`: `TableConfig.optimizer` is ignored
             and the model's optimizer trains the tables too, which is what
             keras-rs' own layer does on CPU and GPU.
-        table_stacking: keras-rs' argument, accepted and unused (all tables
-            already share one exchange per direction). Defaults to `"auto"`.
+        table_stacking: keras-rs' argument: `"auto"`, None, or table
+            names (a list, or a list of lists), checked and unused (all
+            tables already share one exchange per direction). Defaults to
+            `"auto"`.
         update_stats: keras-rs' argument (JAX SparseCore only); must be
             `False` (default).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
@@ -254,6 +280,7 @@ class EmbeddingCollection(keras.layers.Layer):
             feature_configs, where, tables_list=tables,
             check_optimizer=use_table_optimizers)
         self._keras_rs = _KerasRsSpec(skeleton, feats, tabs)
+        _check_table_stacking(table_stacking, tabs, where)
         self.use_table_optimizers = use_table_optimizers
         self.table_stacking = table_stacking
         self.update_stats = update_stats
@@ -530,27 +557,51 @@ class EmbeddingCollection(keras.layers.Layer):
     def compute_mask(self, inputs, mask=None):
         """Like the single-table layers: each unpooled feature with dense
         ids of rank >= 2 gets `ids != -1`, so that mask-aware layers skip
-        padding;
-        pooled features (all of keras-rs' form), and ragged or sparse ids,
-        get None. Returns a dict by feature, or None when nothing is
-        masked."""
+        padding; pooled features, and ragged or sparse ids, get None.
+        Returns the outputs' structure (a dict by feature, or keras-rs'
+        nesting) of masks, or None when nothing is masked."""
         del mask
-        if self._keras_rs is not None or all(
-                spec["combiner"] is not None
-                for spec in self.features.values()):
+        if all(spec["combiner"] is not None
+               for spec in self.features.values()):
             return None
-
-        ids = inputs if isinstance(inputs, dict) else {}
-        return {f: padding_mask(ids.get(f), self.features[f]["combiner"])
-                for f in self.features}
+        ids = self._flat_ids(inputs)
+        return self._nested({
+            f: padding_mask(ids.get(f), self.features[f]["combiner"])
+            for f in self.features})
 
     def compute_output_spec(self, inputs, *args, **kwargs):
         spec = super().compute_output_spec(inputs, *args, **kwargs)
-        if self._keras_rs is not None or not isinstance(inputs, dict):
-            return spec  # (keras-rs' features are all pooled)
-        return {f: ragged_spec(s, inputs.get(f),
-                               self.features[f]["combiner"])
-                if f in self.features else s for f, s in spec.items()}
+        ids = self._flat_ids(inputs)
+        if not ids:
+            return spec
+        if self._keras_rs is None:
+            flat = spec
+        else:
+            flat = feature_config.gather(
+                spec, self._keras_rs.features, "the output spec",
+                self._where())
+        return self._nested({
+            f: ragged_spec(s, ids.get(f), self.features[f]["combiner"])
+            if f in self.features else s for f, s in flat.items()})
+
+    def _flat_ids(self, inputs):
+        """`{feature: ids}` of the inputs in either form ({} where they do
+        not fit the features: `call` says why)."""
+        if self._keras_rs is None:
+            return inputs if isinstance(inputs, dict) else {}
+        try:
+            flat, _ = self._flat_keras_rs_inputs(inputs, None)
+        except (TypeError, ValueError):
+            return {}
+        return flat
+
+    def _nested(self, flat):
+        """`{feature: value}` in the outputs' structure."""
+        if self._keras_rs is None:
+            return flat
+        return feature_config.map_structure(
+            lambda _, p: flat[p], self._keras_rs.skeleton,
+            is_leaf=feature_config.is_path)
 
     def compute_output_shape(self, inputs_shape=None, weights_shape=None,
                              **kwargs):

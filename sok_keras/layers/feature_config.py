@@ -370,10 +370,21 @@ def normalize_feature(path, feature, tables, where, check_optimizer=True):
             rank = 2
         if output_shape[-1] not in (None, dim) or (
                 rank is not None and len(output_shape) != rank):
+            if table["combiner"] is not None:
+                expected = f"(batch, {dim})"
+            elif input_shape is None:
+                expected = f"(..., {dim})"
+            else:
+                expected = str(tuple(input_shape) + (dim,))
+            hint = ""
+            if table["combiner"] is not None and len(output_shape) > 2:
+                hint = (" A sequence feature (one row per id, unpooled) "
+                        "needs `combiner=None` on its `TableConfig` "
+                        f"(keras-rs' default is 'mean').")
             raise ValueError(
                 f"{where_f}: `output_shape` {output_shape} does not fit its "
                 f"table '{table['name']}' (embedding_dim={dim}, combiner="
-                f"{table['combiner']!r}): expected (batch, {dim}).")
+                f"{table['combiner']!r}): expected {expected}.{hint}")
     return {"name": name, "table": table["name"],
             "input_shape": input_shape, "output_shape": output_shape}
 

@@ -285,6 +285,13 @@ def _feature(table, **kw):
     (_feature(_table(), output_shape=(4, 3)), {},
      r"output_shape.*embedding_dim=2"),
     (_feature(_table(), input_shape=(4, 2, 2)), {}, "input_shape"),
+    # A sequence feature on a table left at keras-rs' "mean" says what to
+    # change (before: only "expected (batch, 2)").
+    (_feature(_table(), input_shape=(4, 3), output_shape=(4, 3, 2)), {},
+     r"expected \(batch, 2\)\. A sequence feature .* needs "
+     r"`combiner=None`"),
+    (_feature(_table(combiner=None), input_shape=(4, 3),
+              output_shape=(4, 2)), {}, r"expected \(4, 3, 2\)\.$"),
     ({"f": {"name": "f", "table": _table()},
       "g": {"name": "g", "table": _table(vocabulary_size=11)}}, {},
      r"differs .* in \['vocabulary_size'\]"),
@@ -299,10 +306,24 @@ def _feature(table, **kw):
     (_feature(_table()), {"optimizer": "adam"}, "TPU"),
     (_feature(_table()), {"use_table_optimizers": "yes"},
      "use_table_optimizers"),
+    # (Before: any value was accepted and ignored.)
+    (_feature(_table()), {"table_stacking": 5},
+     r"`table_stacking` must be 'auto', None.*table_stacking=5"),
+    (_feature(_table()), {"table_stacking": "bogus"}, "table_stacking"),
+    (_feature(_table()), {"table_stacking": [["t", "u"]]},
+     r"names tables \['u'\], which are not the layer's \(\['t'\]\)"),
 ])
 def test_bad_configs_raise_clearly(configs, kwargs, match):
     with pytest.raises(ValueError, match=match):
         sok.layers.EmbeddingCollection(configs, **kwargs)
+
+
+@pytest.mark.parametrize("stacking", ["auto", None, ["t"], [["t"]],
+                                      (("t",),)])
+def test_table_stacking_takes_keras_rs_values(stacking):
+    layer = sok.layers.EmbeddingCollection(_feature(_table()),
+                                           table_stacking=stacking)
+    assert layer.get_config()["table_stacking"] == stacking
 
 
 def test_bad_forms_raise_clearly():
@@ -609,3 +630,39 @@ def test_structured_feature_configs_export_for_serving(tmp_path, form):
     sok.export_for_serving(model, path)
     np.testing.assert_allclose(serve_without_sok(path, probe, tmp_path),
                                want, rtol=1e-6, atol=1e-6)
+
+
+def test_unpooled_features_of_keras_rs_form_mask_padding_and_stay_ragged():
+    """A keras-rs sequence feature (`combiner=None` on its table, a 3-D
+    `output_shape`) carries `ids != -1` as its mask, in the outputs'
+    nesting, as in sok's own form (before: no mask, so
+    GlobalAveragePooling1D averaged the padding rows in, and a ragged
+    input's output was not marked ragged)."""
+    table = np.arange(1, 13, dtype="float32").reshape(4, 3)
+    seq = TableConfig(name="seq", vocabulary_size=4, embedding_dim=3,
+                      combiner=None, optimizer="sgd",
+                      initializer=keras.initializers.Constant(table))
+    pooled = TableConfig(name="p", vocabulary_size=4, embedding_dim=3,
+                         combiner="sum", optimizer="sgd")
+    layer = sok.layers.EmbeddingCollection({
+        "x": [FeatureConfig("x", seq, (2, 3), (2, 3, 3))],
+        "y": FeatureConfig("y", pooled, (2, 3), (2, 3))})
+    x = keras.Input((3,), batch_size=2, dtype="int64")
+    y = keras.Input((3,), batch_size=2, dtype="int64")
+    out = layer({"x": [x], "y": y})
+    model = keras.Model([x, y], keras.layers.GlobalAveragePooling1D()(
+        out["x"][0]))
+    ids = np.array([[0, -1, 2], [3, -1, -1]])
+    np.testing.assert_allclose(
+        model.predict([ids, ids], verbose=0),
+        [(table[0] + table[2]) / 2, table[3]], rtol=1e-6)
+    masks = layer.compute_mask({"x": [tf.constant(ids)],
+                                "y": tf.constant(ids)})
+    assert masks["y"] is None
+    assert masks["x"][0].numpy().tolist() == [[True, False, True],
+                                              [True, False, False]]
+    ragged = sok.layers.EmbeddingCollection(
+        {"x": FeatureConfig("x", seq, (2, None), (2, None, 3))})
+    spec = ragged({"x": keras.Input((None,), batch_size=2, dtype="int64",
+                                    ragged=True)})
+    assert spec["x"].ragged, spec["x"]
