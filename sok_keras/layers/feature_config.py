@@ -380,7 +380,7 @@ def normalize_feature(path, feature, tables, where, check_optimizer=True):
             if table["combiner"] is not None and len(output_shape) > 2:
                 hint = (" A sequence feature (one row per id, unpooled) "
                         "needs `combiner=None` on its `TableConfig` "
-                        f"(keras-rs' default is 'mean').")
+                        "(keras-rs' default is 'mean').")
             raise ValueError(
                 f"{where_f}: `output_shape` {output_shape} does not fit its "
                 f"table '{table['name']}' (embedding_dim={dim}, combiner="
