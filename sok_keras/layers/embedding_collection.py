@@ -72,8 +72,9 @@ class _KerasRsSpec:
 
 def _check_table_stacking(value, tables, where):
     """keras-rs' `table_stacking`: `"auto"`, None, or table names (a list,
-    or a list of lists); unused here, but a typo in ported code is
-    refused, as keras-rs would refuse it, rather than ignored."""
+    or a list of lists), the values its TPU path takes (off TPU keras-rs
+    ignores it). Unused here, but a typo in ported code is refused rather
+    than ignored."""
     if value is None or value == "auto":
         return
     groups = value if isinstance(value, (list, tuple)) else None
