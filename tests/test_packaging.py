@@ -55,6 +55,10 @@ def test_the_source_distribution_holds_every_file_the_build_reads(
     assert wanted and not wanted - names, sorted(wanted - names)
     assert {"setup.py", "setup.cfg", "pyproject.toml", "README.md",
             "sok_keras/__init__.py", "sokrun.py"} <= names
+    # The README's links (QA: the archive had no docs/).
+    docs = {f for f in _tracked_files() if f.startswith("docs/")}
+    assert "docs/install.md" in docs and not docs - names, sorted(
+        docs - names)
     assert not [n for n in names
                 if n.endswith((".so", ".o", "_build_info.py"))], names
 
