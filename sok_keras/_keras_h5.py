@@ -27,6 +27,7 @@ sharded `save_weights`, a dict) falls back to whole arrays.
 
 import functools
 import os
+import warnings
 
 _INSTALLED = False
 
@@ -120,8 +121,11 @@ def _legacy_h5_loads_whole_tables():
     Weight expects shape (4, 4). Received saved weight with shape (8, 4)"
     (QA). A whole table saved for a sok table is now read as
     `Variable.assign_global` reads it (this rank's rows), after Keras has
-    checked and assigned the layer's other weights; anything else is
-    Keras' to check."""
+    checked and assigned the layer's other weights. Any other shape is a
+    mismatch against the whole table on every rank (a shard's shape
+    differs between ranks: an array that happened to fit one rank's
+    shard was assigned there while the other rank raised, review);
+    the other weights are Keras' to check."""
     from keras.src.legacy.saving import legacy_h5_format
 
     original = legacy_h5_format._set_weights
@@ -135,12 +139,21 @@ def _legacy_h5_loads_whole_tables():
 
         keras_pairs, whole_tables = [], []
         for v, value in zip(symbolic_weights, weight_values):
-            shape = tuple(getattr(value, "shape", ()))
-            if (is_sok_variable(v) and shape != tuple(v.shape)
-                    and shape == tuple(v.global_shape)):
-                whole_tables.append((v, value))
-            else:
+            if not is_sok_variable(v):
                 keras_pairs.append((v, value))
+                continue
+            shape = tuple(getattr(value, "shape", ()))
+            if shape == tuple(v.global_shape):
+                whole_tables.append((v, value))
+                continue
+            message = (
+                f"Shape mismatch in {name} for table {v.path}: the table "
+                f"is {tuple(v.global_shape)}, the saved weight {shape} (a "
+                "legacy .h5 file holds whole tables)")
+            if not skip_mismatch:
+                raise ValueError(f"sok_keras: {message}.")
+            warnings.warn(f"sok_keras: skipping loading weights: "
+                          f"{message}.", stacklevel=2)
         original(instance, [v for v, _ in keras_pairs],
                  [value for _, value in keras_pairs], name,
                  skip_mismatch=skip_mismatch)

@@ -393,7 +393,8 @@ def test_a_legacy_h5_file_saved_on_one_rank_loads_on_two(tmp_path):
     saved weight with shape (9, 4)" (QA). `load_model` and
     `load_weights` (by order and by name) now give each rank its rows:
     the tables read back whole and the predictions are the saved
-    model's."""
+    model's. A file whose table has another size is refused (or, with
+    `skip_mismatch`, skipped) alike on every rank."""
     import numpy as np
 
     import sok_keras as sok
@@ -415,9 +416,24 @@ def test_a_legacy_h5_file_saved_on_one_rank_loads_on_two(tmp_path):
     x = (np.arange(30).reshape(10, 3) * 7) % 9
     np.save(tmp_path / "x.npy", x)
     expected = model.predict(x, verbose=0)
+    # A file whose table 'dist' has 5 rows, not 9.
+    small_ids = keras.Input((3,), dtype="int64")
+    small = keras.Model(small_ids, sok.layers.DistributedEmbedding(
+        5, 4, combiner="sum", name="dist")(small_ids))
+    small_path = str(tmp_path / "small.h5")
+    small.save(small_path)
     r0, r1 = run_workers(worker_path("legacy_h5_load"), 2,
-                         args=[path, str(tmp_path / "x.npy")], timeout=240)
+                         args=[path, str(tmp_path / "x.npy"), small_path],
+                         timeout=240)
     for r in (r0, r1):
+        assert r["mismatch"] == (
+            "sok_keras: Shape mismatch in layer #1 (named dist) for table "
+            "dist/embeddings: the table is (9, 4), the saved weight (5, 4) "
+            "(a legacy .h5 file holds whole tables)."), r["mismatch"]
+        assert len(r["skip_warned"]) == 1, r["skip_warned"]
+        assert r["shard_unchanged"], r
+        for key in ("mismatch", "skip_warned", "shard_unchanged"):
+            r.pop(key)
         assert sorted(r) == ["load_model", "load_weights_by_name_False",
                              "load_weights_by_name_True", "pid"], sorted(r)
         for how in ("load_model", "load_weights_by_name_False",

@@ -75,8 +75,9 @@ def _check_table_stacking(value, tables, where):
     or a list of lists), the values its TPU path takes (off TPU keras-rs
     ignores it). Unused here, but a typo in ported code is refused rather
     than ignored."""
-    if value is None or value == "auto":
-        return
+    if value is None or value == "auto" or (
+            isinstance(value, (list, tuple)) and not value):
+        return  # ([]: no stacking, as None)
     groups = value if isinstance(value, (list, tuple)) else None
     if groups and all(isinstance(g, str) for g in groups):
         groups = [groups]
@@ -592,7 +593,7 @@ class EmbeddingCollection(keras.layers.Layer):
             return inputs if isinstance(inputs, dict) else {}
         try:
             flat, _ = self._flat_keras_rs_inputs(inputs, None)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError, KeyError):
             return {}
         return flat
 

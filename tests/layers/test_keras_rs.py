@@ -318,7 +318,7 @@ def test_bad_configs_raise_clearly(configs, kwargs, match):
         sok.layers.EmbeddingCollection(configs, **kwargs)
 
 
-@pytest.mark.parametrize("stacking", ["auto", None, ["t"], [["t"]],
+@pytest.mark.parametrize("stacking", ["auto", None, [], ["t"], [["t"]],
                                       (("t",),)])
 def test_table_stacking_takes_keras_rs_values(stacking):
     layer = sok.layers.EmbeddingCollection(_feature(_table()),
