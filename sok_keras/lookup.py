@@ -1031,8 +1031,7 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
     # partial sum per sample, against at most as many distinct ids and
     # rows), so `"auto"` pools at home without tracing the per-step
     # `tf.cond` (whose two branches and their gradients made most of the
-    # trace: 26 one-id features took 16 s to a first step on 2 ranks, 6 s
-    # without it; bench/first_step.py).
+    # trace: 26 one-id features took 40 s to a first step on 2 ranks).
     # The choice travels in the header: where another rank's ids are not
     # so (another static shape), its `tf.cond` takes home too.
     home_only = pooling == "auto" and feat.one_per_sample

@@ -32,8 +32,8 @@ def test_one_id_per_sample_pools_at_home_without_a_cond(two_ranks):
     """`pooling="auto"` with dense `[batch, 1]` ids never pools on the
     owner (it would move more bytes), so it traces no per-step `tf.cond`
     (before: one per lookup, whose two branches and their gradients were
-    most of the trace; 26 such features took 16 s to a first step on 2
-    ranks, 6 s without it). With 3 ids per sample the cond stays. Rank 0's one-id ids
+    most of the trace; 26 such features took 40 s to a first step on 2
+    ranks). With 3 ids per sample the cond stays. Rank 0's one-id ids
     beside rank 1's ragged ids of 50-120 ids per sample (which alone
     would pool on the owner): both ranks pool at home, and the values and
     the gradient shards are right."""
