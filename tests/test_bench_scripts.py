@@ -207,26 +207,3 @@ def test_dlrm_scaling_driver_on_one_and_two_ranks(tmp_path):
     assert s["2"]["speedup"] == pytest.approx(e2 / e1, abs=1e-3)
     assert s["2"]["efficiency"] == pytest.approx(e2 / (2 * e1), abs=1e-3)
     assert rec["targets"]["met_at_2"] is None  # CPU: a dry run
-
-
-def test_first_step_on_two_ranks_writes_its_record(tmp_path):
-    """bench/first_step.py, tiny: both variants run in fresh models and the
-    padded one (width 2) traces the per-step `tf.cond` the one-id one does
-    not, so its graphs hold more operations."""
-    out = tmp_path / "first.json"
-    job = multiprocess.launch(
-        os.path.join(BENCH, "first_step.py"), 2,
-        args=["--tables", "2", "--rounds", "1", "--steps", "1", "--out",
-              out], timeout=240)
-    detail = f"\n--- output ---\n{job.output}"
-    assert job.returncode == 0, detail
-    assert not job.leftovers, detail
-    rec = json.loads(out.read_text())
-    assert rec["benchmark"] == "first_step" and rec["ranks"] == 2
-    assert rec["command"].startswith("python -m sokrun -np 2 python "
-                                     "bench/first_step.py"), rec["command"]
-    one, padded = rec["runs"]["one_id"][0], rec["runs"]["padded_width_2"][0]
-    assert padded["graph_ops"] > one["graph_ops"] > 0, rec["runs"]
-    assert one["first_step_s"] > 0 and one["step"]["n"] == 1
-    assert rec["first_step_speedup"] == pytest.approx(
-        padded["first_step_s"] / one["first_step_s"], rel=0.01)
