@@ -136,7 +136,7 @@ class _Ids:
     """Ids of one feature, flattened: values, their batch row, weights."""
 
     def __init__(self, values, segment_ids, batch_size, weights, layout,
-                 problem=None, one_per_sample=False):
+                 problem=None):
         self.values = values  # int64 [nnz], padding removed
         self.segment_ids = segment_ids  # int64 [nnz]
         self.batch_size = batch_size  # int64 scalar tensor
@@ -148,9 +148,6 @@ class _Ids:
         # the structure of this rank's input (see `normalize_ids`); None if
         # nothing can be.
         self.problem = problem
-        # Whether the ids' static shape allows at most one id per sample
-        # (dense `[batch]` or `[batch, 1]`).
-        self.one_per_sample = one_per_sample
 
 
 def _check_int(t, what):
@@ -403,7 +400,6 @@ def _normalize_ids(ids, weights, name):
     return _Ids(
         tf.gather(flat, kept), tf.gather(segs, kept), shape[0],
         w, layout, _first_problem(checks),
-        one_per_sample=ids.shape[1] == 1,
     )
 
 
@@ -1026,15 +1022,6 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
     n = comm.num_ranks
     tables = [(param, name)]
     key = _call_site_key(_table_key(param))
-    # With at most one id per sample, pooling on the owner never moves
-    # fewer bytes (`_owner_is_cheaper`: each occurrence's 16 bytes and a
-    # partial sum per sample, against at most as many distinct ids and
-    # rows), so `"auto"` pools at home without tracing the per-step
-    # `tf.cond` (whose two branches and their gradients made most of the
-    # trace: 26 one-id features took 40 s to a first step on 2 ranks).
-    # The choice travels in the header: where another rank's ids are not
-    # so (another static shape), its `tf.cond` takes home too.
-    home_only = pooling == "auto" and feat.one_per_sample
     (dedup,) = _dedup(tables, [feat.values])
     # Occurrences per owner (the owner branch sorts them by owner), from
     # the ids themselves: nothing here may depend on the dedup counts, which
@@ -1044,10 +1031,8 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
     occ_counts = tf.math.bincount(occ_owner, minlength=n, maxlength=n,
                                   dtype=tf.int64)
     batch = tf.reshape(tf.cast(feat.batch_size, tf.int64), [1])
-    flag = tf.constant([int(home_only)], tf.int64)
     (counts_matrix,), gathered = _agree_counts(
-        comm, tables, [dedup], key,
-        extra=tf.concat([occ_counts, batch, flag], 0),
+        comm, tables, [dedup], key, extra=tf.concat([occ_counts, batch], 0),
         problems=[feat.problem])
     # Everything after the check waits for it: the occurrence counts are
     # checked against every rank's error too, and are what the owner
@@ -1068,13 +1053,8 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
 
     if pooling == "owner":
         return owner()
-    if home_only:
-        return home()
-    nobody_home_only = tf.reduce_all(tf.equal(gathered[:, 2 * n + 3], 0))
-    return tf.cond(tf.logical_and(
-        nobody_home_only,
-        _owner_is_cheaper(param, feat, counts_matrix, occ_matrix, batches)),
-        owner, home)
+    return tf.cond(_owner_is_cheaper(param, feat, counts_matrix, occ_matrix,
+                                     batches), owner, home)
 
 
 def _bags(ids, weights, name):

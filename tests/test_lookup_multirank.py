@@ -15,43 +15,14 @@ def two_ranks():
     """The 2-rank scenarios of this module in one job (one TensorFlow start
     per rank): edge cases, the pooling modes on the batch of many samples,
     and last the bad id (which ends in errors on purpose)."""
-    edge, pooling, double, custom, layouts, one_id, bad_id, drift = (
-        run_sequence(
+    edge, pooling, double, custom, layouts, bad_id, drift = run_sequence(
         [("edge_cases", []), ("pooling_modes", ["many"]),
          ("double_gradient", []), ("custom_step", ["extra"]),
-         ("mixed_layouts", []), ("one_id_pooling", []), ("bad_id", []),
-         ("custom_step", ["drift"])],
-        2, timeout=480))
+         ("mixed_layouts", []), ("bad_id", []), ("custom_step", ["drift"])],
+        2, timeout=480)
     return {"edge_cases": edge, "pooling_modes": pooling,
             "double_gradient": double, "custom_step": custom,
-            "mixed_layouts": layouts, "one_id_pooling": one_id,
-            "bad_id": bad_id, "drift": drift}
-
-
-def test_one_id_per_sample_pools_at_home_without_a_cond(two_ranks):
-    """`pooling="auto"` with dense `[batch, 1]` ids never pools on the
-    owner (it would move more bytes), so it traces no per-step `tf.cond`
-    (before: one per lookup, whose two branches and their gradients were
-    most of the trace; 26 such features took 40 s to a first step on 2
-    ranks). With 3 ids per sample the cond stays. Rank 0's one-id ids
-    beside rank 1's ragged ids of 50-120 ids per sample (which alone
-    would pool on the owner): both ranks pool at home, and the values and
-    the gradient shards are right."""
-    import numpy as np
-
-    results = two_ranks["one_id_pooling"]
-    full = np.random.default_rng(0).normal(size=(3000, 4)).astype(
-        "float32")
-    grad = np.zeros_like(full)
-    for r in results:
-        assert r["conds_one_id"] == 0, r["conds_one_id"]
-        assert r["conds_three_ids"] >= 1, r["conds_three_ids"]
-        assert r["max_err"] < 1e-4, r["max_err"]
-        for ids in r["rows"]:  # loss = sum over samples of |pooled|^2
-            grad[ids] += 2 * full[ids].sum(0)
-    for rank, r in enumerate(results):
-        np.testing.assert_allclose(np.array(r["grad_shard"]),
-                                   grad[rank::2], rtol=1e-4, atol=1e-4)
+            "mixed_layouts": layouts, "bad_id": bad_id, "drift": drift}
 
 
 def test_ranks_with_ids_in_different_layouts(two_ranks):

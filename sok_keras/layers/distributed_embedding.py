@@ -36,10 +36,7 @@ class DistributedEmbedding(BaseEmbedding):
             comparison (~0.2-0.5 ms per step on CPU). Ignored with one rank
             and for unpooled lookups. Inside a `tf.function` under a
             persistent `GradientTape` (or tapes nested), `"auto"` pools at
-            home, so that several `tape.gradient` calls work; so it does
-            for ids of one id per sample (static shape `[batch]` or
-            `[batch, 1]`), where home never moves more bytes (and the
-            per-step comparison is not traced).
+            home, so that several `tape.gradient` calls work.
         optimizer: optional Keras optimizer (instance, name or config) for
             this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
             over the model's optimizer for this table: its rule,
