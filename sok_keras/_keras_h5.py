@@ -137,10 +137,11 @@ def _legacy_h5_loads_whole_tables():
                      skip_mismatch=False):
         from sok_keras.variable import is_sok_variable
 
-        keras_pairs, whole_tables = [], []
+        keras_vars, keras_values, whole_tables = [], [], []
         for v, value in zip(symbolic_weights, weight_values):
             if not is_sok_variable(v):
-                keras_pairs.append((v, value))
+                keras_vars.append(v)
+                keras_values.append(value)
                 continue
             shape = tuple(getattr(value, "shape", ()))
             if shape == tuple(v.global_shape):
@@ -154,8 +155,7 @@ def _legacy_h5_loads_whole_tables():
                 raise ValueError(f"sok_keras: {message}.")
             warnings.warn(f"sok_keras: skipping loading weights: "
                           f"{message}.", stacklevel=2)
-        original(instance, [v for v, _ in keras_pairs],
-                 [value for _, value in keras_pairs], name,
+        original(instance, keras_vars, keras_values, name,
                  skip_mismatch=skip_mismatch)
         for v, value in whole_tables:
             v.assign_global(value, f"{name}, '{v.path}'")

@@ -395,10 +395,7 @@ class EmbeddingCollection(keras.layers.Layer):
                         ").")
             return self._lookup(inputs, weights or {})
         flat_ids, flat_weights = self._flat_keras_rs_inputs(inputs, weights)
-        out = self._lookup(flat_ids, flat_weights)
-        return feature_config.map_structure(
-            lambda _, p: out[p], self._keras_rs.skeleton,
-            is_leaf=feature_config.is_path)
+        return self._nested(self._lookup(flat_ids, flat_weights))
 
     def _lookup(self, inputs, weights):
         # In name order, not the dict's: ranks whose `features` dicts were
@@ -631,11 +628,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 out[f] = (shape[0], dim)
             else:
                 out[f] = shape + (dim,)
-        if self._keras_rs is None:
-            return out
-        return feature_config.map_structure(
-            lambda _, p: out[p], self._keras_rs.skeleton,
-            is_leaf=feature_config.is_path)
+        return self._nested(out)
 
     # -- saving: each table (and its slots) whole, in global row order,
     # streamed in bounded chunks; loading reads only this rank's rows.
