@@ -134,6 +134,16 @@ def _outcome(what, error, message):
             "rank's output).")
 
 
+def checked_path(path, what):
+    """`os.fspath(path)`, or a TypeError naming `what` and the value."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(
+            f"{what}: `path` must be a str or an os.PathLike (a folder). "
+            f"Received: path={path!r}.") from None
+
+
 def _enter(what, path):
     from sok_keras import saving
 
@@ -536,7 +546,7 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
     >>> sok.dump("/ckpt/step_1000", model)   # on every rank
     >>> sok.load("/ckpt/step_1000", model)   # at any number of ranks
     """
-    path = os.fspath(path)
+    path = checked_path(path, "sok_keras.dump")
     if _is_variable(model_or_variables):  # SOK: "a single or a list"
         model_or_variables = [model_or_variables]
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "dump")
@@ -1285,7 +1295,7 @@ def load(path, model_or_variables, optimizer=None):
     """
     import keras
 
-    path = os.fspath(path)
+    path = checked_path(path, "sok_keras.load")
     if _is_variable(model_or_variables):  # SOK: "a single or a list"
         model_or_variables = [model_or_variables]
     tables, dense, optimizer = _collect(model_or_variables, optimizer, "load")

@@ -168,6 +168,40 @@ def _nondeterminism(dataset):
     return None
 
 
+# Sources whose elements are single samples: the rows of the tensors
+# given to `from_tensor_slices`, and what `unbatch` gives.
+_SAMPLE_SOURCES = ("_TensorSliceDataset", "_SparseTensorSliceDataset",
+                   "_UnbatchDataset")
+
+
+def _flat_shapes(spec):
+    return [tuple(getattr(s, "shape", ())) for s in tf.nest.flatten(spec)]
+
+
+def _yields_samples(dataset):
+    """Whether `dataset`'s elements are certainly single samples, not
+    batches: the rows of `from_tensor_slices` (or of an `unbatch`) reach
+    the output through stages that keep each element's shapes (`map`s that
+    only rename or cast, `shuffle`, `repeat`, `prefetch`, ...), with no
+    batching stage (which changes the shapes) between. Other sources
+    (generators, files, `from_tensors`) may yield whole batches: False."""
+    kind = type(dataset).__name__
+    if kind in _SAMPLE_SOURCES:
+        return True
+    try:
+        inputs = list(dataset._inputs())
+    except Exception:  # noqa: BLE001 - a dataset kind without inputs
+        return False
+    if kind == "_ZipDataset":
+        return any(_yields_samples(d) for d in inputs)
+    if len(inputs) != 1:
+        return False
+    if _flat_shapes(dataset.element_spec) != _flat_shapes(
+            inputs[0].element_spec):
+        return False
+    return _yields_samples(inputs[0])
+
+
 def _static(value):
     try:
         return None if value is None else tf.get_static_value(value)
@@ -207,14 +241,20 @@ def shard_batches(dataset, global_batch_size=None):
             batched with `drop_remainder=True` so that the batch dimension
             is static and the same for every component.
         global_batch_size: optional; the expected global batch size, checked
-            against the dataset's batch dimension.
+            against the dataset's batch dimension. Needed only for a
+            dataset whose elements are batches that `from_tensor_slices`
+            made (rows of a `[steps, batch, ...]` array), which is
+            otherwise refused as a dataset of single samples.
 
     Returns:
         A `tf.data.Dataset` of per-rank batches of `global_batch_size //
         num_ranks` rows, with the same structure.
 
     Raises:
-        ValueError: if no component's batch dimension is static (batch
+        ValueError: if the elements are single samples (the rows of
+            `from_tensor_slices` or an `unbatch`, with no batching stage
+            after them) and `global_batch_size` is not given; if no
+            component's batch dimension is static (batch
             with `drop_remainder=True`; a component made after batching,
             whose size is unknown, is sliced as the others, its rows
             checked at each batch), if it differs between components or
@@ -244,6 +284,17 @@ def shard_batches(dataset, global_batch_size=None):
     paths = [f"#{i}" for i in range(len(flat))] if len(flat) > 1 else [""]
     per = [_batch_dim(s, p) for s, p in zip(flat, paths)]
     dims = set(per) - {None}
+    if global_batch_size is None and _yields_samples(dataset):
+        rows = dims.pop() if len(dims) == 1 else "<rows of a batch>"
+        raise ValueError(
+            "shard_batches: the dataset yields single samples, not batches: "
+            "its elements are the rows of `from_tensor_slices` (or of an "
+            "`unbatch`) with no batching stage after them (element_spec "
+            f"{spec}), so each rank would keep part of every sample. Batch "
+            "it first: `.batch(global_batch_size, drop_remainder=True)`. "
+            "If each element already is a global batch (sliced from a "
+            "[steps, batch, ...] array), say so: "
+            f"`shard_batches(dataset, global_batch_size={rows})`.")
     if not dims:
         raise ValueError(
             "shard_batches needs a static batch dimension, but the batch "

@@ -133,7 +133,8 @@ class ServingEmbedding(keras.layers.Layer):
         from sok_keras.layers.base_embedding import as_int_ids
 
         table = tf.convert_to_tensor(self.table)
-        inputs = as_int_ids(inputs, self.table.shape[0])
+        inputs = as_int_ids(inputs, self.table.shape[0], self.name,
+                            local=True)
         if self.fixed_shape:
             ids = tf.convert_to_tensor(inputs)
             out = tf.gather(table, tf.cast(ids, tf.int64))
@@ -203,7 +204,8 @@ class ServingEmbeddingCollection(keras.layers.Layer):
         out = {}
         for f, spec in self.features.items():
             table = tf.convert_to_tensor(self.tables[spec["table"]])
-            ids = as_int_ids(inputs[f], self.tables[spec["table"]].shape[0])
+            ids = as_int_ids(inputs[f], self.tables[spec["table"]].shape[0],
+                             f"{self.name}/{f}", local=True)
             value = _plain_lookup(table, ids, weights.get(f),
                                   spec["combiner"], f"{self.name}/{f}")
             out[f] = tf.cast(value, self.compute_dtype)
@@ -403,7 +405,9 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
 def _export(model, path, verbose, input_signature, **kwargs):
     clone = _check_exportable(model)
     n, rank = world.num_ranks(), world.rank()
-    path = os.fspath(path)
+    from sok_keras.checkpoint import checked_path
+
+    path = checked_path(path, "sok_keras.export_for_serving")
     from sok_keras import global_views
 
     # A call on some ranks only (`if sok.rank() == 0: model.export(...)`)

@@ -114,6 +114,7 @@ def _shown(name):
     `(no name)` where none was given."""
     return f"'{name}'" if name else "(no name)"
 
+
 class Variable(keras.Variable):
     """An embedding table whose rows are sharded across the ranks.
 
@@ -191,6 +192,10 @@ class Variable(keras.Variable):
                 f"Unexpected keyword argument(s) for sok_keras.Variable: "
                 f"{sorted(kwargs)}."
             )
+        if not isinstance(trainable, (bool, np.bool_)):
+            raise TypeError(
+                f"sok_keras.Variable {_shown(name)}: `trainable` must be a "
+                f"bool. Received: trainable={trainable!r}.")
         from sok_keras import replicas
 
         strategy = replicas.table_strategy(name)
@@ -234,11 +239,21 @@ class Variable(keras.Variable):
                     initializer, global_shape, dtype, kind, target, owners,
                     num_ranks, strategy is not None, name)
         else:
-            array = np.asarray(
-                keras.ops.convert_to_numpy(initial_value)
-                if not isinstance(initial_value, np.ndarray)
-                else initial_value
-            )
+            try:
+                array = np.asarray(
+                    keras.ops.convert_to_numpy(initial_value)
+                    if not isinstance(initial_value, np.ndarray)
+                    else initial_value
+                )
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"sok_keras.Variable {_shown(name)}: the initial value is "
+                    f"no array of numbers [rows, dim] ({e})") from None
+            if array.dtype.kind not in "iuf":
+                raise TypeError(
+                    f"sok_keras.Variable {_shown(name)}: the initial value "
+                    "must hold real numbers (ints or floats). Received: an "
+                    f"array of dtype {array.dtype}.")
             if array.ndim != 2:
                 raise ValueError(
                     f"sok_keras.Variable {_shown(name)} must be 2-D "
@@ -906,7 +921,8 @@ def filter_variables(variables):
     """Splits variables into sok tables and everything else.
 
     Args:
-        variables: an iterable of variables (e.g. `model.trainable_variables`).
+        variables: an iterable of variables (e.g. `model.trainable_variables`),
+            or one variable.
 
     Returns:
         `(sok_variables, other_variables)`, two lists in the input order.
@@ -915,6 +931,8 @@ def filter_variables(variables):
 
     >>> sok_vars, dense_vars = sok.filter_variables(model.trainable_variables)
     """
+    if isinstance(variables, (tf.Variable, keras.Variable)):
+        variables = [variables]  # (iterating one would give its rows)
     sok_vars, others = [], []
     for v in variables:
         (sok_vars if is_sok_variable(v) else others).append(v)

@@ -181,6 +181,19 @@ def _bad_id(value, dtype=tf.int64):
             ("raise", (IAE,), ["{name}", str(value)]), False)
 
 
+def _float_ids(value):
+    """float32 ids, the good ones with one replaced by `value` (on the bad
+    rank): no integer, so refused by every entry point (the layers, which
+    take float32 ids of whole numbers, name the layer and the value on one
+    rank; on several, every rank raises the exchange's error)."""
+    def make(kind, bad):
+        ids = _good(kind).numpy().astype(np.float32)
+        if bad:
+            ids.reshape(-1)[1] = value
+        return tf.constant(ids), None
+    return (make, ("raise", (TypeError,), ["{name}", "float32"]), False)
+
+
 def _empty(kind, bad):
     shape = {"a2a": [0, 2, 1], "rows": [0, 2], "rows_nopad": [0, 2]}
     return tf.zeros(shape.get(kind, [0, 2]), tf.int64), None
@@ -205,6 +218,13 @@ INPUTS = {
     "ids_float": (
         lambda kind, bad: (tf.cast(_good(kind), tf.float32), None),
         ("raise", (TypeError,), ["{name}", "float32"]), True),
+    # float32 ids that are no integer: Keras' Embedding would truncate
+    # them (1.5 to row 1, -0.5 to row 0) and cast nan to some row.
+    "ids_float_fraction": _float_ids(1.5),
+    "ids_float_negative_fraction": _float_ids(-0.5),
+    "ids_float_nan": _float_ids(np.nan),
+    "ids_float_inf": _float_ids(np.inf),
+    "ids_float_beyond_int64": _float_ids(1e30),
     # float16 holds ids exactly only up to 2048: refused by every entry
     # point (float32 ids: the layers take them, `expectation`).
     "ids_float16": (
@@ -307,6 +327,9 @@ INPUTS = {
         False),
 }
 
+_NO_INTEGER = {"ids_float_fraction", "ids_float_negative_fraction",
+               "ids_float_nan", "ids_float_inf", "ids_float_beyond_int64"}
+
 # Inputs made of padded, ragged or sparse ids, or weights: not for the
 # entry points that take dense ids without padding or weights.
 _PADDED_ONLY = {
@@ -335,6 +358,8 @@ def expectation(input_name, entry):
     if input_name == "ids_float" and entry in LAYERS:
         return ("works", lambda kind, entry, bad=True: reference(
             kind, _good(kind).numpy()))
+    if input_name in _NO_INTEGER and entry in LAYERS:
+        return ("raise", (IAE,), ["{name}", "no integer"])
     if kind == "rows_nopad" and input_name in ("ids_scalar", "ids_3d"):
         # all2all_dense_embedding takes ids of any shape.
         return ("works", lambda kind, entry, bad=True: reference(
@@ -354,6 +379,7 @@ def expectation(input_name, entry):
 # must work. The 1-rank test runs every cell in both modes.
 FUNCTION_ON_SEVERAL_RANKS = (
     "id_out_of_range", "id_int64_above_2_32", "empty_batch_one_rank",
+    "ids_float_fraction",
     "padding_only", "sparse_index_outside_dense_shape",
     "ragged_weights_other_splits", "dense_weights_other_shape",
     "sparse_weights_other_indices", "weights_nan_inf",
@@ -447,7 +473,9 @@ def check_cell(result, input_name, entry, rank, num_ranks, bad_rank):
                          f"{result['message'][:300]} {result['output']}")
             return wrong
         words = [w.format(name=name, rank=bad_rank) for w in exp[2]]
-        if num_ranks > 1 and not every:
+        if num_ranks > 1 and not every and IAE in exp[1]:
+            # A value error found at run time names the rank that had it
+            # (a dtype error, raised on every rank while tracing, does not).
             words += [w.format(name=name, rank=bad_rank) for w in ID_WORDS]
         missing = [w for w in words if w not in result["message"]]
         if missing:

@@ -173,6 +173,29 @@ def test_a_sequential_with_no_input_trains_as_with_int_ids():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("value,shown", [(16.7, "16.7"), (-0.5, "-0.5"),
+                                         (np.nan, "nan"), (np.inf, "inf"),
+                                         (1e30, "1e+30")])
+def test_fit_float_id_that_is_no_integer_raises_and_changes_nothing(
+        value, shown):
+    """Float ids are taken where they are whole numbers (Keras makes
+    inputs float32), but one that is not is refused naming the layer and
+    the value (Keras' Embedding truncates it: 16.7 was row 16, -0.5 row 0,
+    silently), before any update."""
+    model, emb, _ = _model(ids_dtype="float32")
+    x = _good_ids().astype(np.float32)
+    _fit(model, x[:4], Y[:4])
+    state = _state(model)
+    x[5, 1] = value
+    with pytest.raises(tf.errors.InvalidArgumentError) as e:
+        _fit(model, x[4:], Y[4:])
+    # (A graph's Assert escapes the quotes around the name.)
+    assert "emb" in str(e.value) and f"float id {shown} " in str(e.value)
+    assert _unchanged(model, state)
+    _fit(model, x[:4], Y[:4])  # still trains
+    assert not _unchanged(model, state)
+
+
 @pytest.mark.parametrize("rows,dtype", [(cases.V, "float16"),
                                         (2 ** 24 + 1, "float32")])
 def test_float_ids_that_may_not_be_exact_raise_a_type_error(rows, dtype):
@@ -282,6 +305,18 @@ def test_fit_nan_weights_without_the_option_reach_the_table():
      ["'t'", "'int32'", "float32"]),
     (dict(initial_value="uniform", shape=(4, 2), dtype="string"),
      ValueError, ["'t'", "'string'"]),
+    # Before: numpy's errors with no table name, or silent casts (the
+    # imaginary part dropped, None made nan, "no" taken as True).
+    (dict(initial_value=np.array([["a", "b"]])), TypeError,
+     ["'t'", "real numbers", "<U1"]),
+    (dict(initial_value=[[1.0, 2.0], [3.0]]), ValueError,
+     ["'t'", "no array of numbers"]),
+    (dict(initial_value=np.array([[1 + 2j, 3 + 4j]])), TypeError,
+     ["'t'", "complex128"]),
+    (dict(initial_value=np.array([[None, 1]], dtype=object)), TypeError,
+     ["'t'", "object"]),
+    (dict(initial_value=np.zeros((4, 2)), trainable="no"), TypeError,
+     ["'t'", "trainable='no'"]),
 ])
 def test_variable_arguments(kwargs, error, words):
     with pytest.raises(error) as e:

@@ -126,6 +126,16 @@ def test_one_rank_round_trip(trained, tmp_path):
     assert sorted(os.listdir(path)) == sorted(["manifest.json", new])
 
 
+def test_a_path_that_is_no_path_is_named(trained):
+    """(Before: a bare "expected str, bytes or os.PathLike object".)"""
+    _, _, fresh, before = trained
+    for call in (sok.dump, sok.load):
+        with pytest.raises(TypeError, match=rf"sok_keras.{call.__name__}: "
+                           r"`path` must be a str.*Received: path=None"):
+            call(None, fresh)
+    _assert_same(before, _state(fresh))
+
+
 def test_a_dump_leaves_another_jobs_dump_in_progress(tmp_path):
     """Two jobs dumping into one folder: a dump removes the folder the
     previous manifest named and old leftovers of killed dumps, but not a

@@ -156,6 +156,54 @@ def test_other_randomness_is_refused_on_several_ranks(as_rank):
     assert data.shard_batches(ds) is ds
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dataset_of_single_samples_is_refused(as_rank, n):
+    """`.batch()` forgotten: each element is one sample, which N ranks
+    would split column-wise (rank 0 kept ids [0, 1] of a sample, rank 1
+    [2, 3]), and one rank passed it on. Refused, saying to batch it."""
+    as_rank(0, n)
+    ids = np.arange(24).reshape(6, 4)
+    labels = np.arange(6, dtype=np.float32)[:, None]
+    single = [
+        tf.data.Dataset.from_tensor_slices(ids),
+        tf.data.Dataset.from_tensor_slices((ids, labels)).shuffle(
+            6, seed=1).repeat().prefetch(2),
+        tf.data.Dataset.from_tensor_slices((ids, labels)).map(
+            lambda x, y: ({"ids": x}, tf.cast(y, tf.float64))),
+        tf.data.Dataset.zip(tf.data.Dataset.from_tensor_slices(ids),
+                            tf.data.Dataset.from_tensors(labels).repeat()),
+        tf.data.Dataset.from_tensor_slices(ids).batch(
+            2, drop_remainder=True).unbatch(),
+        tf.data.Dataset.from_tensor_slices(tf.sparse.from_dense(ids)),
+    ]
+    for ds in single:
+        with pytest.raises(ValueError, match=r"single samples.*"
+                           r"\.batch\(global_batch_size, drop_remainder="
+                           r"True\).*shard_batches\(dataset, "
+                           r"global_batch_size="):
+            data.shard_batches(ds)
+    # Batches: a batching stage, or sources that may yield batches.
+    batched = [
+        tf.data.Dataset.from_tensor_slices(ids).batch(2, drop_remainder=True),
+        tf.data.Dataset.from_tensor_slices(ids).map(
+            lambda x: tf.reshape(x, [2, 2])),
+        tf.data.Dataset.from_tensors(ids),
+        tf.data.Dataset.from_generator(
+            lambda: iter([ids]), output_signature=tf.TensorSpec(
+                (6, 4), tf.int64)),
+        tf.data.Dataset.from_tensor_slices(["f1", "f2"]).interleave(
+            lambda f: tf.data.Dataset.from_tensors(ids)),
+    ]
+    for ds in batched:
+        data.shard_batches(ds)
+    # Batches sliced from a [steps, batch, ...] array: said so.
+    steps = tf.data.Dataset.from_tensor_slices(ids.reshape(3, 2, 4))
+    got = [t.numpy().tolist() for t in data.shard_batches(
+        steps, global_batch_size=2)]
+    assert got == ([b.tolist() for b in ids.reshape(3, 2, 4)] if n == 1
+                   else [[[0, 1, 2, 3]], [[8, 9, 10, 11]], [[16, 17, 18, 19]]])
+
+
 def test_errors(as_rank):
     as_rank(0, 2)
     ds = tf.data.Dataset.range(10).batch(4)

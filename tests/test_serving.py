@@ -178,6 +178,10 @@ def test_export_refuses_a_file_or_a_folder_of_other_files(tmp_path):
                        r"link \(to '.*empty'\).*point the link there"):
         sok.export_for_serving(model, str(tmp_path / "latest"))
     assert os.readlink(tmp_path / "latest") == str(empty)
+    # (Before: a bare "expected str, bytes or os.PathLike object".)
+    with pytest.raises(TypeError, match=r"export_for_serving: `path` must "
+                       r"be a str.*Received: path=None"):
+        sok.export_for_serving(model, None)
 
 
 def test_export_of_a_sequential_with_no_input(tmp_path):

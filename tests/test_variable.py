@@ -56,6 +56,10 @@ def test_filter_variables():
     d = keras.Variable(np.zeros((2,)))
     assert sok.filter_variables([d, v]) == ([v], [d])
     assert sok.split_embedding_variable_from_others([v, d]) == ([v], [d])
+    # One variable, as `sok.dump` takes it (before: its rows were iterated,
+    # "slice index 3 of dimension 0 out of bounds").
+    assert sok.filter_variables(v) == ([v], [])
+    assert sok.filter_variables(d) == ([], [d])
 
 
 def test_world_of_one():

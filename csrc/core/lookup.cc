@@ -376,7 +376,7 @@ LookupStatus DedupBucketize(const Tid* ids, int64_t nnz, int64_t num_ranks,
   for (int64_t i = 0; i < nnz; ++i) {
     const int64_t id = static_cast<int64_t>(ids[i]);
     if (id < 0) {
-      return LookupStatus::Error("id " + std::to_string(id) +
+      return LookupStatus::Error("id " + IdText(id) +
                                  " at position " + std::to_string(i) +
                                  " is negative.");
     }
@@ -805,6 +805,15 @@ template void PooledGradCombine<double>(const double*, int64_t, int64_t,
                                         const double*, const double*,
                                         const ParallelFor&, double*);
 #undef SOK_INSTANTIATE_POOLED_GRAD
+
+std::string IdText(int64_t id) {
+  if (id == std::numeric_limits<int64_t>::min()) {
+    return std::to_string(id) +
+           " (a float id that is no integer: a fraction, nan, inf or beyond "
+           "int64)";
+  }
+  return std::to_string(id);
+}
 
 }  // namespace lookup
 }  // namespace sok

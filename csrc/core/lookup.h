@@ -36,6 +36,11 @@ struct IdError {
   bool ok() const { return position < 0; }
 };
 
+// An id as an error message shows it. The most negative int64 is what the
+// Python layers make of a float id that is no integer (1.5, nan, inf), so
+// that every rank refuses it alike; its text says so.
+std::string IdText(int64_t id);
+
 // Returns the first id (by position) that is < 0 or >= vocab_size.
 template <typename Tid>
 IdError FindFirstInvalidId(const Tid* ids, int64_t nnz, int64_t vocab_size,

@@ -139,7 +139,8 @@ class SokDedupBucketizeBase : public OpKernel {
   // The error of an invalid id when raise_on_error is set.
   absl::Status InvalidIdError(const lookup::IdError& error) const {
     return errors::InvalidArgument(
-        "sok_keras: table '", table_name_, "': id ", error.value,
+        "sok_keras: table '", table_name_, "': id ",
+        lookup::IdText(error.value),
         " at position ", error.position, " is out of range [0, ", vocab_size_,
         ").");
   }
@@ -361,7 +362,8 @@ class SokCheckExchangeOp : public OpKernel {
     OP_REQUIRES(ctx, rank < 0,
                 errors::InvalidArgument(
                     "sok_keras: table '", table_name_, "': rank ", rank,
-                    " looked up id ", error.value, " (position ",
+                    " looked up id ", lookup::IdText(error.value),
+                    " (position ",
                     error.position, "), out of range [0, ", vocab_size_,
                     ")."));
     Tensor* out = nullptr;

@@ -138,7 +138,8 @@ class PooledOpBase : public OpKernel {
     }
     if (error.position >= 0) {
       return errors::InvalidArgument(
-          where, "id ", error.value, " at position ", error.position,
+          where, "id ", lookup::IdText(error.value), " at position ",
+          error.position,
           " is out of range [0, ", rows, ") (-1 is padding).");
     }
     return absl::OkStatus();

@@ -132,7 +132,7 @@ class All2AllDenseEmbedding(BaseEmbedding):
                 "DistributedEmbedding. Received: "
                 f"{type(inputs).__name__}.")
         inputs = as_int_ids(tf.convert_to_tensor(inputs),
-                            self.vocabulary_size)
+                            self.vocabulary_size, self.name)
         if inputs.shape.rank != 3 or (
             inputs.shape[1] is not None and inputs.shape[1] != self.slot_num
         ) or (

@@ -29,6 +29,35 @@ def check_positive_int(value, arg, layer):
     return int(value)
 
 
+def get_initializer(initializer, where):
+    """`keras.initializers.get(initializer)`, its error naming `where` (the
+    layer or table) and the value."""
+    if isinstance(initializer, dict):
+        initializer = copy.deepcopy(initializer)  # Keras edits configs
+    try:
+        return keras.initializers.get(initializer)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{where}: bad `initializer`: {e} Received: "
+            f"initializer={initializer!r}.") from None
+
+
+def init_keras_layer(init, cls, kwargs):
+    """Runs `keras.layers.Layer.__init__` (`init`, bound) with `kwargs`;
+    a `dtype` Keras cannot read is refused naming the layer and value."""
+    try:
+        init(**kwargs)
+    except ValueError as e:
+        if "dtype" not in kwargs or "olicy" not in str(e):
+            raise
+        name = kwargs.get("name")
+        raise ValueError(
+            f"{cls}{f' {name!r}' if name else ''}: `dtype` must be a float "
+            "dtype or a Keras dtype policy ('float32', 'mixed_float16', "
+            f"'mixed_bfloat16', ...). Received: dtype={kwargs['dtype']!r} "
+            f"({e})") from None
+
+
 def get_table_optimizer(optimizer, layer):
     """Validates a layer's own table optimizer (None, name, config or
     instance) and returns a Keras optimizer instance or None."""
@@ -147,7 +176,9 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     vocabulary_size = kwargs.pop("input_dim", vocabulary_size)
     embedding_dim = kwargs.pop("output_dim", embedding_dim)
     sok1 = sorted(set(kwargs) & set(_SOK1_ARGUMENTS))
-    positional = isinstance(vocabulary_size, str)  # SOK 1: combiner first
+    # SOK 1's first positional argument was the combiner.
+    positional = (isinstance(vocabulary_size, str)
+                  and vocabulary_size in ("sum", "mean", "sqrtn"))
     if sok1 or positional:
         received = (f"vocabulary_size={vocabulary_size!r} (SOK 1's "
                     "combiner, its first positional argument)"
@@ -240,9 +271,12 @@ def _initial_table(weights, shape, where):
 
 # The largest table whose every id a float type holds exactly.
 _EXACT_FLOAT_IDS = {tf.float32: 2 ** 24, tf.float64: 2 ** 53}
+# What a float id that is no whole number (a fraction, nan, inf) becomes
+# with several ranks: an id every lookup refuses, on every rank at once.
+NOT_A_WHOLE_ID = -2 ** 63
 
 
-def as_int_ids(ids, rows):
+def as_int_ids(ids, rows, name=None, local=False):
     """`ids`, with float ids cast to int64 where that is exact, as
     `keras.layers.Embedding` casts them:
 
@@ -254,12 +288,17 @@ def as_int_ids(ids, rows):
     - float32 ids into tables of at most 2**24 rows (float64: 2**53), which
       hold every id exactly: Keras makes a model's inputs float32 unless
       told otherwise (a Sequential with no `keras.Input`, `keras.Input`
-      without `dtype`).
+      without dtype).
 
-    Other float ids are left to the lookup, which refuses them (naming the
-    layer and what to declare instead). `rows`: the number of rows of the
-    table the ids are looked up in; None casts in Keras' shape inference
-    only (a structure that holds weights too).
+    Unlike Keras, which truncates them, float ids that are no integer
+    (1.5, nan, inf, 1e30) are refused: with one rank (or `local`) here, by an
+    error naming `name` and the value; with several, they become
+    `NOT_A_WHOLE_ID`, which the lookup refuses on every rank alike (a
+    rank-local error here would leave the other ranks waiting in the
+    exchange). Other float ids are left to the lookup, which refuses them
+    (naming the layer and what to declare instead). `rows`: the number of
+    rows of the table the ids are looked up in; None casts in Keras' shape
+    inference only (a structure that holds weights too).
     """
     symbolic = in_symbolic_scope()
 
@@ -268,13 +307,59 @@ def as_int_ids(ids, rows):
         if dtype is None:
             return t
         dtype = tf.as_dtype(dtype)
-        if dtype.is_floating and (symbolic or (
-                rows is not None and rows <= _EXACT_FLOAT_IDS.get(dtype, 0))):
+        if not dtype.is_floating:
+            return t
+        if symbolic:
             return tf.cast(t, tf.int64)
+        if rows is not None and rows <= _EXACT_FLOAT_IDS.get(dtype, 0):
+            return _whole_ids(t, name, local)
         return t
 
     # (keras.tree: also dicts whose keys mix types, which tf.nest refuses.)
     return keras.tree.map_structure(cast, ids)
+
+
+def _whole_ids(t, name, local):
+    """Float ids `t` (dense, ragged or sparse) as int64, each one that is
+    no whole number refused (see `as_int_ids`)."""
+    from sok_keras import world
+    from sok_keras.lookup import _assert
+
+    if isinstance(t, tf.RaggedTensor):
+        values = t.flat_values
+    elif isinstance(t, tf.SparseTensor):
+        values = t.values
+    else:
+        t = tf.convert_to_tensor(t)
+        values = tf.reshape(t, [-1])
+    # (Beyond 2**62 a cast would overflow; no table has that many rows.)
+    whole = (tf.math.is_finite(values) & tf.equal(values, tf.floor(values))
+             & (tf.abs(values) < 2.0 ** 62))
+    ints = tf.where(whole, tf.cast(values, tf.int64),
+                    tf.constant(NOT_A_WHOLE_ID, tf.int64))
+    if local or world.num_ranks() == 1:
+        ok = tf.reduce_all(whole)
+        first = tf.argmax(tf.cast(tf.logical_not(whole), tf.int32),
+                          output_type=tf.int64)
+        message = tf.strings.join([
+            f"sok_keras: '{name or 'embedding'}': the float id ",
+            tf.strings.as_string(
+                tf.gather(values, first), shortest=True),
+            " at position ", tf.strings.as_string(first),
+            " is no integer id (a fraction, nan, inf, or beyond int64). "
+            "Float ids are cast to int64 only where that is exact "
+            "(keras.layers.Embedding would truncate them); "
+            "declare the ids' input as integers, e.g. "
+            '`keras.Input(shape=(n,), dtype="int64")`.'])
+        check = _assert(ok, message)
+        if check is not None:
+            with tf.control_dependencies([check]):
+                ints = tf.identity(ints)
+    if isinstance(t, tf.RaggedTensor):
+        return t.with_flat_values(ints)
+    if isinstance(t, tf.SparseTensor):
+        return tf.SparseTensor(t.indices, ints, t.dense_shape)
+    return tf.reshape(ints, tf.shape(t))
 
 
 def flatten_deep_ids(ids, weights, where):
@@ -343,7 +428,7 @@ class BaseEmbedding(keras.layers.Layer):
         vocabulary_size, embedding_dim = _keras_embedding_arguments(
             cls, vocabulary_size, embedding_dim, kwargs)
         initial = kwargs.pop("weights", None)
-        super().__init__(**kwargs)
+        init_keras_layer(super().__init__, cls, kwargs)
         from sok_keras.lookup import check_pooling
 
         check_pooling(pooling, cls)
@@ -356,8 +441,8 @@ class BaseEmbedding(keras.layers.Layer):
         self.embedding_dim = check_positive_int(
             embedding_dim, "embedding_dim", cls)
         self.combiner = check_combiner(combiner, cls)
-        self.embeddings_initializer = keras.initializers.get(
-            embeddings_initializer)
+        self.embeddings_initializer = get_initializer(
+            embeddings_initializer, f"{cls} '{self.name}'")
         self._initial_table = _initial_table(
             initial, (self.vocabulary_size, self.embedding_dim),
             f"{self.name}/embeddings")
@@ -424,7 +509,7 @@ class BaseEmbedding(keras.layers.Layer):
     def call(self, inputs, weights=None):
         from sok_keras.lookup import lookup_one
 
-        inputs = as_int_ids(inputs, self.vocabulary_size)
+        inputs = as_int_ids(inputs, self.vocabulary_size, self.name)
         shape = None
         if self.combiner is None:
             inputs, weights, shape = flatten_deep_ids(inputs, weights,

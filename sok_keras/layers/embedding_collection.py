@@ -12,7 +12,9 @@ from sok_keras.layers import feature_config
 from sok_keras.layers.base_embedding import check_combiner
 from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import check_pooled_rank
+from sok_keras.layers.base_embedding import get_initializer
 from sok_keras.layers.base_embedding import get_table_optimizer
+from sok_keras.layers.base_embedding import init_keras_layer
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import padding_mask
 from sok_keras.layers.base_embedding import ragged_spec
@@ -196,7 +198,7 @@ class EmbeddingCollection(keras.layers.Layer):
                 f"EmbeddingCollection: {tpu_only} are arguments of keras-rs' "
                 "DistributedEmbedding for TPUs only. Give each table its "
                 "optimizer in `TableConfig.optimizer`.")
-        super().__init__(**kwargs)
+        init_keras_layer(super().__init__, "EmbeddingCollection", kwargs)
         # Ids are never cast to the compute dtype (`as_int_ids`), as
         # `keras.layers.Embedding` does not cast them.
         self.autocast = False
@@ -241,8 +243,8 @@ class EmbeddingCollection(keras.layers.Layer):
                     spec.get("embedding_dim"), "embedding_dim", where),
                 "mode": mode,
                 "initializer": keras.initializers.serialize(
-                    keras.initializers.get(spec.get("initializer",
-                                                    "uniform"))),
+                    get_initializer(spec.get("initializer", "uniform"),
+                                    where)),
             }
             self._table_optimizers[t] = get_table_optimizer(
                 spec.get("optimizer"), where)
@@ -407,7 +409,7 @@ class EmbeddingCollection(keras.layers.Layer):
         for f in names:
             table = self.tables[self.features[f]["table"]]
             label = f"{self.name}/{self._feature_label(f)}"
-            ids = as_int_ids(inputs[f], table["vocabulary_size"])
+            ids = as_int_ids(inputs[f], table["vocabulary_size"], label)
             w = weights.get(f)
             if self.features[f]["combiner"] is None:
                 ids, w, shapes[f] = flatten_deep_ids(ids, w, label)

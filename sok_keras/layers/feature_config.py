@@ -35,13 +35,13 @@ Field by field (keras-rs 0.4.0):
   `output_shape` may be left out of a plain dict.
 """
 
-import copy
 import sys
 
 import keras
 
 from sok_keras.layers.base_embedding import check_combiner
 from sok_keras.layers.base_embedding import check_positive_int
+from sok_keras.layers.base_embedding import get_initializer
 from sok_keras.layers.base_embedding import get_table_optimizer
 
 TABLE_FIELDS = (
@@ -279,16 +279,8 @@ def normalize_table(table, where, check_optimizer=True):
         out[arg] = check_positive_int(out.get(arg), arg, where)
     out["combiner"] = check_combiner(out["combiner"], where)
     mode_of(out["placement"], where)
-    init = out["initializer"]
-    if isinstance(init, dict):
-        init = copy.deepcopy(init)  # Keras edits configs it deserializes
-    try:
-        init = keras.initializers.get(init)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{where}: bad `initializer`: {e} Received: "
-            f"initializer={out['initializer']!r}.") from e
-    out["initializer"] = keras.initializers.serialize(init)
+    out["initializer"] = keras.initializers.serialize(
+        get_initializer(out["initializer"], where))
     opt = out["optimizer"]
     if opt is not None and check_optimizer:
         get_table_optimizer(opt, where)  # raises if unsupported

@@ -112,6 +112,19 @@ def test_argument_validation():
     with pytest.raises(ValueError, match=r"DistributedEmbedding: "
                        r"`vocabulary_size` must be a positive integer"):
         sok.layers.DistributedEmbedding(embedding_dim=4)
+    # A number as a string is no SOK 1 combiner (before: the SOK 1 text).
+    with pytest.raises(ValueError, match=r"`vocabulary_size` must be a "
+                       r"positive integer. Received: vocabulary_size='10'"):
+        sok.layers.DistributedEmbedding("10", 4)
+    # Keras' own errors, which named neither the layer nor the argument.
+    for dtype in ("foo", "float8"):
+        with pytest.raises(ValueError, match=rf"DistributedEmbedding 'emb': "
+                           rf"`dtype` must be.*Received: dtype='{dtype}'"):
+            sok.layers.DistributedEmbedding(3, 4, dtype=dtype, name="emb")
+    with pytest.raises(ValueError, match=r"LocalizedEmbedding 'emb': bad "
+                       r"`initializer`.*initializer='nonsense'"):
+        sok.layers.LocalizedEmbedding(3, 4, embeddings_initializer="nonsense",
+                                      name="emb")
 
 
 def test_sok1_distributed_embedding_arguments_say_what_to_write():

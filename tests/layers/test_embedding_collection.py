@@ -149,6 +149,15 @@ def test_config_round_trip_and_errors():
         sok.layers.EmbeddingCollection(
             {"t": {"vocabulary_size": -1, "embedding_dim": 2}},
             {"f": {"table": "t"}})
+    with pytest.raises(ValueError, match=r"table 't': bad `initializer`.*"
+                       r"initializer='nope'"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "embedding_dim": 2,
+                   "initializer": "nope"}}, {"f": {"table": "t"}})
+    with pytest.raises(ValueError, match=r"EmbeddingCollection 'c': `dtype` "
+                       r"must be.*dtype='foo'"):
+        sok.layers.EmbeddingCollection(TABLES, FEATURES, dtype="foo",
+                                       name="c")
     # A misspelt mode is refused when the layer is made, not at its first
     # call (a localized rank is checked at build, against the world then).
     with pytest.raises(ValueError, match="table 't' must be 'distributed'.*"
