@@ -369,6 +369,29 @@ def install():
     owner.summary = summary
     _INSTALLED["summary"] = (summary_utils, original_count, original_size,
                              owner, original_summary)
+    _install_model_set_weights()
+
+
+def _install_model_set_weights():
+    """`model.set_weights` refuses whole tables given for this rank's
+    shards with the layers' message (table, shapes, `assign_global`),
+    not Keras' bare shape error naming the model only."""
+    import keras
+
+    from sok_keras.layers.base_embedding import check_shard_weights
+
+    owner = next(c for c in keras.Model.__mro__
+                 if "set_weights" in c.__dict__)
+    original = owner.set_weights
+
+    @functools.wraps(original)
+    def set_weights(self, weights):
+        if isinstance(self, keras.Model):
+            check_shard_weights(self, weights)
+        return original(self, weights)
+
+    set_weights._sok_keras = True
+    owner.set_weights = set_weights
 
 
 # -- loads made on some ranks only -----------------------------------------

@@ -3,14 +3,22 @@
 With more than one rank, `sok_keras.init()` calls `install()`, which makes
 every `keras.callbacks.TensorBoard` (and subclass) behave as follows:
 
-- Only rank 0 writes: the other ranks' train and validation writers are
-  `tf.summary.create_noop_writer()`, so the log directory holds one run
-  (scalars, histograms, the model graph), not one copy per rank. The
-  logged metrics are already global (`sok_keras.callbacks.GlobalMetrics`
-  runs first by default). Rank 0 alone writes `projector_config.pbtxt` and
-  runs the profiler (`profile_batch`).
+- For a model with sok layers only rank 0 writes: the other ranks' train
+  and validation writers are `tf.summary.create_noop_writer()`, so the log
+  directory holds one run (scalars, histograms, the model graph), not one
+  copy per rank. The logged metrics are already global
+  (`sok_keras.callbacks.GlobalMetrics` runs first by default). Rank 0
+  alone writes `projector_config.pbtxt` and runs the profiler
+  (`profile_batch`). The callback may be given on rank 0 only (Horovod's
+  habit) unless `histogram_freq` is set: the tables' histograms are
+  computed by every rank together, and a rank that has no callback makes
+  the others raise `RankMismatchError` within `SOK_SAVE_TIMEOUT` (not
+  wait for `SOK_COMM_TIMEOUT`). A callback given on other ranks only
+  writes nothing: give it on rank 0 (or every rank).
 - `keras.callbacks.CSVLogger` writes from rank 0 only too
   (`install_csv_logger`): its rows are the global logs.
+- A model without sok layers keeps Keras' behaviour on every rank (each
+  rank writes its own logs, which are its own).
 - Weight histograms (`histogram_freq`) of sok tables describe the whole
   table, not rank 0's shard: the ranks all-reduce the global min and max on
   the control communicator, count their own rows into the buckets that
@@ -45,6 +53,24 @@ def _rank():
     from sok_keras import world
 
     return world.rank()
+
+
+def _writes_here(callback):
+    """Whether this rank writes `callback`'s files: rank 0 for a model with
+    sok layers (its logs are global, its tables whole); every rank for a
+    model without (its logs are its own, as in plain Keras)."""
+    if _rank() == 0:
+        return True
+    model = getattr(callback, "_model", None)
+    if model is None:
+        return True
+    cached = getattr(callback, "_sok_writes_here", None)
+    if cached is None or cached[0] is not model:
+        from sok_keras.optimizers.auto_wrap import has_sok_layers
+
+        cached = (model, not has_sok_layers(model))
+        callback._sok_writes_here = cached
+    return cached[1]
 
 
 def _is_sharded(weight):
@@ -154,7 +180,16 @@ def write_histogram(name, buckets, step):
 
 def _log_weights(self, epoch):
     """Keras' `TensorBoard._log_weights` with sok tables' histograms
-    computed over the whole table (collectively)."""
+    computed over the whole table (collectively: the callback must be
+    given on every rank, which `check_in` makes a clear error)."""
+    if any(_is_sharded(w) for w in self.model.weights):
+        from sok_keras import global_views
+
+        global_views.check_in(
+            "keras.callbacks.TensorBoard(histogram_freq=...), whose "
+            "histograms of sok tables are computed by every rank together "
+            "(pass the callback on every rank; rank 0 alone writes)",
+            key=f"tensorboard/histograms/{epoch}")
     with self._train_writer.as_default():
         for layer in self.model.layers:
             for weight in layer.weights:
@@ -176,11 +211,11 @@ def _log_weights(self, epoch):
 
 def _writer(original, kind):
     """A `_train_writer` / `_val_writer` property that is a no-op writer
-    on ranks other than 0."""
+    where this rank does not write (`_writes_here`)."""
 
     @functools.wraps(original.fget)
     def get(self):
-        if _rank() != 0 and kind not in self._writers:
+        if kind not in self._writers and not _writes_here(self):
             import tensorflow as tf
 
             self._writers[kind] = tf.summary.create_noop_writer()
@@ -190,9 +225,12 @@ def _writer(original, kind):
 
 
 def _rank0_only(original):
+    """`original`, a callback's method, run only where this rank writes
+    the callback's files (`_writes_here`: rank 0 for a model with sok
+    layers)."""
     @functools.wraps(original)
     def wrapped(self, *args, **kwargs):
-        if _rank() != 0:
+        if not _writes_here(self):
             return None
         return original(self, *args, **kwargs)
 

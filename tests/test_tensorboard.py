@@ -200,3 +200,26 @@ def test_tensorboard_on_two_ranks(tmp_path):
     tags = {v.tag for e in tf.compat.v1.train.summary_iterator(val)
             for v in e.summary.value}
     assert "epoch_loss" in tags
+
+
+def test_callbacks_given_on_some_ranks_and_whole_weights(tmp_path):
+    """A plain model's CSVLogger and TensorBoard on rank 1 write (its logs
+    are its own); `model.set_weights` names the table whose shard a whole
+    table was given for; TensorBoard histograms with the callback on rank
+    0 only fail within seconds on both ranks, not after SOK_COMM_TIMEOUT."""
+    r0, r1 = run_workers(worker_path("callbacks_some_ranks"), 2,
+                         args=[str(tmp_path)], timeout=240,
+                         env={"SOK_SAVE_TIMEOUT": "5"})
+    files = r1["files"]
+    assert "plain.csv" in files, files
+    assert any(f.startswith("plain_tb/train/events.out") for f in files), files
+    for r in (r0, r1):
+        assert ("'emb/embeddings', (50, 4) on rank" in r["set_weights"]
+                and "received the whole table (100, 4)" in r["set_weights"]
+                and "assign_global" in r["set_weights"]), r["set_weights"]
+        assert r["fit_seconds"] < 120, r
+    assert r0["fit"].startswith("RankMismatchError"), r0["fit"]
+    assert "TensorBoard(histogram_freq=...)" in r0["fit"], r0["fit"]
+    assert "pass the callback on every rank" in r0["fit"], r0["fit"]
+    assert r1["fit"].startswith("RankDivergedError"), r1["fit"]
+    assert "RankMismatchError" in r1["fit"], r1["fit"]
