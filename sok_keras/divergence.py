@@ -171,8 +171,10 @@ _SAME_CALLS = (
 class _Loop:
     """One `fit` / `evaluate` / `predict` call on this rank."""
 
-    def __init__(self, kind, lid):
+    def __init__(self, kind, lid, label=None):
         self.kind = kind
+        # In messages: "fit", or "the validation (evaluate) inside fit".
+        self.label = label or kind
         self.lid = lid  # "fit#1": the same on every rank
         self.epoch = 0
         self.step = 0  # the step (1-based) running or last run
@@ -183,9 +185,9 @@ class _Loop:
 
     def where(self):
         if self.ended:  # (not the step begun that found no data)
-            return (f"the end of epoch {self.epoch + 1} of {self.kind}, "
+            return (f"the end of epoch {self.epoch + 1} of {self.label}, "
                     f"after step {self.done}")
-        return f"step {self.step} of epoch {self.epoch + 1} of {self.kind}"
+        return f"step {self.step} of epoch {self.epoch + 1} of {self.label}"
 
 
 class _Channel:
@@ -583,13 +585,13 @@ class _Channel:
                 del self.peer_ends[(r, lid, epoch)]
                 continue
             if mine is not None:
-                kind = lid.partition("#")[0]
+                kind = loop.label if loop else lid.partition("#")[0]
                 return (f"{kind} diverged in epoch {epoch + 1}: rank {r} "
                         f"finished after step {steps}; rank {me} finished "
                         f"after step {mine}{_SAME_STEPS}")
             if (mine is None and loop is not None and loop.epoch == epoch
                     and loop.step > steps):
-                reason = (f"{loop.kind} diverged in epoch {epoch + 1}: rank "
+                reason = (f"{loop.label} diverged in epoch {epoch + 1}: rank "
                           f"{r} finished after step {steps}; rank {me} is at "
                           f"step {loop.step}{_SAME_STEPS}")
                 if loop.step == steps + 1 and loop.done == steps:
@@ -608,7 +610,7 @@ class _Channel:
             if not loop.ended:
                 mine += loop.step
             if mine > total:  # e.g. rank-local early stopping
-                return (f"{loop.kind} diverged: rank {r} finished it after "
+                return (f"{loop.label} diverged: rank {r} finished it after "
                         f"{_steps(total)} in all; rank {me} is at "
                         f"{loop.where()} ({_steps(mine)}){_SAME_STEPS}")
         here = self.stack[-1].where() if self.stack else None
@@ -684,8 +686,11 @@ class _Channel:
     def begin_loop(self, kind):
         with self.lock:
             self.seq += 1
-            loop = _Loop(kind, f"{kind}#{self.seq}")
             parent = self.stack[-1] if self.stack else None
+            inside = parent is not None and parent.kind == "fit"
+            loop = _Loop(kind, f"{kind}#{self.seq}",
+                         f"the validation ({kind}) inside fit" if inside
+                         else None)
             self.stack.append(loop)
         if parent is not None and parent.kind == "fit":
             self.end_epoch(parent)  # validation: the training data ran out
@@ -737,7 +742,7 @@ class _Channel:
             return
         others = (f"rank {1 - self.rank} has {total - steps}" if self.n == 2
                   else f"the {self.n} ranks have {total} in all")
-        reason = (f"{loop.kind} diverged before its first step: rank "
+        reason = (f"{loop.label} diverged before its first step: rank "
                   f"{self.rank} has {steps} steps per epoch, {others} "
                   f"(with steps_per_execution={per_execution} the ranks "
                   f"compare their counts first){_SAME_STEPS}")
@@ -789,13 +794,13 @@ class _Channel:
                                                    total) != total]
                     if other:
                         r, steps = other[0]
-                        reason = (f"{loop.kind} ran {steps} steps on rank {r} "
+                        reason = (f"{loop.label} ran {steps} steps on rank {r} "
                                   f"and {total} on rank {self.rank}")
                     elif not pending:
                         return
                     elif time.monotonic() > deadline:
                         reason = (f"ranks {pending} did not finish "
-                                  f"{loop.kind} within {timeout:g} s of rank "
+                                  f"{loop.label} within {timeout:g} s of rank "
                                   f"{self.rank} (SOK_COMM_TIMEOUT)")
                 if reason is not None:
                     break

@@ -486,6 +486,26 @@ def test_peer_report_while_this_rank_waits_in_a_step_aborts():
             "rank 1 is at step 3") in aborted[0]
 
 
+def test_the_validation_inside_fit_is_named_as_such():
+    """(QA: "evaluate diverged" where the user called `fit`.)"""
+    ch, aborted = _channel(rank=1)
+    fit = ch.begin_loop("fit")
+    ch.step(fit, 1)
+    ch.step_done(fit, 1)
+    loop = ch.begin_loop("evaluate")
+    for step in range(1, 4):
+        ch.step(loop, step)
+        if step < 3:
+            ch.step_done(loop, step)
+    ch._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]
+    ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
+                "steps": 2})
+    ch._periodic()
+    assert len(aborted) == 1
+    assert ("the validation (evaluate) inside fit diverged in epoch 1: "
+            "rank 0 finished after step 2; rank 1 is at step 3") in aborted[0]
+
+
 def test_failed_and_lost_peers_abort_and_name_this_ranks_step():
     for report, expected in [
             ({"t": "failed", "rank": 1,
