@@ -249,7 +249,8 @@ class Variable(keras.Variable):
                 raise ValueError(
                     f"sok_keras.Variable {_shown(name)}: the initial value is "
                     f"no array of numbers [rows, dim] ({e})") from None
-            if array.dtype.kind not in "iuf":
+            # (ml_dtypes' bfloat16 is of kind "V", as a structured dtype.)
+            if array.dtype.kind in "bcOUSMm" or array.dtype.names:
                 raise TypeError(
                     f"sok_keras.Variable {_shown(name)}: the initial value "
                     "must hold real numbers (ints or floats). Received: an "
