@@ -28,7 +28,10 @@ If a rank exits with a non-zero code, or the job runs longer than
 `--timeout` seconds, sokrun stops every other rank (SIGTERM to its process
 group, SIGKILL after `--grace` seconds), says which rank failed and why, and
 exits non-zero: with the failing rank's exit code (128 + signal number when
-it was killed by a signal), or 124 on timeout. Ctrl-C, SIGTERM or SIGHUP
+it was killed by a signal), or 124 on timeout. Where the rank that exited
+first reports another rank's failure (sok_keras' failing rank waits for its
+peers to say why before it exits), that rank's own code is the job's once it
+exits (sokrun waits 15 s for it). Ctrl-C, SIGTERM or SIGHUP
 (a closed terminal) to sokrun stops all ranks the same way (exit 130 / 143
 / 129). sokrun exits 0 only if every
 rank exited 0.
@@ -262,10 +265,12 @@ def _parse(argv):
     ns = parser.parse_args(argv)
     if ns.np < 1:
         parser.error(f"-np must be at least 1, got {ns.np}")
-    if ns.timeout is not None and ns.timeout <= 0:
-        parser.error(f"--timeout must be positive, got {ns.timeout}")
-    if ns.grace < 0:
-        parser.error(f"--grace must be >= 0, got {ns.grace}")
+    if ns.timeout is not None and not 0 < ns.timeout < float("inf"):
+        parser.error(f"--timeout must be a positive number of seconds, got "
+                     f"{ns.timeout} (leave it out for no timeout)")
+    if not 0 <= ns.grace < float("inf"):
+        parser.error(f"--grace must be a number of seconds >= 0, got "
+                     f"{ns.grace}")
     return ns
 
 
@@ -406,7 +411,6 @@ def _supervise(ranks, timeout, stop, printer, note=""):
             rank, rc = min(failed, key=lambda f: f[0].exit_time())
             for t in rank.readers:  # let its last lines arrive first
                 t.join(timeout=1.0)
-            others = [x.rank for x in ranks if x.proc.poll() is None]
             msg = f"rank {rank.rank} failed: it {_describe(rc)}{note}"
             cause = _cause_named(rank)
             if cause is not None:
@@ -415,6 +419,15 @@ def _supervise(ranks, timeout, stop, printer, note=""):
                 # first, with an error naming the rank that failed.
                 msg += (f", after rank {cause} failed (rank {cause}'s error "
                         f"is in its output, lines [{cause}])")
+                # The job's exit code is the failed rank's own (a
+                # `sys.exit(3)` a scheduler reads), which it gives once
+                # it sees its peer gone.
+                code = (_exit_code_of(ranks[cause], stop)
+                        if 0 <= cause < len(ranks) else None)
+                if code not in (None, 0):
+                    rc = code
+                    msg += f"; its exit code {code} is the job's"
+            others = [x.rank for x in ranks if x.proc.poll() is None]
             if others:
                 msg += f"; stopping ranks {others}"
             if rank.tail:
@@ -433,6 +446,23 @@ def _supervise(ranks, timeout, stop, printer, note=""):
             )
             return 124
         time.sleep(0.05)
+
+
+# Seconds sokrun waits for a failed rank that its peer's error names to
+# exit with its own code (it waits divergence._GRACE, 10 s, at most, for
+# its peers to say why before it raises).
+_CAUSE_WAIT = 15.0
+
+
+def _exit_code_of(rank, stop):
+    """`rank`'s exit code once it has exited, within `_CAUSE_WAIT` s (None
+    if it has not, or a signal came meanwhile)."""
+    deadline = time.monotonic() + _CAUSE_WAIT
+    while rank.proc.poll() is None and time.monotonic() < deadline:
+        if stop["signal"] is not None:
+            return None
+        time.sleep(0.05)
+    return rank.proc.poll()
 
 
 def _stop_all(ranks, grace):

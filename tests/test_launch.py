@@ -60,13 +60,15 @@ def test_a_rank_reporting_another_ranks_failure_names_it():
     """sok_keras' failing rank waits for its peers to say why before it
     exits, so a peer often exits first: sokrun names that peer and adds
     the rank whose failure its output reports (before: only "rank 1
-    failed", the real error under another prefix)."""
+    failed", the real error under another prefix), and the job exits with
+    that rank's own code once it exits (before: the peer's 1, where rank
+    0 called `sys.exit(5)`: QA)."""
     job = launch(SCRIPT, 2, args=["reported"], timeout=30,
                  forkserver=False)
-    assert job.returncode == 1, _details(job)
+    assert job.returncode == 5, _details(job)
     assert ("rank 1 failed: it exited with code 1, after rank 0 failed "
-            "(rank 0's error is in its output, lines [0])") in job.output, (
-                _details(job))
+            "(rank 0's error is in its output, lines [0]); its exit code 5 "
+            "is the job's") in job.output, _details(job)
     assert not job.leftovers
 
 
@@ -170,6 +172,15 @@ def test_usage_errors():
     )
     assert out.returncode == 2
     assert b"-np must be at least 1, got 0" in out.stderr
+    # (QA: nan and inf were taken, as no timeout at all.)
+    for flag, value in (("--timeout", "nan"), ("--timeout", "inf"),
+                        ("--timeout", "0"), ("--grace", "nan")):
+        out = subprocess.run(
+            [sys.executable, "-m", "sokrun", "-np", "1", flag, value,
+             "true"],
+            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True)
+        assert out.returncode == 2, (flag, value, out.stderr)
+        assert f"{flag} must be".encode() in out.stderr, out.stderr
     out = subprocess.run(
         [sys.executable, "-m", "sokrun", "-np", "1",
          "/nonexistent/program"],

@@ -6,7 +6,7 @@
 - codes: rank 0 exits 0 at once, rank 1 exits 7 after 0.3 s;
 - hang: every rank reports and sleeps 60 s; rank 0 ignores SIGTERM.
 - reported: rank 1 reports rank 0's failure in sok_keras' words and exits
-  1 first; rank 0 exits 1 3 s later.
+  1 first; rank 0 exits 5 3 s later.
 - cascade: rank 1 exits 3; rank 0 exits 1 25 ms after rank 1's process
   has ended (as a peer that learns of a rank's death does).
 """
@@ -31,7 +31,7 @@ if mode == "reported":
         print("RuntimeError: rank 0's own error", file=sys.stderr,
               flush=True)
         time.sleep(3)
-        sys.exit(1)
+        sys.exit(5)
     time.sleep(0.5)
     print("sok_keras: rank 1: rank 0 failed at step 5 of epoch 1 of fit: "
           "RuntimeError: rank 0's own error", file=sys.stderr, flush=True)
