@@ -47,8 +47,9 @@ class LocalizedEmbedding(BaseEmbedding):
             (all ranks agree); `"home"` or `"owner"` pin one way: no
             per-step comparison, and no `tf.cond` of both ways to trace,
             which shortens the first step of models with many separate
-            tables (26 one-id tables on 2 CPU ranks: 7-8 s with `"home"`,
-            24-25 s with `"auto"`, at about the same step time; or use one
+            tables (`bench/pooling_modes.py`, 26 one-id tables on 2 CPU
+            ranks: 8 s to the first step with `"home"`, 25 s with
+            `"auto"`; then 103 and 95 ms a step; or use one
             `EmbeddingCollection`), but the bytes moved are no longer the
             fewer of the two. Ignored with one rank
             and for unpooled lookups. Inside a `tf.function` under a
