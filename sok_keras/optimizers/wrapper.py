@@ -312,10 +312,12 @@ def _check_supported(opt):
             f"on {type(opt).__name__} is not supported with sharded tables "
             "(Keras clips the mean of the accumulated gradients at the "
             "update step). Received: gradient_accumulation_steps="
-            f"{steps!r}, {clipping[0]}={getattr(opt, clipping[0])!r}. Clip "
-            "in a custom loop that accumulates the gradients itself "
-            "(docs/recipes.md, \"Gradient accumulation\"), or leave one "
-            "of them out.")
+            f"{steps!r}, {clipping[0]}={getattr(opt, clipping[0])!r}. "
+            "Accumulate in a custom loop (docs/recipes.md, \"Gradient "
+            "accumulation\") and apply the sums with an optimizer that "
+            f"clips ({clipping[0]} without gradient_accumulation_steps), "
+            "or leave one of them out. (Not `tf.clip_by_global_norm` by "
+            "hand: on N ranks each rank's gradients are its own slice's.)")
 
 
 def tf2_keras_arguments(owner, grads_and_vars, kwargs):
