@@ -175,7 +175,12 @@ _SAMPLE_SOURCES = ("_TensorSliceDataset", "_SparseTensorSliceDataset",
 
 
 def _flat_shapes(spec):
-    return [tuple(getattr(s, "shape", ())) for s in tf.nest.flatten(spec)]
+    """The components' shapes as tuples, or None if one has no known rank."""
+    shapes = [getattr(s, "shape", tf.TensorShape([]))
+              for s in tf.nest.flatten(spec)]
+    if any(s.rank is None for s in shapes):
+        return None
+    return [tuple(s) for s in shapes]
 
 
 def _yields_samples(dataset):
@@ -196,8 +201,8 @@ def _yields_samples(dataset):
         return any(_yields_samples(d) for d in inputs)
     if len(inputs) != 1:
         return False
-    if _flat_shapes(dataset.element_spec) != _flat_shapes(
-            inputs[0].element_spec):
+    shapes = _flat_shapes(dataset.element_spec)
+    if shapes is None or shapes != _flat_shapes(inputs[0].element_spec):
         return False
     return _yields_samples(inputs[0])
 

@@ -3,10 +3,10 @@
 With more than one rank, `sok_keras.init()` calls `install()`, which makes
 every `keras.callbacks.TensorBoard` (and subclass) behave as follows:
 
-- For a model with sok layers only rank 0 writes: the other ranks' train
-  and validation writers are `tf.summary.create_noop_writer()`, so the log
-  directory holds one run (scalars, histograms, the model graph), not one
-  copy per rank. The logged metrics are already global
+- Only rank 0 writes: the other ranks' train and validation writers are
+  `tf.summary.create_noop_writer()`, so the log directory holds one run
+  (scalars, histograms, the model graph), not one copy per rank. For a
+  model with sok layers the logged metrics are already global
   (`sok_keras.callbacks.GlobalMetrics` runs first by default). Rank 0
   alone writes `projector_config.pbtxt` and runs the profiler
   (`profile_batch`). The callback may be given on rank 0 only (Horovod's
@@ -17,8 +17,10 @@ every `keras.callbacks.TensorBoard` (and subclass) behave as follows:
   writes nothing: give it on rank 0 (or every rank).
 - `keras.callbacks.CSVLogger` writes from rank 0 only too
   (`install_csv_logger`): its rows are the global logs.
-- A model without sok layers keeps Keras' behaviour on every rank (each
-  rank writes its own logs, which are its own).
+- A model without sok layers (its logs are each rank's own): rank 0
+  writes too, and another rank logs a warning, once per callback and
+  model, that its logs are not written (every rank passing one path would
+  garble one file).
 - Weight histograms (`histogram_freq`) of sok tables describe the whole
   table, not rank 0's shard: the ranks all-reduce the global min and max on
   the control communicator, count their own rows into the buckets that
@@ -56,21 +58,31 @@ def _rank():
 
 
 def _writes_here(callback):
-    """Whether this rank writes `callback`'s files: rank 0 for a model with
-    sok layers (its logs are global, its tables whole); every rank for a
-    model without (its logs are its own, as in plain Keras)."""
+    """Whether this rank writes `callback`'s files: rank 0 only, since
+    every rank runs the same script and so passes the same path (two
+    writers would garble one file). A model with sok layers has global logs
+    and whole tables there. For a model without, whose logs are each
+    rank's own, another rank says once that it does not write them (they
+    were lost silently: QA)."""
     if _rank() == 0:
         return True
     model = getattr(callback, "_model", None)
-    if model is None:
-        return True
-    cached = getattr(callback, "_sok_writes_here", None)
-    if cached is None or cached[0] is not model:
+    if model is not None and getattr(callback, "_sok_told", None) is not model:
+        callback._sok_told = model
         from sok_keras.optimizers.auto_wrap import has_sok_layers
 
-        cached = (model, not has_sok_layers(model))
-        callback._sok_writes_here = cached
-    return cached[1]
+        if not has_sok_layers(model):
+            import logging
+
+            logging.getLogger("sok_keras").warning(
+                "sok_keras: rank %d: %s writes from rank 0 only (every "
+                "rank passes the same path); this rank's logs of model "
+                "'%s', which has no sok layers and so no global logs, are "
+                "not written. To keep them, give the callback a path of "
+                "this rank's own and write it yourself, or train that "
+                "model on rank 0.", _rank(), type(callback).__name__,
+                model.name)
+    return False
 
 
 def _is_sharded(weight):
@@ -226,8 +238,7 @@ def _writer(original, kind):
 
 def _rank0_only(original):
     """`original`, a callback's method, run only where this rank writes
-    the callback's files (`_writes_here`: rank 0 for a model with sok
-    layers)."""
+    the callback's files (`_writes_here`: rank 0)."""
     @functools.wraps(original)
     def wrapped(self, *args, **kwargs):
         if not _writes_here(self):

@@ -196,6 +196,26 @@ def test_fit_float_id_that_is_no_integer_raises_and_changes_nothing(
     assert not _unchanged(model, state)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("in_function", [False, True])
+def test_empty_float_ids_look_up_nothing(dtype, in_function):
+    """The float-id check on a batch with no ids (review: its message's
+    argmax failed on the empty batch, eagerly and traced)."""
+    pooled = sok.layers.DistributedEmbedding(cases.V, cases.D, name="emb")
+    rows = sok.layers.DistributedEmbedding(cases.V, cases.D, combiner=None,
+                                           name="rows")
+    ragged = tf.RaggedTensor.from_row_lengths(tf.zeros([0], dtype), [0, 0])
+    dense = tf.zeros([0, 3], dtype)
+
+    def run(layer, ids):
+        return (tf.function(layer) if in_function else layer)(ids).numpy()
+
+    np.testing.assert_array_equal(run(pooled, ragged),
+                                  np.zeros((2, cases.D), np.float32))
+    assert run(pooled, dense).shape == (0, cases.D)
+    assert run(rows, dense).shape == (0, 3, cases.D)
+
+
 @pytest.mark.parametrize("rows,dtype", [(cases.V, "float16"),
                                         (2 ** 24 + 1, "float32")])
 def test_float_ids_that_may_not_be_exact_raise_a_type_error(rows, dtype):

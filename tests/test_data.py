@@ -193,6 +193,11 @@ def test_a_dataset_of_single_samples_is_refused(as_rank, n):
                 (6, 4), tf.int64)),
         tf.data.Dataset.from_tensor_slices(["f1", "f2"]).interleave(
             lambda f: tf.data.Dataset.from_tensors(ids)),
+        # A stage of unknown rank (review: "Cannot iterate over a shape
+        # with unknown rank" from the check).
+        tf.data.Dataset.range(2).map(
+            lambda i: tf.py_function(lambda: ids, [], tf.int64)).map(
+                lambda x: tf.ensure_shape(x, [6, 4])),
     ]
     for ds in batched:
         data.shard_batches(ds)

@@ -339,12 +339,15 @@ def _whole_ids(t, name, local):
                     tf.constant(NOT_A_WHOLE_ID, tf.int64))
     if local or world.num_ranks() == 1:
         ok = tf.reduce_all(whole)
-        first = tf.argmax(tf.cast(tf.logical_not(whole), tf.int32),
-                          output_type=tf.int64)
+        # (A last entry that is "bad" keeps argmax and gather defined on
+        # an empty batch; the message is shown only when `ok` is False.)
+        bad = tf.concat([tf.logical_not(whole), [True]], 0)
+        first = tf.argmax(tf.cast(bad, tf.int32), output_type=tf.int64)
         message = tf.strings.join([
             f"sok_keras: '{name or 'embedding'}': the float id ",
             tf.strings.as_string(
-                tf.gather(values, first), shortest=True),
+                tf.gather(tf.concat([values, [0]], 0), first),
+                shortest=True),
             " at position ", tf.strings.as_string(first),
             " is no integer id (a fraction, nan, inf, or beyond int64). "
             "Float ids are cast to int64 only where that is exact "

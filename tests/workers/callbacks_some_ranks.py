@@ -2,8 +2,9 @@
 tables, on 2 ranks (tests/test_tensorboard.py).
 
 1. A model without sok layers, trained on rank 1 only with a CSVLogger
-   and a TensorBoard: rank 1 writes both, as plain Keras does (before:
-   nothing, since rank 0 alone wrote for every model).
+   and a TensorBoard: rank 0 alone writes (every rank passes one path),
+   and rank 1 says once per callback that its logs are not written
+   (before: nothing said).
 2. `model.set_weights` with a whole table for a sharded one: the layers'
    message naming the table.
 3. Last (a failed fit ends the job's training): TensorBoard with
@@ -13,6 +14,7 @@ tables, on 2 ranks (tests/test_tensorboard.py).
 argv[1]: a folder for the logs.
 """
 
+import logging
 import os
 import sys
 import time
@@ -27,6 +29,15 @@ from _worker import RANK, write_result  # noqa: E402
 
 out = sys.argv[1]
 result = {}
+warned = []
+
+
+class Record(logging.Handler):
+    def emit(self, record):
+        warned.append(record.getMessage())
+
+
+logging.getLogger("sok_keras").addHandler(Record(logging.WARNING))
 rng = np.random.default_rng(0)
 
 # 1. A plain model on rank 1 only.
@@ -40,6 +51,7 @@ if RANK == 1:
 result["files"] = sorted(
     os.path.relpath(os.path.join(d, f), out)
     for d, _, files in os.walk(out) for f in files)
+result["warnings"] = list(warned)
 
 # 2. model.set_weights of whole tables.
 ids = keras.Input((3,), dtype="int64")
