@@ -31,7 +31,7 @@ exits non-zero: with the failing rank's exit code (128 + signal number when
 it was killed by a signal), or 124 on timeout. Where the rank that exited
 first reports another rank's failure (sok_keras' failing rank waits for its
 peers to say why before it exits), that rank's own code is the job's once it
-exits (sokrun waits 15 s for it). Ctrl-C, SIGTERM or SIGHUP
+exits (sokrun waits 15 s for it, within `--timeout`). Ctrl-C, SIGTERM or SIGHUP
 (a closed terminal) to sokrun stops all ranks the same way (exit 130 / 143
 / 129). sokrun exits 0 only if every
 rank exited 0.
@@ -422,11 +422,14 @@ def _supervise(ranks, timeout, stop, printer, note=""):
                 # The job's exit code is the failed rank's own (a
                 # `sys.exit(3)` a scheduler reads), which it gives once
                 # it sees its peer gone.
-                code = (_exit_code_of(ranks[cause], stop)
+                wait = _CAUSE_WAIT if timeout is None else min(
+                    _CAUSE_WAIT, timeout - (time.monotonic() - start))
+                code = (_exit_code_of(ranks[cause], stop, wait)
                         if 0 <= cause < len(ranks) else None)
                 if code not in (None, 0):
                     rc = code
-                    msg += f"; its exit code {code} is the job's"
+                    msg += (f"; rank {cause} {_describe(code)}, which is "
+                            "the job's exit code")
             others = [x.rank for x in ranks if x.proc.poll() is None]
             if others:
                 msg += f"; stopping ranks {others}"
@@ -454,10 +457,10 @@ def _supervise(ranks, timeout, stop, printer, note=""):
 _CAUSE_WAIT = 15.0
 
 
-def _exit_code_of(rank, stop):
-    """`rank`'s exit code once it has exited, within `_CAUSE_WAIT` s (None
-    if it has not, or a signal came meanwhile)."""
-    deadline = time.monotonic() + _CAUSE_WAIT
+def _exit_code_of(rank, stop, wait):
+    """`rank`'s exit code once it has exited, within `wait` s (None if it
+    has not, or a signal came meanwhile)."""
+    deadline = time.monotonic() + wait
     while rank.proc.poll() is None and time.monotonic() < deadline:
         if stop["signal"] is not None:
             return None

@@ -201,6 +201,7 @@ class _Channel:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.stack = []  # the loops running on this rank, outermost first
+        self.labels = {}  # lid -> its loop's label, after it ended too
         self.seq = 0
         self.my_ends = {}  # (lid, epoch) -> steps, this rank
         self.peer_ends = {}  # (rank, lid, epoch) -> steps
@@ -585,7 +586,7 @@ class _Channel:
                 del self.peer_ends[(r, lid, epoch)]
                 continue
             if mine is not None:
-                kind = loop.label if loop else lid.partition("#")[0]
+                kind = self.labels.get(lid, lid.partition("#")[0])
                 return (f"{kind} diverged in epoch {epoch + 1}: rank {r} "
                         f"finished after step {steps}; rank {me} finished "
                         f"after step {mine}{_SAME_STEPS}")
@@ -691,6 +692,7 @@ class _Channel:
             loop = _Loop(kind, f"{kind}#{self.seq}",
                          f"the validation ({kind}) inside fit" if inside
                          else None)
+            self.labels[loop.lid] = loop.label
             self.stack.append(loop)
         if parent is not None and parent.kind == "fit":
             self.end_epoch(parent)  # validation: the training data ran out

@@ -67,8 +67,21 @@ def test_a_rank_reporting_another_ranks_failure_names_it():
                  forkserver=False)
     assert job.returncode == 5, _details(job)
     assert ("rank 1 failed: it exited with code 1, after rank 0 failed "
-            "(rank 0's error is in its output, lines [0]); its exit code 5 "
-            "is the job's") in job.output, _details(job)
+            "(rank 0's error is in its output, lines [0]); rank 0 exited "
+            "with code 5, which is the job's exit code") in job.output, (
+                _details(job))
+    assert not job.leftovers
+
+
+def test_the_wait_for_the_reported_rank_keeps_to_the_timeout():
+    """The reported rank hangs: sokrun waits for its code no longer than
+    `--timeout` allows (review: 15 s past a 3 s timeout), then exits with
+    the reporting rank's code and stops it."""
+    job = launch(SCRIPT, 2, args=["reported_stuck"], timeout=3, grace=1,
+                 forkserver=False)
+    assert job.returncode == 1, _details(job)
+    assert job.elapsed < 14, _details(job)  # (15 s: the bug)
+    assert "stopping ranks [0]" in job.output, _details(job)
     assert not job.leftovers
 
 

@@ -49,7 +49,7 @@ class LocalizedEmbedding(BaseEmbedding):
             which shortens the first step of models with many separate
             tables (`bench/pooling_modes.py`, 26 one-id tables on 2 CPU
             ranks: 8 s to the first step with `"home"`, 25 s with
-            `"auto"`; then 103 and 95 ms a step; or use one
+            `"auto"`; then steps of 95-110 ms with either; or use one
             `EmbeddingCollection`), but the bytes moved are no longer the
             fewer of the two. Ignored with one rank
             and for unpooled lookups. Inside a `tf.function` under a

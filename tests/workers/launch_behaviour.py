@@ -7,6 +7,8 @@
 - hang: every rank reports and sleeps 60 s; rank 0 ignores SIGTERM.
 - reported: rank 1 reports rank 0's failure in sok_keras' words and exits
   1 first; rank 0 exits 5 3 s later.
+- reported_stuck: as reported, but rank 0 hangs (60 s) instead of
+  exiting.
 - cascade: rank 1 exits 3; rank 0 exits 1 25 ms after rank 1's process
   has ended (as a peer that learns of a rank's death does).
 """
@@ -24,13 +26,13 @@ if mode == "echo":
     print(f"warning from rank {RANK}", file=sys.stderr)
     sys.stdout.write(f"no newline {RANK}")
     sys.exit(0)
-if mode == "reported":
+if mode in ("reported", "reported_stuck"):
     # sok_keras' way: rank 0 fails and waits for its peer to say why
     # before it exits; rank 1 reports rank 0's failure and exits first.
     if RANK == 0:
         print("RuntimeError: rank 0's own error", file=sys.stderr,
               flush=True)
-        time.sleep(3)
+        time.sleep(3 if mode == "reported" else 60)
         sys.exit(5)
     time.sleep(0.5)
     print("sok_keras: rank 1: rank 0 failed at step 5 of epoch 1 of fit: "
