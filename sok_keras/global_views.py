@@ -369,13 +369,13 @@ def install():
     owner.summary = summary
     _INSTALLED["summary"] = (summary_utils, original_count, original_size,
                              owner, original_summary)
-    _install_model_set_weights()
+    _install_set_weights()
 
 
-def _install_model_set_weights():
-    """`model.set_weights` refuses whole tables given for this rank's
-    shards with the layers' message (table, shapes, `assign_global`),
-    not Keras' bare shape error naming the model only."""
+def _install_set_weights():
+    """`set_weights` of any layer or model refuses whole tables given for
+    this rank's shards, naming the table, the shapes and `assign_global`
+    (Keras' own error names the layer or model only)."""
     import keras
 
     from sok_keras.layers.base_embedding import check_shard_weights
@@ -386,8 +386,7 @@ def _install_model_set_weights():
 
     @functools.wraps(original)
     def set_weights(self, weights):
-        if isinstance(self, keras.Model):
-            check_shard_weights(self, weights)
+        check_shard_weights(self, weights)
         return original(self, weights)
 
     set_weights._sok_keras = True

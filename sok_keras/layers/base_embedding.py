@@ -478,10 +478,6 @@ class BaseEmbedding(keras.layers.Layer):
                 "the layer is built (called on ids, or `layer.build()`).")
         return self.embeddings
 
-    def set_weights(self, weights):
-        check_shard_weights(self, weights)
-        super().set_weights(weights)
-
     def build(self, input_shape=None):
         if self.built:
             return

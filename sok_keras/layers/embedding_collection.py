@@ -310,12 +310,6 @@ class EmbeddingCollection(keras.layers.Layer):
             t for t, spec in tabs.items()
             if use_table_optimizers and spec["optimizer"] == "adam")
 
-    def set_weights(self, weights):
-        from sok_keras.layers.base_embedding import check_shard_weights
-
-        check_shard_weights(self, weights)
-        super().set_weights(weights)
-
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         # TensorFlow's object graph (`tf.train.Checkpoint`,
         # `CheckpointManager`) sees a layer's variables through its
