@@ -54,7 +54,7 @@ def test_the_source_distribution_holds_every_file_the_build_reads(
               and f.endswith((".h", ".cuh", ".cc", ".c"))}
     assert wanted and not wanted - names, sorted(wanted - names)
     assert {"setup.py", "setup.cfg", "pyproject.toml", "README.md",
-            "sok_keras/__init__.py", "sokrun.py"} <= names
+            "LICENSE", "sok_keras/__init__.py", "sokrun.py"} <= names
     # The README's links (QA: the archive had no docs/).
     docs = {f for f in _tracked_files() if f.startswith("docs/")}
     assert "docs/install.md" in docs and not docs - names, sorted(
