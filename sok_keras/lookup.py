@@ -26,6 +26,7 @@ With one rank there is no exchange at all.
 import collections
 import threading
 
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 
@@ -1417,6 +1418,17 @@ def _to_list(x):
 
 
 @_not_converted
+def _is_hotness(value):
+    """Whether `value` is SOK's positional `hotness` (ints: one per table),
+    which no weights can be (weights are tensors shaped like the ids)."""
+    def whole(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    if whole(value):
+        return True
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(whole(x) for x in value))
+
+
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
                   hotness=None, pooling="auto",
                   use_low_frequency_filter=False):
@@ -1441,7 +1453,9 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         hotness: optional maximum number of ids per sample for each table
             (SOK's argument). Only its length is checked (one entry per
             table); the ids are not checked against it, and the lookup does
-            not need it.
+            not need it. SOK's experimental positional form
+            `lookup_sparse(params, sp_ids, hotness, combiners)` is accepted
+            too: Python ints in the third place are `hotness`.
         pooling: with one table and several ranks, where rows are pooled
             (`"auto"`, `"home"` or `"owner"`; see `DistributedEmbedding`).
             Several tables are fused into one exchange and pooled at home.
@@ -1461,6 +1475,16 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     """
     if isinstance(hotness, bool):  # SOK's signature, positionally
         hotness, use_low_frequency_filter = None, hotness
+    if _is_hotness(sp_weights):
+        # SOK's experimental `lookup_sparse(params, sp_ids, hotness,
+        # combiners)`: ints where weights (tensors) would be.
+        if hotness is not None:
+            raise TypeError(
+                "sok_keras.lookup_sparse: the third argument "
+                f"{sp_weights!r} looks like SOK's positional `hotness`, and "
+                f"hotness={hotness!r} is given too: pass the weights as "
+                "tensors (sp_weights=...) or give hotness once.")
+        hotness, sp_weights = sp_weights, None
     if use_low_frequency_filter is not False:
         raise NotImplementedError(
             "sok_keras.lookup_sparse: use_low_frequency_filter="

@@ -50,6 +50,40 @@ def test_lookup_sparse_takes_sok_s_use_low_frequency_filter():
             call()
 
 
+def test_lookup_sparse_takes_sok_s_positional_hotness():
+    """SOK's experimental `lookup_sparse(params, sp_ids, hotness,
+    combiners)`: QA found the ints taken for weights, and the error blamed
+    "the weights" the user never passed."""
+    import pytest
+
+    import sok_keras as sok
+
+    v1 = sok.Variable(np.arange(17 * 3).reshape(17, 3), dtype=tf.float32)
+    v2 = sok.Variable(np.arange(7 * 2).reshape(7, 2), dtype=tf.float32)
+    i1 = tf.ragged.constant([[1, 1], [3, 4, 5]], dtype=tf.int64)
+    i2 = tf.ragged.constant([[0], [6, 2]], dtype=tf.int64)
+    want1 = [[6, 8, 10], [36, 39, 42]]
+    want2 = [[0, 1], [16, 18]]
+    out = sok.lookup_sparse([v1, v2], [i1, i2], [3, 2], ["sum", "sum"])
+    np.testing.assert_array_equal(out[0].numpy(), want1)
+    np.testing.assert_array_equal(out[1].numpy(), want2)
+    np.testing.assert_array_equal(
+        sok.lookup_sparse(v1, i1, 3, "sum").numpy(), want1)
+    np.testing.assert_array_equal(
+        sok.lookup_sparse([v1], [i1], (np.int64(3),), ["sum"])[0].numpy(),
+        want1)
+    with pytest.raises(ValueError, match="one entry per table"):
+        sok.lookup_sparse([v1, v2], [i1, i2], [3], ["sum", "sum"])
+    with pytest.raises(TypeError, match="positional `hotness`.*given too"):
+        sok.lookup_sparse([v1], [i1], [3], ["sum"], hotness=[3])
+    # Weights are tensors (or None entries), never taken for hotness.
+    w1 = tf.ragged.constant([[1.0, 2.0], [1.0, 1.0, 0.5]])
+    np.testing.assert_allclose(
+        sok.lookup_sparse([v1, v2], [i1, i2], [w1, None],
+                          ["sum", "sum"])[0].numpy(),
+        [[9, 12, 15], [28.5, 31, 33.5]])
+
+
 def test_sok_names_sok_keras_lacks_say_what_to_use():
     import pytest
 
