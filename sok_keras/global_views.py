@@ -36,16 +36,10 @@ _INSTALLED = {}
 def enter_timeout():
     """Seconds a rank waits for the others at a `check_in`
     (`SOK_SAVE_TIMEOUT`, default 60)."""
-    value = os.environ.get("SOK_SAVE_TIMEOUT", "")
-    try:
-        seconds = float(value) if value else _DEFAULT_ENTER_TIMEOUT
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise RuntimeError(
-            "sok_keras: SOK_SAVE_TIMEOUT must be a positive number of "
-            f"seconds, got {value!r}.")
-    return seconds
+    # (As SOK_COMM_TIMEOUT's: at most a year. QA: `inf` was taken, and
+    # each agreement's deadline thread then died of an OverflowError.)
+    return world._float_env("SOK_SAVE_TIMEOUT", _DEFAULT_ENTER_TIMEOUT,
+                            os.environ)
 
 
 class RankMismatchError(RuntimeError):

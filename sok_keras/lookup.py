@@ -1418,14 +1418,18 @@ def _to_list(x):
 
 
 @_not_converted
-def _is_hotness(value):
-    """Whether `value` is SOK's positional `hotness` (ints: one per table),
-    which no weights can be (weights are tensors shaped like the ids)."""
+def _is_hotness(value, sp_ids):
+    """Whether `value`, given as weights, is SOK's positional `hotness`:
+    a bare int, or with a list of ids tensors a list of ints (one per
+    table). No weights can be either: a table's weights have the shape of
+    its ids, which are never scalars. (A list of ints for a single ids
+    tensor, `[batch]`-shaped, may be weights: QA.)"""
     def whole(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
     if whole(value):
         return True
-    return (isinstance(value, (list, tuple)) and len(value) > 0
+    return (isinstance(sp_ids, (list, tuple))
+            and isinstance(value, (list, tuple)) and len(value) > 0
             and all(whole(x) for x in value))
 
 
@@ -1475,7 +1479,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     """
     if isinstance(hotness, bool):  # SOK's signature, positionally
         hotness, use_low_frequency_filter = None, hotness
-    if _is_hotness(sp_weights):
+    if _is_hotness(sp_weights, sp_ids):
         # SOK's experimental `lookup_sparse(params, sp_ids, hotness,
         # combiners)`: ints where weights (tensors) would be.
         if hotness is not None:

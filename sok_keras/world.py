@@ -617,9 +617,18 @@ def _sigterm_kept():
 
 
 def _local_rank(env):
+    """This rank's local rank from the first launcher variable set, or None;
+    a value that is no rank is an error (QA: `SOK_LOCAL_RANK=xyz` was
+    passed over silently, and the next variable or none used)."""
     for name in _LOCAL_RANK_VARS:
-        if env.get(name, "").strip().isdigit():
-            return int(env[name])
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        if not value.isdigit():
+            raise RuntimeError(
+                f"sok_keras: environment variable {name} must be this "
+                f"rank's local rank (0, 1, ...), got {env[name]!r}.")
+        return int(value)
     return None
 
 
@@ -774,7 +783,8 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
 
     Call it once at the start of the program, before TensorFlow runs any
     operation. Later calls return the same world (a new `timeout` is applied;
-    another `backend` or `heartbeat_timeout` raises a `ValueError`).
+    a `backend` that would give another communicator, or another
+    `heartbeat_timeout`, raises a `ValueError`).
 
     Args:
         timeout: seconds a collective may wait for its peers before it fails
@@ -868,8 +878,13 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             first = {"backend": getattr(_WORLD, "requested_backend", None),
                      "heartbeat_timeout": _WORLD.heartbeat_timeout}
             changed = {}
+            # What `backend` gives this world: "collective" is "local" on
+            # one rank (QA: `init()` then `init(backend="collective")`
+            # passed on 2 ranks and raised on 1).
+            gives = ("local" if backend == "collective"
+                     and _WORLD.num_ranks == 1 else backend)
             if explicit_backend and backend not in (
-                    "auto", first["backend"], _WORLD.backend):
+                    "auto", first["backend"]) and gives != _WORLD.backend:
                 changed["backend"] = backend
             if (heartbeat_timeout is not None
                     and float(heartbeat_timeout) != first[
@@ -902,6 +917,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
                 "SOK_HEARTBEAT_TIMEOUT", _DEFAULT_HEARTBEAT, os.environ
             )
         )
+        _local_rank(os.environ)  # a bad value is an error here, GPU or not
         hvd = _horovod_world()
         if hvd is not None and hvd != (world.rank, world.num_ranks):
             if world.num_ranks == 1 and hvd[1] > 1:

@@ -76,6 +76,15 @@ def test_lookup_sparse_takes_sok_s_positional_hotness():
         sok.lookup_sparse([v1, v2], [i1, i2], [3], ["sum", "sum"])
     with pytest.raises(TypeError, match="positional `hotness`.*given too"):
         sok.lookup_sparse([v1], [i1], [3], ["sum"], hotness=[3])
+    # A list of ints for one ids tensor is not hotness: as weights it is
+    # refused, as before (QA: `[3]` for the ids `[4]` was taken for
+    # hotness, and silently looked up unweighted).
+    v3 = sok.Variable(np.arange(7 * 2).reshape(7, 2), dtype=tf.float32)
+    with pytest.raises(ValueError, match="weights must have one entry"):
+        sok.lookup_sparse(v3, tf.constant([4]), [3], "sum")
+    np.testing.assert_array_equal(
+        sok.lookup_sparse(v3, tf.constant([4]), tf.constant([3]),
+                          "sum").numpy(), [[24, 27]])
     # Weights are tensors (or None entries), never taken for hotness.
     w1 = tf.ragged.constant([[1.0, 2.0], [1.0, 1.0, 0.5]])
     np.testing.assert_allclose(

@@ -135,10 +135,16 @@ def test_gather_predictions_in_a_world_of_one():
         sok.gather_predictions(y, strided="yes")
 
 
-def test_enter_timeout_is_checked(monkeypatch):
-    monkeypatch.setenv("SOK_SAVE_TIMEOUT", "soon")
-    with pytest.raises(RuntimeError, match="SOK_SAVE_TIMEOUT.*'soon'"):
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "inf", "1e12"])
+def test_enter_timeout_is_checked(monkeypatch, value):
+    """(QA: `inf` and `1e12` were taken, and each agreement's deadline
+    thread then died of an OverflowError, so no RankMismatchError could
+    come.)"""
+    monkeypatch.setenv("SOK_SAVE_TIMEOUT", value)
+    with pytest.raises(RuntimeError, match=f"SOK_SAVE_TIMEOUT.*'{value}'"):
         global_views.enter_timeout()
+    monkeypatch.setenv("SOK_SAVE_TIMEOUT", "2.5")
+    assert global_views.enter_timeout() == 2.5
 
 
 @pytest.mark.parametrize("last,what", [

@@ -122,6 +122,10 @@ def test_init_world_of_one(monkeypatch):
     with pytest.raises(ValueError, match=r"called before with "
                        r"backend='auto'.*Received: backend='nccl'"):
         world.init(backend="nccl")
+    # "collective" gives one rank the local communicator, as "auto" did
+    # (QA: refused on 1 rank, accepted on 2 where "auto" gave it too).
+    assert world.init(backend="collective") is w
+    assert w.backend == "local"
     with pytest.raises(ValueError, match=r"heartbeat_timeout=.*Received: "
                        r"heartbeat_timeout=3"):
         world.init(heartbeat_timeout=3)
@@ -194,6 +198,14 @@ def test_a_bad_backend_from_the_environment_names_the_variable(monkeypatch):
     ("SOK_SAVE_TIMEOUT", "-1", "SOK_SAVE_TIMEOUT must be a positive"),
     ("SOK_GLOBAL_METRICS", "maybe", "SOK_GLOBAL_METRICS='maybe'"),
     ("SOK_BIND_GUARD", "2", "SOK_BIND_GUARD='2'"),
+    # (QA: these two were taken and inf's deadline thread died later;
+    # local ranks that are no rank were passed over silently.)
+    ("SOK_SAVE_TIMEOUT", "inf", "SOK_SAVE_TIMEOUT must be a positive "
+     r"number of seconds, at most 3.1536e\+07 \(a year\), got 'inf'"),
+    ("SOK_SAVE_TIMEOUT", "1e12", "at most"),
+    ("SOK_LOCAL_RANK", "xyz", "SOK_LOCAL_RANK must be this rank's local "
+     "rank .*got 'xyz'"),
+    ("LOCAL_RANK", "abc", "LOCAL_RANK must be .*got 'abc'"),
 ])
 def test_variables_read_later_are_checked_at_init(monkeypatch, var, value,
                                                   match):

@@ -57,8 +57,15 @@ class TableSlots:
         return table.slots_of(sparse_rules.slot_owner(self, table))
 
     def _tables(self):
-        return [v for v in getattr(self, "_trainable_variables", None) or []
-                if is_sok_variable(v)]
+        # The wrapper tracks its tables among its variables; sok's
+        # optimizers build their Keras base for the dense weights only, and
+        # keep the tables they were built for apart (`create_table_slots`).
+        tables = [v for v in getattr(self, "_trainable_variables", None) or []
+                  if is_sok_variable(v)]
+        for table in self.__dict__.get("_sok_built_tables", ()):
+            if not any(table is t for t in tables):
+                tables.append(table)
+        return tables
 
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """A SavedModel's loader makes slot variables with the optimizer's
