@@ -53,6 +53,23 @@ def _checked_spec(layer_name, kind, key, spec, allowed):
     return spec
 
 
+def _check_saved_names(tables, where):
+    """Refuses two table names whose entries in a saved file would clash:
+    table `t`'s slots are saved as `table.<t>.slot.<slot>`, so a table
+    named `<t>.slot.<x>` would overwrite (or be loaded as) a slot of `t`.
+    (QA: `model.save` failed with h5py's bare "name already exists", after
+    training.)"""
+    names = sorted(str(t) for t in tables)
+    for t in names:
+        for u in names:
+            if u.startswith(t + ".slot."):
+                raise ValueError(
+                    f"{where}: tables {t!r} and {u!r} cannot be saved "
+                    f"together: the file keeps table {t!r}'s optimizer "
+                    f"slots as 'table.{t}.slot.<slot>', and {u!r} would be "
+                    f"taken for one of them. Rename table {u!r}.")
+
+
 # Arguments of keras_rs' TensorFlow DistributedEmbedding that only mean
 # something on a TPU.
 _TPU_ONLY_KWARGS = ("optimizer", "pipeline_execution_with_tensor_core",
@@ -248,6 +265,7 @@ class EmbeddingCollection(keras.layers.Layer):
             }
             self._table_optimizers[t] = get_table_optimizer(
                 spec.get("optimizer"), where)
+        _check_saved_names(self.tables, f"EmbeddingCollection '{name}'")
         self.features = {}
         for f, spec in features.items():
             spec = _checked_spec(name, "feature", f, spec, _FEATURE_KEYS)
@@ -300,6 +318,7 @@ class EmbeddingCollection(keras.layers.Layer):
             self._table_optimizers[t] = get_table_optimizer(
                 spec["optimizer"] if use_table_optimizers else None,
                 f"{where}, table '{t}'")
+        _check_saved_names(self.tables, where)
         self.features = {
             path: {"table": f["table"],
                    "combiner": tabs[f["table"]]["combiner"]}

@@ -165,6 +165,28 @@ def test_config_round_trip_and_errors():
         sok.layers.EmbeddingCollection(
             {"t": {"vocabulary_size": 3, "embedding_dim": 2,
                    "mode": "localised:0"}}, {"f": {"table": "t"}})
+    # Table names whose saved entries would clash are refused when the
+    # layer is made (QA: h5py's "name already exists" at the first save).
+    with pytest.raises(ValueError, match=r"tables 't' and 't.slot.m' cannot "
+                       r"be saved together.*Rename table 't.slot.m'"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "embedding_dim": 2},
+             "t.slot.m": {"vocabulary_size": 4, "embedding_dim": 2}},
+            {"f": {"table": "t"}, "g": {"table": "t.slot.m"}})
+    with pytest.raises(ValueError, match="'t.slot.m' cannot be saved"):
+        import keras_rs
+
+        TC = keras_rs.layers.TableConfig
+        FC = keras_rs.layers.FeatureConfig
+        sok.layers.EmbeddingCollection({
+            "x": FC("x", TC(name="t", vocabulary_size=8, embedding_dim=2),
+                    (4,), (4, 2)),
+            "y": FC("y", TC(name="t.slot.m", vocabulary_size=9,
+                            embedding_dim=2), (4,), (4, 2))})
+    sok.layers.EmbeddingCollection(  # a dot alone is fine
+        {"t": {"vocabulary_size": 3, "embedding_dim": 2},
+         "t.v2": {"vocabulary_size": 4, "embedding_dim": 2}},
+        {"f": {"table": "t"}, "g": {"table": "t.v2"}})
     with pytest.raises(ValueError, match=r"no ids for features \['history'"):
         sok.layers.EmbeddingCollection(TABLES, FEATURES)(
             {"user_id": np.array([1]), "clicked": np.array([[1]])})
