@@ -611,9 +611,19 @@ class _Channel:
             if not loop.ended:
                 mine += loop.step
             if mine > total:  # e.g. rank-local early stopping
-                return (f"{loop.label} diverged: rank {r} finished it after "
-                        f"{_steps(total)} in all; rank {me} is at "
-                        f"{loop.where()} ({_steps(mine)}){_SAME_STEPS}")
+                reason = (f"{loop.label} diverged: rank {r} finished it "
+                          f"after {_steps(total)} in all; rank {me} is at "
+                          f"{loop.where()} ({_steps(mine)}){_SAME_STEPS}")
+                if (not loop.ended and mine == total + 1
+                        and loop.step == loop.done + 1):
+                    # Begun, not finished: the step that finds the data
+                    # empty, as the peer's last one did (Keras begins a
+                    # step of data with no batch at all: QA, `evaluate`
+                    # of 0 samples). `_periodic` decides once a
+                    # collective of it waits.
+                    self.pending_divergence = reason
+                    continue
+                return reason
         here = self.stack[-1].where() if self.stack else None
         if self.failed and not self.reported:
             r, why = min(self.failed.items())

@@ -470,6 +470,36 @@ def test_a_step_that_finds_the_data_empty_is_not_counted():
     assert aborted == [] and ch.my_ends[(loop.lid, 0)] == 3
 
 
+def test_a_loop_over_no_data_is_not_ahead_of_its_peer():
+    """Keras begins step 1 of `evaluate` over 0 samples before it finds no
+    data. A peer that ended the whole loop first (after 0 steps) made this
+    rank "at step 1" and raised (QA: 6 runs in 11 on 2 ranks). Begun and
+    not finished, the step is decided as an epoch's last one is."""
+    ch, aborted = _channel(rank=1)
+    loop = ch.begin_loop("evaluate")
+    ch.begin_epoch(loop, 0)
+    ch.step(loop, 1)  # finds no data
+    ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
+                "steps": 0})
+    ch.receive({"t": "loop_done", "rank": 0, "lid": loop.lid, "steps": 0})
+    ch._periodic()
+    assert aborted == []
+    ch.end_epoch(loop)
+    ch.finish(loop, 0, timeout=5)
+    ch.end_loop(loop)
+    assert aborted == []
+    # A step that does wait in a collective is past the peer's end.
+    ch2, aborted2 = _channel(rank=1)
+    loop = ch2.begin_loop("evaluate")
+    ch2.begin_epoch(loop, 0)
+    ch2.step(loop, 1)
+    ch2.receive({"t": "loop_done", "rank": 0, "lid": loop.lid, "steps": 0})
+    ch2._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]
+    ch2._periodic()
+    assert len(aborted2) == 1
+    assert "rank 0 finished it after 0 steps in all" in aborted2[0]
+
+
 def test_peer_report_while_this_rank_waits_in_a_step_aborts():
     ch, aborted = _channel(rank=1)
     loop = ch.begin_loop("evaluate")
