@@ -170,3 +170,15 @@ def test_losses_divided_by_data_dependent_counts_on_two_ranks_equal_one():
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
                                            err_msg=key)
         assert np.isfinite(r["cond"]["table"]).all()
+
+
+def test_weights_made_inside_the_train_step_are_broadcast():
+    """An RNN cell with no `build()` makes its Dense's weights at the first
+    traced step. QA: the optimizer's broadcast read them before the step
+    had initialized them, and every rank failed at step 1 ("variable.shape
+    =(8, 4), Received: value.shape=(0,)"). Now the first run of the step
+    broadcasts them, so ranks seeded differently end with rank 0's."""
+    r0, r1 = run_workers(worker_path("lazy_weights"), 2, timeout=200)
+    np.testing.assert_array_equal(r0["cell_kernel"], r1["cell_kernel"])
+    np.testing.assert_array_equal(r0["loss"], r1["loss"])
+    assert np.isfinite(r0["loss"]).all()

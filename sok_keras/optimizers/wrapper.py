@@ -80,15 +80,69 @@ def broadcast_variables(variables, root=0, key="broadcast_variables"):
     if world.num_ranks() == 1 or under_strategy():
         return
     comm = world.communicator()
+    lazy = []
     with tf.init_scope():
         for i, v in enumerate(variables):
             if is_sok_variable(v):
+                continue
+            if not _initialized(v):
+                lazy.append((i, v))
                 continue
             # (A Keras variable's `value` is a property, a tf.Variable's a
             # method: convert_to_tensor reads either.)
             value = comm.broadcast(tf.convert_to_tensor(v),
                                    key=f"{key}/{i}", root=root)
             v.assign(value)
+    if lazy:
+        with tf.init_scope():
+            done = tf.Variable(False, trainable=False,
+                               name="sok_lazy_broadcast_done")
+        _LAZY.append((lazy, key, root, done))
+
+
+def _initialized(v):
+    """Whether `v` holds a value now. A variable first made inside a traced
+    step (a layer built at its first call there: an RNN cell with no
+    `build()`, which Keras allows) is initialized when TensorFlow runs
+    that function, not before (QA: its broadcast read an empty value)."""
+    inner = getattr(v, "_value", v)
+    check = getattr(inner, "is_initialized", None)
+    if check is None:
+        return True
+    try:
+        return bool(check())
+    except Exception:  # not a resource variable's check
+        return True
+
+
+# Broadcasts `broadcast_variables` could not do yet: `(pairs of index and
+# variable, key, root, a flag set once done)`. TensorFlow traces a step that
+# made variables again before it runs it, and the optimizer's `build`
+# (which broadcasts) runs in the first trace only: every trace of the
+# update emits them (`sync_lazy_variables`), and the first run does them.
+_LAZY = []
+
+
+def sync_lazy_variables():
+    """Broadcasts, at the first run of the step being traced, the variables
+    that step made (see `broadcast_variables`), before its update: from
+    then on every rank holds rank 0's values (the first step's gradients
+    were each rank's own values'). Every rank runs the same step, so every
+    rank takes the same branch."""
+    if not _LAZY:
+        return
+    with tf.init_scope():  # those done (on every rank: a step ago) go
+        _LAZY[:] = [e for e in _LAZY if not bool(e[3].numpy())]
+    comm = world.communicator()
+    for lazy, key, root, done in list(_LAZY):
+        def sync(lazy=lazy, key=key, root=root, done=done):
+            for i, v in lazy:
+                v.assign(comm.broadcast(tf.convert_to_tensor(v),
+                                        key=f"{key}/lazy/{i}", root=root))
+            done.assign(True)
+            return tf.constant(True)
+
+        tf.cond(done.read_value(), lambda: tf.constant(True), sync)
 
 
 def reduce_across_ranks(grads, variables):
@@ -473,6 +527,7 @@ def apply_with_tables(opt, grads, variables, apply_dense,
     """
     grads = list(grads)
     _check_gradients(grads, variables)
+    sync_lazy_variables()
     grads = reduce_across_ranks(grads, variables)
     # Nothing is updated (tables, dense weights, step counters) before
     # every lookup of the step has checked its ids: a bad id in one table
