@@ -56,6 +56,18 @@ def init_keras_layer(init, cls, kwargs):
             "dtype or a Keras dtype policy ('float32', 'mixed_float16', "
             f"'mixed_bfloat16', ...). Received: dtype={kwargs['dtype']!r} "
             f"({e})") from None
+    from sok_keras.variable import TABLE_DTYPES
+
+    layer = getattr(init, "__self__", None)
+    table_dtype = getattr(layer, "variable_dtype", None)
+    if "dtype" in kwargs and table_dtype not in TABLE_DTYPES:
+        # (QA: an int dtype was refused at build, by the table, naming
+        # only 'embeddings'.)
+        name = kwargs.get("name")
+        raise ValueError(
+            f"{cls}{f' {name!r}' if name else ''}: the tables' dtype must "
+            f"be one of {list(TABLE_DTYPES)} (or a policy such as "
+            f"'mixed_float16'). Received: dtype={kwargs['dtype']!r}.")
 
 
 def get_table_optimizer(optimizer, layer):

@@ -121,6 +121,21 @@ def test_argument_validation():
         with pytest.raises(ValueError, match=rf"DistributedEmbedding 'emb': "
                            rf"`dtype` must be.*Received: dtype='{dtype}'"):
             sok.layers.DistributedEmbedding(3, 4, dtype=dtype, name="emb")
+    # An integer dtype Keras takes: named by the layer when it is made
+    # (QA: refused at build by the table, as "'embeddings'" only).
+    for cls in (sok.layers.DistributedEmbedding,
+                sok.layers.LocalizedEmbedding):
+        with pytest.raises(ValueError, match=rf"{cls.__name__} 'user_ids': "
+                           r"the tables' dtype must be one of.*"
+                           r"Received: dtype='int32'"):
+            cls(3, 4, dtype="int32", name="user_ids")
+    with pytest.raises(ValueError, match=r"EmbeddingCollection 'c': the "
+                       r"tables' dtype.*dtype='int64'"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "embedding_dim": 2}},
+            {"f": {"table": "t"}}, dtype="int64", name="c")
+    for ok in ("float64", "bfloat16", "mixed_float16"):
+        sok.layers.DistributedEmbedding(3, 4, dtype=ok)
     with pytest.raises(ValueError, match=r"LocalizedEmbedding 'emb': bad "
                        r"`initializer`.*initializer='nonsense'"):
         sok.layers.LocalizedEmbedding(3, 4, embeddings_initializer="nonsense",
