@@ -155,12 +155,12 @@ def global_logs(model, logs, key, weight=None):
     Every rank must call it at the same point with the same keys (one
     collective). Two ways, in this order:
 
-    - when `logs` hold the model's metric results (every key of
-      `model.get_metrics_result()`, and maybe more: a custom `train_step`
-      that also returns, say, the learning rate), the metrics' state
-      variables are summed over the ranks (as `tf.distribute` combines
-      them: by each variable's `aggregation`) and those entries computed
-      from the sum. This is exact for any batch sizes and for metrics that
+    - when `logs` hold metric results (keys of
+      `model.get_metrics_result()`, all or some, and maybe more: a custom
+      `train_step` that also returns, say, the learning rate), the
+      metrics' state variables are summed over the ranks (as
+      `tf.distribute` combines them: by each variable's `aggregation`) and
+      those entries computed from the sum. This is exact for any batch sizes and for metrics that
       are not means (AUC, R2Score): the value a single process would
       compute on all ranks' samples. This rank's metric state is left as
       it is;
@@ -187,7 +187,11 @@ def global_logs(model, logs, key, weight=None):
     variables = _metric_variables(model) if model is not None else None
     metric_keys = set(_pythonify(model.get_metrics_result())) if (
         variables) else set()
-    from_state = bool(metric_keys) and metric_keys <= set(logs)
+    # Logs holding some of the results (a custom `train_step` returning
+    # `{"auc": self.auc.result()}` alone) take those from the state too
+    # (QA: they were averaged, AUC included). The keys decide, the same on
+    # every rank.
+    from_state = bool(metric_keys & set(logs))
     parts = []
     if from_state:
         for v, aggregation in variables:

@@ -139,9 +139,12 @@ class _Peer:
         return x + tf.constant(self.peer[key])
 
 
-def test_global_logs_equal_one_process_on_all_samples(monkeypatch):
+@pytest.mark.parametrize("keys", [None, ("r2",), ("mae", "r2", "lr")])
+def test_global_logs_equal_one_process_on_all_samples(monkeypatch, keys):
     """Two ranks with 12 and 5 samples: the global loss, mean metric and
-    R2 (not a mean) equal those of the 17 samples together."""
+    R2 (not a mean) equal those of the 17 samples together; also when the
+    logs hold only some of the results, and other entries (QA: a custom
+    `train_step` returning AUC alone had it averaged)."""
     model = _model()
     (xa, ya), (xb, yb) = _data(12, 1), _data(5, 2)
     # The peer's targets are far from this rank's: the local values
@@ -155,7 +158,10 @@ def test_global_logs_equal_one_process_on_all_samples(monkeypatch):
         # batch_size: every sample in one step, so that the logs the
         # callbacks would see are the metrics' results.
         model.evaluate(x, y, batch_size=len(x), verbose=0)
-        return cb._pythonify(model.get_metrics_result())
+        logs = cb._pythonify(model.get_metrics_result())
+        if keys is not None:
+            logs = {k: logs.get(k, 1e-3) for k in keys}
+        return logs
 
     monkeypatch.setattr(cb.world, "rank", lambda: 1)
     cb.global_logs(model, logs_after(xb, yb), "k")
@@ -170,9 +176,14 @@ def test_global_logs_equal_one_process_on_all_samples(monkeypatch):
     monkeypatch.setattr(cb.world, "num_ranks", lambda: 1)
     want = model.evaluate(np.concatenate([xa, xb]), np.concatenate([ya, yb]),
                           verbose=0, return_dict=True)
+    assert sorted(got) == sorted(mine)
     for k in ("loss", "mae", "r2"):
+        if k not in got:
+            continue
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
         assert abs(mine[k] - want[k]) > 1e-3  # the local value differs
+    if keys is not None and "lr" in keys:
+        assert got["lr"] == pytest.approx(1e-3)  # averaged: the same
 
 
 def test_custom_logs_are_averaged_by_sample_count(monkeypatch):
