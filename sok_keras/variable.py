@@ -753,6 +753,15 @@ class Variable(keras.Variable):
             return keras.ops.convert_to_numpy(self.value)
         if self._sok_shards:
             return self._read_replica_shards()
+        # A call on some ranks only (`if sok.rank() == 0:` in a callback)
+        # fails within SOK_SAVE_TIMEOUT naming it, as `model.predict` does
+        # (QA: it waited SOK_COMM_TIMEOUT, then named a gather's key). The
+        # key leaves the path out: Keras' automatic names may differ
+        # between the ranks.
+        from sok_keras import global_views
+
+        global_views.check_in(f"table '{self.path}'.read_global()",
+                              key="read_global")
         # In chunks of about `CHUNK_BYTES`, as `model.save` streams a table:
         # a whole shard in one collective could pass the transport's 2 GiB
         # message limit (gRPC), and gathering every padded shard at once

@@ -150,7 +150,9 @@ def test_enter_timeout_is_checked(monkeypatch, value):
 @pytest.mark.parametrize("last,what", [
     ("predict", "model.predict"), ("load", "keras.saving.load_model"),
     ("restore", "ShardedCheckpoint('"),
-    ("export", "sok.export_for_serving('")])
+    ("export", "sok.export_for_serving('"),
+    # (QA: it waited SOK_COMM_TIMEOUT, then named a gather's key.)
+    ("read_global", "table 'emb/embeddings'.read_global()")])
 def test_global_views_on_two_ranks(tmp_path, last, what):
     """Counts and summary are global (before: 918,560 shown for a
     1,837,120-parameter table's shard); gather_predictions returns every
@@ -181,6 +183,7 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
         assert r["strided"] == [1.5 * i for i in range(7)]
         assert "[4, 4] rows per rank. Received: [5, 3]" in (
             r["strided_uneven"]), r
+    assert r0["whole_shape"] == r1["whole_shape"] == [1001, 8]
     assert (r0["local_rows"], r1["local_rows"]) == (501, 500)
     assert r0["plain_load"] == "no error"
     assert r0[last].startswith("RankMismatchError"), r0[last]

@@ -84,6 +84,8 @@ def sync(key):
 
 
 sync("sync0")
+# On every rank: the whole table.
+result["whole_shape"] = list(emb.embeddings.read_global().shape)
 
 
 def rank0_only(name, fn):
@@ -110,6 +112,7 @@ calls = {"predict": lambda: model.predict(x, verbose=0),
          "gather": lambda: sok.gather_predictions(mine),
          "restore": lambda: sok.callbacks.ShardedCheckpoint(
              os.path.join(folder, "ckpts")).restore_latest(model),
-         "export": lambda: model.export(os.path.join(folder, "served"))}
+         "export": lambda: model.export(os.path.join(folder, "served")),
+         "read_global": lambda: emb.embeddings.read_global()}
 rank0_only(last, calls[last])
 write_result(result)
