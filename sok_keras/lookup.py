@@ -1417,7 +1417,6 @@ def _to_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-@_not_converted
 def _is_hotness(value, sp_ids):
     """Whether `value`, given as weights, is SOK's positional `hotness`:
     a bare int, or with a list of ids tensors a list of ints (one per
@@ -1433,6 +1432,7 @@ def _is_hotness(value, sp_ids):
             and all(whole(x) for x in value))
 
 
+@_not_converted
 def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
                   hotness=None, pooling="auto",
                   use_low_frequency_filter=False):
