@@ -155,15 +155,15 @@ def global_logs(model, logs, key, weight=None):
     Every rank must call it at the same point with the same keys (one
     collective). Two ways, in this order:
 
-    - when `logs` hold metric results (keys of
-      `model.get_metrics_result()`, all or some, and maybe more: a custom
-      `train_step` that also returns, say, the learning rate), the
-      metrics' state variables are summed over the ranks (as
-      `tf.distribute` combines them: by each variable's `aggregation`) and
-      those entries computed from the sum. This is exact for any batch sizes and for metrics that
-      are not means (AUC, R2Score): the value a single process would
-      compute on all ranks' samples. This rank's metric state is left as
-      it is;
+    - entries that are metric results (under a key of
+      `model.get_metrics_result()` with its value on every rank; all of
+      them or some, beside other entries such as a custom `train_step`'s
+      learning rate) are computed from the metrics' state variables
+      summed over the ranks (as `tf.distribute` combines them: by each
+      variable's `aggregation`). This is exact for any batch sizes and
+      for metrics that are not means (AUC, R2Score): the value a single
+      process would compute on all ranks' samples. This rank's metric
+      state is left as it is;
     - any other numeric scalar entry is averaged over the ranks, weighted by
       `weight` (default: the number of samples this rank's loss tracker has
       seen), which is exact for means of per-sample values at any batch
@@ -185,13 +185,17 @@ def global_logs(model, logs, key, weight=None):
         return logs
     n, rank = world.num_ranks(), world.rank()
     variables = _metric_variables(model) if model is not None else None
-    metric_keys = set(_pythonify(model.get_metrics_result())) if (
-        variables) else set()
-    # Logs holding some of the results (a custom `train_step` returning
-    # `{"auc": self.auc.result()}` alone) take those from the state too
-    # (QA: they were averaged, AUC included). The keys decide, the same on
-    # every rank.
-    from_state = bool(metric_keys & set(logs))
+    local = _pythonify(model.get_metrics_result()) if variables else {}
+    # The entries that may be metric results (all or some of them: a
+    # custom `train_step` returning `{"auc": self.auc.result()}` alone, QA)
+    # are taken from the summed state where every rank logged its own
+    # result under that key; a key whose value is something else on some
+    # rank (a custom step returning the batch loss as "loss", whose loss
+    # tracker never ran: review) is averaged. The keys decide whether the
+    # state is summed, the same on every rank; the flags ride in the same
+    # all-reduce, so the choice per key is every rank's too.
+    candidates = sorted(set(local) & set(logs))
+    from_state = bool(candidates)
     parts = []
     if from_state:
         for v, aggregation in variables:
@@ -201,6 +205,8 @@ def global_logs(model, logs, key, weight=None):
             elif aggregation == "only_first_replica" and rank != 0:
                 a = np.zeros_like(a)
             parts.append(a)
+        parts.append([1.0 if _same_value(logs[k], local[k]) else 0.0
+                      for k in candidates])
     scalars = sorted(k for k, v in logs.items() if _is_number(v))
     w = sample_count(model) if weight is None else float(weight)
     values = np.array([float(logs[k]) for k in scalars], np.float64)
@@ -221,10 +227,24 @@ def global_logs(model, logs, key, weight=None):
             if "int" in dtype:
                 value = np.rint(value)
             mapping.append((v, tf.constant(value.astype(dtype))))
+        agreed = total[offset:offset + len(candidates)]
         with keras.StatelessScope(state_mapping=mapping):
             results = _pythonify(model.get_metrics_result())
-        out.update({k: results[k] for k in logs if k in results})
+        out.update({k: results[k] for k, f in zip(candidates, agreed)
+                    if f > n - 0.5})
     return out
+
+
+def _same_value(logged, result):
+    """Whether a logged entry is the metric result `result` (a number or
+    an array), to float32 rounding."""
+    try:
+        a = np.asarray(keras.ops.convert_to_numpy(logged), np.float64)
+        b = np.asarray(result, np.float64)
+    except (TypeError, ValueError):
+        return False
+    return a.shape == b.shape and bool(
+        np.allclose(a, b, rtol=1e-6, atol=1e-12, equal_nan=True))
 
 
 def average_logs(logs, key):

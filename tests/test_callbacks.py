@@ -139,12 +139,18 @@ class _Peer:
         return x + tf.constant(self.peer[key])
 
 
-@pytest.mark.parametrize("keys", [None, ("r2",), ("mae", "r2", "lr")])
-def test_global_logs_equal_one_process_on_all_samples(monkeypatch, keys):
+@pytest.mark.parametrize("keys,other", [
+    (None, None), (("r2",), None), (("mae", "r2", "lr"), None),
+    (("loss", "r2"), "loss")])
+def test_global_logs_equal_one_process_on_all_samples(monkeypatch, keys,
+                                                      other):
     """Two ranks with 12 and 5 samples: the global loss, mean metric and
     R2 (not a mean) equal those of the 17 samples together; also when the
     logs hold only some of the results, and other entries (QA: a custom
-    `train_step` returning AUC alone had it averaged)."""
+    `train_step` returning AUC alone had it averaged). A key of a result
+    that holds another value (a custom step's batch loss as "loss") is
+    averaged, not replaced by the metric's (review: 0.0, from a loss
+    tracker the step never updated)."""
     model = _model()
     (xa, ya), (xb, yb) = _data(12, 1), _data(5, 2)
     # The peer's targets are far from this rank's: the local values
@@ -161,6 +167,8 @@ def test_global_logs_equal_one_process_on_all_samples(monkeypatch, keys):
         logs = cb._pythonify(model.get_metrics_result())
         if keys is not None:
             logs = {k: logs.get(k, 1e-3) for k in keys}
+        if other is not None:
+            logs[other] = 123.0
         return logs
 
     monkeypatch.setattr(cb.world, "rank", lambda: 1)
@@ -177,8 +185,10 @@ def test_global_logs_equal_one_process_on_all_samples(monkeypatch, keys):
     want = model.evaluate(np.concatenate([xa, xb]), np.concatenate([ya, yb]),
                           verbose=0, return_dict=True)
     assert sorted(got) == sorted(mine)
+    if other is not None:
+        assert got[other] == pytest.approx(123.0)
     for k in ("loss", "mae", "r2"):
-        if k not in got:
+        if k not in got or k == other:
             continue
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5)
         assert abs(mine[k] - want[k]) > 1e-3  # the local value differs
