@@ -622,7 +622,9 @@ def _local_rank(env):
     passed over silently, and the next variable or none used)."""
     for name in _LOCAL_RANK_VARS:
         value = env.get(name, "").strip()
-        if not value:
+        if not value or value == "-1":
+            # (`LOCAL_RANK=-1` means "not distributed" to some tools, e.g.
+            # Hugging Face scripts: as unset. Review.)
             continue
         if not value.isdigit():
             raise RuntimeError(

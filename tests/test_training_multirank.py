@@ -180,5 +180,7 @@ def test_weights_made_inside_the_train_step_are_broadcast():
     broadcasts them, so ranks seeded differently end with rank 0's."""
     r0, r1 = run_workers(worker_path("lazy_weights"), 2, timeout=200)
     np.testing.assert_array_equal(r0["cell_kernel"], r1["cell_kernel"])
-    np.testing.assert_array_equal(r0["loss"], r1["loss"])
     assert np.isfinite(r0["loss"]).all()
+    # Two optimizers in one custom step, each for weights it makes.
+    for a, b in zip(r0["two_optimizers"], r1["two_optimizers"]):
+        np.testing.assert_array_equal(a, b)

@@ -206,6 +206,7 @@ def test_a_bad_backend_from_the_environment_names_the_variable(monkeypatch):
     ("SOK_LOCAL_RANK", "xyz", "SOK_LOCAL_RANK must be this rank's local "
      "rank .*got 'xyz'"),
     ("LOCAL_RANK", "abc", "LOCAL_RANK must be .*got 'abc'"),
+    ("LOCAL_RANK", "-2", "LOCAL_RANK must be .*got '-2'"),
 ])
 def test_variables_read_later_are_checked_at_init(monkeypatch, var, value,
                                                   match):
@@ -233,3 +234,18 @@ def test_timeouts_must_be_finite_and_at_most_a_year(monkeypatch, var, value):
     with pytest.raises(ValueError, match=f"`{arg}` must be a positive "
                        "number of seconds, at most"):
         world.init(**{arg: float(value)})
+
+
+def test_local_rank_minus_one_means_not_distributed(monkeypatch):
+    """(Review: some tools export LOCAL_RANK=-1 for a run of one process;
+    it is as if unset, and the next launcher variable is read.)"""
+    for name in world._LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    assert world._local_rank(dict(os.environ)) is None
+    monkeypatch.setattr(world, "_WORLD", None)
+    world.init()
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setenv("SOK_LOCAL_RANK", "-1")
+    assert world._local_rank(dict(os.environ)) == 3
+

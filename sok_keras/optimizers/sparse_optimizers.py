@@ -8,6 +8,7 @@ behaves the same.
 """
 
 import keras
+import tensorflow as tf
 
 from sok_keras.optimizers import sparse_rules
 from sok_keras.optimizers import tf_slots
@@ -16,6 +17,7 @@ from sok_keras.optimizers.wrapper import apply_with_tables
 from sok_keras.optimizers.wrapper import broadcast_variables
 from sok_keras.optimizers.wrapper import build_once
 from sok_keras.optimizers.wrapper import check_jit_compile
+from sok_keras.optimizers.wrapper import sync_lazy_variables
 from sok_keras.optimizers.wrapper import create_table_slots
 from sok_keras.optimizers.wrapper import tf2_keras_arguments
 from sok_keras.variable import is_sok_variable
@@ -42,14 +44,16 @@ class _TablesMixin(tf_slots.TableSlots):
         dense = [v for v in var_list if not is_sok_variable(v)]
         super().build(dense)
         create_table_slots(self, var_list)
-        broadcast_variables(dense, key="sok_optimizer/broadcast")
+        broadcast_variables(dense, key="sok_optimizer/broadcast",
+                            owner=self)
 
     @_not_converted
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)
         variables = trainable_variables or self._trainable_variables
-        apply_with_tables(self, grads, variables, super().apply,
-                          jit_compile=self.jit_compile)
+        with tf.control_dependencies(sync_lazy_variables(self, grads)):
+            apply_with_tables(self, grads, variables, super().apply,
+                              jit_compile=self.jit_compile)
 
     def apply_gradients(self, grads_and_vars, **kwargs):
         # (SOK's seed: `experimental_aggregate_gradients=False` for tables.)

@@ -66,7 +66,8 @@ def keras2_hint(optimizer):
             "same hyperparameters).")
 
 
-def broadcast_variables(variables, root=0, key="broadcast_variables"):
+def broadcast_variables(variables, root=0, key="broadcast_variables",
+                        owner=None):
     """Copies the values of `variables` on rank `root` to every rank.
 
     Every rank must call it with the same variables in the same order.
@@ -76,16 +77,27 @@ def broadcast_variables(variables, root=0, key="broadcast_variables"):
         variables: a list of (Keras or TF) variables, not sharded tables.
         root: the rank whose values win. Defaults to 0.
         key: a name for the collective, the same on every rank.
+        owner: the optimizer building for them, if any: variables that
+            the step being traced made (not initialized yet on some rank)
+            are broadcast by its first update instead
+            (`sync_lazy_variables`).
     """
     if world.num_ranks() == 1 or under_strategy():
         return
     comm = world.communicator()
-    lazy = []
+    dense = [(i, v) for i, v in enumerate(variables)
+             if not is_sok_variable(v)]
     with tf.init_scope():
-        for i, v in enumerate(variables):
-            if is_sok_variable(v):
-                continue
-            if not _initialized(v):
+        # Whether each is initialized, agreed by every rank (one rank may
+        # have run the model before, the others not: review).
+        ready = [1.0 if _initialized(v) else 0.0 for _, v in dense]
+        if ready:
+            ready = comm.all_reduce(
+                tf.constant(ready, tf.float32), key=f"{key}/initialized",
+                op="min").numpy().tolist()
+        lazy = []
+        for (i, v), r in zip(dense, ready):
+            if r < 1.0:
                 lazy.append((i, v))
                 continue
             # (A Keras variable's `value` is a property, a tf.Variable's a
@@ -93,11 +105,13 @@ def broadcast_variables(variables, root=0, key="broadcast_variables"):
             value = comm.broadcast(tf.convert_to_tensor(v),
                                    key=f"{key}/{i}", root=root)
             v.assign(value)
-    if lazy:
-        with tf.init_scope():
+        if lazy and owner is not None:
+            global _LAZY_COUNT
+            _LAZY_COUNT += 1
             done = tf.Variable(False, trainable=False,
                                name="sok_lazy_broadcast_done")
-        _LAZY.append((lazy, key, root, done))
+            owner.__dict__.setdefault("_sok_lazy", []).append(
+                (lazy, f"{key}/lazy{_LAZY_COUNT}", root, done))
 
 
 def _initialized(v):
@@ -115,34 +129,48 @@ def _initialized(v):
         return True
 
 
-# Broadcasts `broadcast_variables` could not do yet: `(pairs of index and
-# variable, key, root, a flag set once done)`. TensorFlow traces a step that
-# made variables again before it runs it, and the optimizer's `build`
-# (which broadcasts) runs in the first trace only: every trace of the
-# update emits them (`sync_lazy_variables`), and the first run does them.
-_LAZY = []
+# Registrations of `broadcast_variables`' later broadcasts: the same count
+# on every rank (builds happen in the same order), so that the keys match.
+_LAZY_COUNT = 0
 
 
-def sync_lazy_variables():
+def sync_lazy_variables(owner, grads):
     """Broadcasts, at the first run of the step being traced, the variables
-    that step made (see `broadcast_variables`), before its update: from
-    then on every rank holds rank 0's values (the first step's gradients
-    were each rank's own values'). Every rank runs the same step, so every
-    rank takes the same branch."""
-    if not _LAZY:
-        return
+    that step made (see `broadcast_variables`; TensorFlow traces a step
+    that made variables again before it runs it, and the optimizer's
+    `build` runs in the first trace only, so each trace of `owner`'s update
+    emits them). From then on every rank holds rank 0's values (the first
+    step's gradients were each rank's own values'). Every rank runs the
+    same step, so every rank takes the same branch.
+
+    Returns:
+        What the update must wait for: after the step's gradients (so after
+        its exchanges), before its all-reduce, so that the broadcast keeps
+        the collectives' program order (NCCL needs it).
+    """
+    pending = owner.__dict__.get("_sok_lazy")
+    if not pending:
+        return []
     with tf.init_scope():  # those done (on every rank: a step ago) go
-        _LAZY[:] = [e for e in _LAZY if not bool(e[3].numpy())]
+        pending[:] = [e for e in pending if not bool(e[3].numpy())]
+    if not pending:
+        return []
     comm = world.communicator()
-    for lazy, key, root, done in list(_LAZY):
+    after = [t for g in grads if g is not None for t in (
+        (g.values, g.indices) if isinstance(g, tf.IndexedSlices) else (g,))]
+    for lazy, key, root, done in list(pending):
         def sync(lazy=lazy, key=key, root=root, done=done):
             for i, v in lazy:
                 v.assign(comm.broadcast(tf.convert_to_tensor(v),
-                                        key=f"{key}/lazy/{i}", root=root))
+                                        key=f"{key}/{i}", root=root))
             done.assign(True)
             return tf.constant(True)
 
-        tf.cond(done.read_value(), lambda: tf.constant(True), sync)
+        with tf.control_dependencies(after):
+            out = tf.cond(done.read_value(), lambda: tf.constant(True),
+                          sync)
+        after = [out]
+    return [] if tf.executing_eagerly() else after
 
 
 def reduce_across_ranks(grads, variables):
@@ -527,7 +555,6 @@ def apply_with_tables(opt, grads, variables, apply_dense,
     """
     grads = list(grads)
     _check_gradients(grads, variables)
-    sync_lazy_variables()
     grads = reduce_across_ranks(grads, variables)
     # Nothing is updated (tables, dense weights, step counters) before
     # every lookup of the step has checked its ids: a bad id in one table
@@ -849,7 +876,8 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
             self.skipped_steps = self.add_variable(
                 shape=(), dtype="int64", initializer="zeros",
                 name="skipped_steps")
-        broadcast_variables(dense, key="sok_optimizer/broadcast")
+        broadcast_variables(dense, key="sok_optimizer/broadcast",
+                            owner=self)
 
     @property
     def variables(self):
@@ -911,6 +939,10 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     @_not_converted
     def apply(self, grads, trainable_variables=None):
         build_once(self, trainable_variables)
+        with tf.control_dependencies(sync_lazy_variables(self, grads)):
+            self._apply_built(grads, trainable_variables)
+
+    def _apply_built(self, grads, trainable_variables):
         variables = trainable_variables or self._trainable_variables
 
         def update():

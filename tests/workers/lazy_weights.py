@@ -39,7 +39,48 @@ model.compile(optimizer=keras.optimizers.SGD(0.2), loss="binary_crossentropy")
 n = sok.num_ranks()
 history = model.fit(ids[RANK::n], y[RANK::n], batch_size=8 // n,
                     shuffle=False, epochs=2, verbose=0)
+
+# Two optimizers in one traced step, each for weights the step makes
+# (review: both broadcasts ran under the same keys, and TensorFlow failed
+# with "ProvideBuf already called").
+import tensorflow as tf  # noqa: E402
+
+
+class Lazy(keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(D)
+
+    def build(self, input_shape):  # builds nothing: made at the first call
+        pass
+
+    def call(self, x):
+        return self.dense(x)
+
+
+table = sok.layers.DistributedEmbedding(V, D, combiner="sum")
+first, second = Lazy(), Lazy()
+opt_a = sok.OptimizerWrapper(keras.optimizers.SGD(0.1))
+opt_b = sok.OptimizerWrapper(keras.optimizers.SGD(0.1))
+
+
+@tf.function
+def step(batch):
+    with tf.GradientTape(persistent=True) as tape:
+        h = first(table(batch))
+        loss = tf.reduce_mean(second(h) ** 2)
+    va = table.trainable_variables + first.trainable_variables
+    vb = second.trainable_variables
+    opt_a.apply(tape.gradient(loss, va), va)
+    opt_b.apply(tape.gradient(loss, vb), vb)
+    return loss
+
+
+for _ in range(2):
+    step(tf.constant(ids[RANK::n, 0, :]))
 write_result({
     "cell_kernel": cell.dense.kernel.numpy().tolist(),
     "loss": history.history["loss"],
+    "two_optimizers": [first.dense.kernel.numpy().tolist(),
+                       second.dense.kernel.numpy().tolist()],
 })
