@@ -500,17 +500,23 @@ def test_a_loop_over_no_data_is_not_ahead_of_its_peer():
     assert "rank 0 finished it after 0 steps in all" in aborted2[0]
 
 
-def test_peer_report_while_this_rank_waits_in_a_step_aborts():
-    ch, aborted = _channel(rank=1)
-    loop = ch.begin_loop("evaluate")
+def _rank_0_ended_after_step_2_while_step_3_waits(ch, loop):
+    """Rank 1 runs steps 1-3 of `loop` (step 3 waits in a collective) and
+    hears that rank 0 ended epoch 1 after step 2."""
     for step in range(1, 4):
         ch.step(loop, step)
         if step < 3:
             ch.step_done(loop, step)
-    ch._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]  # step 3 waits
+    ch._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]  # step 3
     ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
                 "steps": 2})
     ch._periodic()
+
+
+def test_peer_report_while_this_rank_waits_in_a_step_aborts():
+    ch, aborted = _channel(rank=1)
+    loop = ch.begin_loop("evaluate")
+    _rank_0_ended_after_step_2_while_step_3_waits(ch, loop)
     assert len(aborted) == 1
     assert ("evaluate diverged in epoch 1: rank 0 finished after step 2; "
             "rank 1 is at step 3") in aborted[0]
@@ -523,14 +529,7 @@ def test_the_validation_inside_fit_is_named_as_such():
     ch.step(fit, 1)
     ch.step_done(fit, 1)
     loop = ch.begin_loop("evaluate")
-    for step in range(1, 4):
-        ch.step(loop, step)
-        if step < 3:
-            ch.step_done(loop, step)
-    ch._collective_waits = lambda: [("all_to_all:t/ids", 2.0)]
-    ch.receive({"t": "epoch_end", "rank": 0, "lid": loop.lid, "epoch": 0,
-                "steps": 2})
-    ch._periodic()
+    _rank_0_ended_after_step_2_while_step_3_waits(ch, loop)
     assert len(aborted) == 1
     assert ("the validation (evaluate) inside fit diverged in epoch 1: "
             "rank 0 finished after step 2; rank 1 is at step 3") in aborted[0]

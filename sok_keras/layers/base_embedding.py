@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from sok_keras import consistency
 from sok_keras.lookup import SUPPORTED_COMBINERS
+from sok_keras.variable import TABLE_DTYPES
 from sok_keras.variable import Variable
 from sok_keras.variable import save_entry
 from sok_keras.variable import saved_array
@@ -56,8 +57,6 @@ def init_keras_layer(init, cls, kwargs):
             "dtype or a Keras dtype policy ('float32', 'mixed_float16', "
             f"'mixed_bfloat16', ...). Received: dtype={kwargs['dtype']!r} "
             f"({e})") from None
-    from sok_keras.variable import TABLE_DTYPES
-
     layer = getattr(init, "__self__", None)
     table_dtype = getattr(layer, "variable_dtype", None)
     if "dtype" in kwargs and table_dtype not in TABLE_DTYPES:

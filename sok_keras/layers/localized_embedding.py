@@ -40,21 +40,11 @@ class LocalizedEmbedding(BaseEmbedding):
             places localized tables round-robin over the ranks in the order
             they are built (the same order on every rank). An explicit rank
             must be smaller than the number of ranks.
-        pooling: where pooled rows are summed with several ranks: `"auto"`
-            (default) compares, every step, the bytes of bringing one row
-            per distinct id home with sending every id to its owner and
-            bringing one partial sum per sample home, and takes the cheaper
-            (all ranks agree); `"home"` or `"owner"` pin one way: no
-            per-step comparison, and no `tf.cond` of both ways to trace,
-            which shortens the first step of models with many separate
-            tables (`bench/pooling_modes.py`, 26 one-id tables on 2 CPU
-            ranks: 8 s to the first step with `"home"`, 25 s with
-            `"auto"`; then steps of 95-110 ms with either; or use one
-            `EmbeddingCollection`), but the bytes moved are no longer the
-            fewer of the two. Ignored with one rank
-            and for unpooled lookups. Inside a `tf.function` under a
-            persistent `GradientTape` (or tapes nested), `"auto"` pools at
-            home, so that several `tape.gradient` calls work.
+        pooling: where pooled rows are summed with several ranks:
+            `"auto"` (default), `"home"` or `"owner"`, as
+            `DistributedEmbedding`'s `pooling` (which says what each costs,
+            measured in `bench/pooling_modes.py`). Ignored with one rank
+            and for unpooled lookups.
         optimizer: optional Keras optimizer (instance, name or config) for
             this table only, e.g. `keras.optimizers.Adagrad(0.05)`. It wins
             over the model's optimizer for this table: its rule,
