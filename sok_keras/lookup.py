@@ -143,7 +143,8 @@ class _Ids:
         self.batch_size = batch_size  # int64 scalar tensor
         self.weights = weights  # float [nnz] or None
         # How to rebuild an unpooled output: ("dense", keep_mask, shape) /
-        # ("ragged", row_splits) / ("sparse", indices, dense_shape).
+        # ("ragged", kept positions, row_splits) / ("sparse", indices,
+        # dense_shape).
         self.layout = layout
         # int64 scalar: 0, or the index in _PROBLEMS of what is wrong with
         # the structure of this rank's input (see `normalize_ids`); None if
@@ -355,7 +356,10 @@ def _normalize_ids(ids, weights, name):
         segs_k = tf.gather(segs, kept)
         if w is not None:
             w = tf.gather(w, kept)
-        layout = ("ragged", segs_k, ids.nrows())
+        # The output keeps every position of the ids: a zero row for -1,
+        # as dense and sparse ids have (rows line up with parallel ragged
+        # features, positions, timestamps).
+        layout = ("ragged", kept, tf.cast(ids.row_splits, tf.int64))
         return _Ids(values_k, segs_k, ids.nrows(), w, layout,
                     _first_problem(checks))
     ids = tf.convert_to_tensor(ids)
@@ -885,8 +889,10 @@ def unpooled(rows, inverse, feat):
             return tf.reshape(out, tf.stack([total, dim]))
         return tf.reshape(out, tf.concat([dense_shape, [dim]], 0))
     if kind == "ragged":
-        segs, nrows = feat.layout[1], feat.layout[2]
-        return tf.RaggedTensor.from_value_rowids(per_id, segs, nrows=nrows)
+        kept, splits = feat.layout[1], feat.layout[2]
+        out = tf.scatter_nd(kept[:, None], per_id,
+                            tf.stack([splits[-1], dim]))
+        return tf.RaggedTensor.from_row_splits(out, splits, validate=False)
     indices, dense_shape = feat.layout[1], feat.layout[2]
     # A SparseTensor of embeddings is awkward to consume; densify it to
     # [batch, n, dim] with zero rows where there is no id.

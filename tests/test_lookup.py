@@ -75,6 +75,42 @@ def test_ragged_dense_and_sparse_inputs_agree():
     np.testing.assert_allclose(out.numpy(), table[[3, 4]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_unpooled_ragged_ids_keep_their_padding_positions(weighted):
+    """combiner=None over ragged ids with -1 inside a row: a zero row at
+    that position, as dense and sparse ids give, so the output's rows have
+    the ids' lengths (before: the -1 was dropped, rows [3, 1] came out
+    [2, 0] and no longer lined up with parallel per-id features)."""
+    rng = np.random.default_rng(5)
+    table = rng.normal(size=(6, 3)).astype(np.float32)
+    layer = sok.layers.DistributedEmbedding(6, 3, combiner=None,
+                                            weights=table)
+    layer.build()
+    ids = tf.ragged.constant([[1, -1, 2], [-1], [], [5, 5]], tf.int64)
+    w = tf.ragged.constant([[0.5, 9.0, 2.0], [9.0], [], [1.0, -1.5]])
+    weights = w if weighted else None
+    with tf.GradientTape() as tape:
+        out = layer(ids, weights) if weighted else layer(ids)
+        loss = tf.reduce_sum(out.flat_values ** 2)
+    assert out.row_lengths().numpy().tolist() == [3, 1, 0, 2]
+    flat_ids = ids.flat_values.numpy()
+    flat_w = w.flat_values.numpy() if weighted else np.ones(len(flat_ids))
+    want = np.where((flat_ids >= 0)[:, None],
+                    table[np.maximum(flat_ids, 0)] * flat_w[:, None], 0.0)
+    np.testing.assert_allclose(out.flat_values.numpy(), want, rtol=1e-6)
+    dense = (layer(ids.to_tensor(-1), w.to_tensor(0.0)) if weighted
+             else layer(ids.to_tensor(-1)))
+    np.testing.assert_allclose(out.to_tensor().numpy(), dense.numpy(),
+                               rtol=1e-6)
+    g = tape.gradient(loss, layer.embeddings)
+    g = tf.math.unsorted_segment_sum(g.values, g.indices, 6).numpy()
+    g_ref = np.zeros_like(table)
+    for i, wi, row in zip(flat_ids, flat_w, want):
+        if i >= 0:
+            g_ref[i] += 2 * wi * row
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
 def test_lookup_in_tf_function_and_several_tables():
     rng = np.random.default_rng(3)
     t1 = rng.normal(size=(30, 3)).astype(np.float32)
