@@ -536,6 +536,9 @@ def _why_not_listening(addr):
 
 
 _WILDCARDS = ("", "0.0.0.0", "::", "*")
+# Set in a rank that `_guard_servers` re-executed under the bind guard (a
+# guard that still does not load is then an error, not another exec).
+_GUARD_EXEC = "SOK_BIND_GUARD_EXEC"
 
 
 def _guard_servers(world):
@@ -551,17 +554,32 @@ def _guard_servers(world):
     import socket
     import sys
 
-    if os.environ.get("SOK_BIND_HOST") or _bind_guard_off():
+    if _bind_guard_off():
         return
-    host = _host_of(world.worker_addrs[world.rank])
-    if host in _WILDCARDS:
-        return  # the user asked for every interface
-    try:
-        ip = socket.getaddrinfo(host, None)[0][4][0]
-    except OSError as e:
+    # An address given in SOK_BIND_HOST is honoured whoever set it: before,
+    # the variable alone was taken for "the guard is loaded" (as under
+    # sokrun), and a rank started by hand with it listened on every
+    # interface (QA).
+    ip = _bind_host()
+    if ip is not None and _bind_guard_loaded():
+        os.environ.pop(_GUARD_EXEC, None)  # (not for this rank's children)
+        return
+    if os.environ.get(_GUARD_EXEC):
         raise RuntimeError(
-            f"sok_keras: cannot resolve rank {world.rank}'s address "
-            f"{host!r} (from {world.source}): {e}") from None
+            "sok_keras: the bind guard did not load in the re-executed "
+            f"rank {world.rank} (LD_PRELOAD="
+            f"{os.environ.get('LD_PRELOAD', '')!r}); set SOK_BIND_GUARD=0 "
+            "to let TensorFlow's servers listen on every interface.")
+    if ip is None:
+        host = _host_of(world.worker_addrs[world.rank])
+        if host in _WILDCARDS:
+            return  # the user asked for every interface
+        try:
+            ip = socket.getaddrinfo(host, None)[0][4][0]
+        except OSError as e:
+            raise RuntimeError(
+                f"sok_keras: cannot resolve rank {world.rank}'s address "
+                f"{host!r} (from {world.source}): {e}") from None
     try:
         import sokrun
     except ImportError:
@@ -573,6 +591,7 @@ def _guard_servers(world):
             "listen on every interface.")
         return
     os.environ.update(env)
+    os.environ[_GUARD_EXEC] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable] + list(sys.orig_argv[1:]))
@@ -765,6 +784,37 @@ def _check_later_variables(global_metrics):
     if global_metrics is None:
         callbacks.global_metrics_enabled()  # SOK_GLOBAL_METRICS
     _bind_guard_off()  # SOK_BIND_GUARD
+    _bind_host()  # SOK_BIND_HOST
+
+
+def _bind_host():
+    """`SOK_BIND_HOST` (an IPv4 or IPv6 address: the bind guard rewrites a
+    wildcard bind to it), or None when unset; anything else is an error
+    (QA: `SOK_BIND_HOST=notahost` was taken, and the guard, which reads
+    only addresses, let the servers listen on every interface)."""
+    import ipaddress
+
+    host = os.environ.get("SOK_BIND_HOST", "")
+    if not host:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise RuntimeError(
+            "sok_keras: SOK_BIND_HOST must be the IPv4 or IPv6 address this "
+            "rank's servers listen on (e.g. 127.0.0.1), not a host name. "
+            f"Received: SOK_BIND_HOST={host!r}.") from None
+    return host
+
+
+def _bind_guard_loaded():
+    """Whether the bind guard is loaded in this process (its library is
+    mapped: `LD_PRELOAD` of it took effect)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("_sok_bind_guard" in line for line in f)
+    except OSError:
+        return False
 
 
 def _bind_guard_off():

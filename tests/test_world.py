@@ -207,6 +207,10 @@ def test_a_bad_backend_from_the_environment_names_the_variable(monkeypatch):
      "rank .*got 'xyz'"),
     ("LOCAL_RANK", "abc", "LOCAL_RANK must be .*got 'abc'"),
     ("LOCAL_RANK", "-2", "LOCAL_RANK must be .*got '-2'"),
+    # (QA: taken, and the guard, which reads only addresses, let the
+    # servers listen on every interface.)
+    ("SOK_BIND_HOST", "notahost", "SOK_BIND_HOST must be the IPv4 or IPv6 "
+     "address .*'notahost'"),
 ])
 def test_variables_read_later_are_checked_at_init(monkeypatch, var, value,
                                                   match):

@@ -53,9 +53,9 @@ def _free_port_block(count):
     raise RuntimeError("no free port block")
 
 
-def _run_two_ranks(style, worker, args, tmp_path):
+def _run_two_ranks(style, worker, args, tmp_path, extra_env=None):
     """Starts `worker` as 2 ranks by hand in a torchrun- or Open MPI-style
-    environment; returns the per-rank results."""
+    environment (plus `extra_env`); returns the per-rank results."""
     base = _free_port_block(2)
     procs = []
     for rank in range(2):
@@ -78,6 +78,7 @@ def _run_two_ranks(style, worker, args, tmp_path):
                        OMPI_COMM_WORLD_SIZE="2",
                        SOK_WORKER_ADDRS=",".join(
                            f"127.0.0.1:{base + 1 + i}" for i in range(2)))
+        env.update(extra_env or {})
         # The worker's result file is named after its rank; without sokrun
         # there is no SOK_RANK, so the harness passes it separately.
         env["SOK_TEST_RANK"] = str(rank)
@@ -149,6 +150,20 @@ def test_rank_servers_listen_on_loopback_only(launcher, request):
         assert r["listening"], r
         assert all(_loopback(a) for a, _ in r["listening"]), r
         assert r["bind_host"] == "127.0.0.1"
+
+
+def test_a_bind_host_set_by_hand_is_honoured(tmp_path):
+    """`SOK_BIND_HOST=127.0.0.1` set by the user of another launcher (no
+    LD_PRELOAD): the servers listen on that address. Before, the variable
+    alone was taken for "the guard is loaded", and they listened on every
+    interface (QA)."""
+    worker = os.path.join(REPO, "tests", "workers", "listen_check.py")
+    results = _run_two_ranks("torchrun", worker, [], tmp_path,
+                             extra_env={"SOK_BIND_HOST": "127.0.0.1"})
+    for r in results:
+        assert r["sum"] == 2.0
+        assert r["listening"], r
+        assert all(_loopback(a) for a, _ in r["listening"]), r
 
 
 def _lone_rank_0_env(base, timeout):
