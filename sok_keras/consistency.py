@@ -403,6 +403,45 @@ def check_table(table, what="load"):
             f"{what} of table '{table.path or table.name}'")
 
 
+def fit_batch_size(x, batch_size):
+    """The per-rank batch size `fit` will train on, where it is known
+    before the loop: a `tf.data.Dataset`'s static batch dimension (one
+    batched with `drop_remainder=True`, as `sok.shard_batches` makes), or
+    the `batch_size` of arrays (Keras' default 32). None otherwise."""
+    if isinstance(x, tf.data.Dataset):
+        for spec in tf.nest.flatten(x.element_spec):
+            shape = getattr(spec, "shape", None)
+            if shape is not None and shape.rank and shape[0] is not None:
+                return int(shape[0])
+        return None
+    if isinstance(x, (np.ndarray, tf.Tensor, dict, list, tuple)):
+        return 32 if batch_size is None else int(batch_size)
+    return None
+
+
+def check_fit_batches(model, x, batch_size):
+    """Raises `InconsistentRanksError` on every rank when the ranks would
+    train on batches of other sizes: each would then train on its slice of
+    another global batch (QA: ranks batching the same data by 64 and by 32
+    before `sok.shard_batches` trained on silently). One eager all-gather;
+    nothing in a world of one."""
+    if world.num_ranks() == 1:
+        return
+    mine = fit_batch_size(x, batch_size)
+    sizes = [json.loads(t) for t in _gather_texts(json.dumps(mine),
+                                                  "consistency/fit_batch")]
+    known = {r: b for r, b in enumerate(sizes) if b is not None}
+    if len(set(known.values())) > 1:
+        text = ", ".join(f"{b} on rank {r}" for r, b in known.items())
+        raise InconsistentRanksError(
+            f"sok_keras: the ranks differ at the start of fit of model "
+            f"'{model.name}': it trains on batches of {text}. Every rank "
+            "must train on its slice of the same global batches: the same "
+            "dataset, batched to the same global size on every rank, then "
+            "`sok.shard_batches` (or arrays sliced `x[sok.rank()::"
+            "sok.num_ranks()]` with the same `batch_size` everywhere).")
+
+
 def wrap_step(model, attr, kind):
     """Makes `model.<attr>` (train_step, test_step, predict_step) compare
     the tables and the step's lookups across ranks the first time it is

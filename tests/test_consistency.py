@@ -25,7 +25,7 @@ CASES = [
     ("vocabulary_size", "function"), ("embedding_dim", "function"),
     ("none", "function"),
     ("dense", "fit"), ("metrics", "fit"), ("metric_args", "fit"),
-    ("vocabulary", "fit"), ("normalization", "fit"),
+    ("vocabulary", "fit"), ("normalization", "fit"), ("batch", "fit"),
     ("order", "eager"), ("order", "fit"),
 ]
 
@@ -206,6 +206,17 @@ def test_checked_when_a_custom_step_is_traced(field, expected, _run):
         assert "the first traced lookup of table" in r["error"], detail
         assert "train_step" in r["error"], detail  # the user's code
         assert expected in r["error"], detail
+
+
+def test_different_global_batch_sizes_raise_on_every_rank(_run):
+    """Ranks batching the same data to other global sizes before
+    `sok.shard_batches` (QA: trained on silently, each rank on its slice of
+    another global batch)."""
+    r0, r1, detail = _run("batch")
+    for r in (r0, r1):
+        assert r["type"] == "InconsistentRanksError", detail
+        assert ("the start of fit of model 'two_tables': it trains on "
+                "batches of 4 on rank 0, 2 on rank 1.") in r["error"], detail
 
 
 def test_equal_ranks_train_a_custom_step_without_error(_run):

@@ -579,6 +579,18 @@ def _check_first_steps(model, kind):
             consistency.wrap_step(model, step, kind)
 
 
+def _check_fit_batches(model, fit, args, kwargs):
+    """`consistency.check_fit_batches` with `fit`'s `x` and `batch_size`."""
+    from sok_keras import consistency
+
+    try:
+        bound = inspect.signature(fit).bind(model, *args, **kwargs)
+    except TypeError:
+        return  # Keras raises its own error
+    consistency.check_fit_batches(model, bound.arguments.get("x"),
+                                  bound.arguments.get("batch_size"))
+
+
 def install_loop_hooks():
     """Routes `fit` / `evaluate` / `predict` of Keras' trainer through
     `sok_keras.divergence.run_loop`, and makes `train_on_batch` /
@@ -604,6 +616,8 @@ def install_loop_hooks():
             divergence.before_loop()
             global_views.check_in(f"model.{_kind}", _kind)  # all ranks?
             _check_first_steps(self, _kind)
+            if _kind == "fit":
+                _check_fit_batches(self, _original, args, kwargs)
             call, args, kwargs = callbacks.with_global_metrics(
                 _kind, _original, self, args, kwargs)
             token = _LOOP_KIND.set(_kind)

@@ -6,7 +6,9 @@ argv: FIELD [STAGE]. FIELD is what rank 1 does differently: "none",
 width), "metrics" (compiled with AUC, rank 1 also with MAE),
 "metric_args" (AUC with another number of thresholds), "vocabulary" (an
 IntegerLookup of another vocabulary before the tables), "normalization"
-(a Normalization adapted on each rank's own data: rank 0's everywhere). STAGE: "fit" (default), "evaluate",
+(a Normalization adapted on each rank's own data: rank 0's everywhere),
+"batch" (fit on global batches of 8 on rank 0 and 4 on rank 1, through
+`sok.shard_batches`). STAGE: "fit" (default), "evaluate",
 "predict", "eager" (the model called on a batch before fit), "function"
 (a custom training step in a `tf.function`, SOK's way) or "load"
 (`load_weights` into the differing model).
@@ -117,6 +119,13 @@ try:
 
             for i in range(2):
                 train_step(ids[4 * i:4 * i + 4], y[4 * i:4 * i + 4])
+        elif FIELD == "batch":
+            import tensorflow as tf
+
+            data = tf.data.Dataset.from_tensor_slices((ids, y)).repeat()
+            model.fit(sok.shard_batches(data.batch(
+                4 if odd else 8, drop_remainder=True)), steps_per_epoch=2,
+                      epochs=1, verbose=0)
         elif STAGE in ("fit", "eager"):
             model.fit(ids, y, batch_size=4, epochs=1, verbose=0)
         elif STAGE == "evaluate":
