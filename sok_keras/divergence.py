@@ -103,6 +103,13 @@ def unhealthy_ranks(message):
     return sorted(set(ranks))
 
 
+# Unindented lines of a TensorFlow op error that are not its message (QA:
+# a failed `py_function` / `from_generator` was reported to the other ranks
+# as "<stack traces unavailable>", its Python error hidden under it).
+_NOT_THE_MESSAGE = ("Detected at node", "<stack traces unavailable>",
+                    "Traceback (most recent call last)")
+
+
 def headline(error):
     """`error` as `Type: message` on one line, for the other ranks: the
     message, not the generic first line TensorFlow or Keras put above it.
@@ -128,7 +135,7 @@ def headline(error):
         # "N root error(s) found." (a GPU step), the first root's.
         body = [i for i in range(1, nodes[0]) if lines[i].strip()
                 and not lines[i][0].isspace()
-                and not lines[i].startswith("Detected at node")]
+                and not lines[i].startswith(_NOT_THE_MESSAGE)]
         roots = [m.group(1) for m in (
             re.match(r"\s*\(0\) [A-Z_]+:\s*(.+)", line)
             for line in lines[1:nodes[0]]) if m]

@@ -220,6 +220,15 @@ def test_headline_of_errors():
              "0 successful operations.\n0 derived errors ignored. [Op:x]")
     assert headline(RuntimeError(roots)) == (
         "RuntimeError: the op's message (at node m/Check)")
+    # A Python error in a py_function (a data pipeline's generator).
+    pyfunc = ("Graph execution error:\n\nDetected at node PyFunc defined at "
+              "(most recent call last):\n<stack traces unavailable>\n"
+              "OSError: /data/part-3 is corrupt\nTraceback (most recent "
+              "call last):\n\n  File \"a.py\", line 5, in gen\n\nOSError: "
+              "/data/part-3 is corrupt\n\n\n\t [[{{node PyFunc}}]]\n\t "
+              "[[IteratorGetNext]] [Op:__inference_f_29]")
+    assert headline(RuntimeError(pyfunc)) == (
+        "RuntimeError: OSError: /data/part-3 is corrupt (at node PyFunc)")
     assert headline(ValueError("one\ntwo")) == "ValueError: one"
     # AutoGraph's error at trace time: the error under its traceback.
     autograph = ("in user code:\n\n    File \"a.py\", line 3, in f  *\n"
