@@ -329,9 +329,15 @@ def _table_optimizer_variables(tables):
 def _without_wrapper_own(optimizer, saved):
     """`saved` (a manifest's optimizer variables) less the step count and
     learning rate an `OptimizerWrapper` of an earlier version saved for
-    itself (first, under its own name), which it no longer has."""
+    itself (first, under its own name), which it no longer has. Only for
+    an `OptimizerWrapper`: other wrappers (Keras' `LossScaleOptimizer`,
+    under `mixed_float16`) have their own step count and learning rate
+    (QA: a dump of such a model did not load into it)."""
+    from sok_keras.optimizers.wrapper import OptimizerWrapper
+
     inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is None or len(saved) < 2:
+    if (not isinstance(optimizer, OptimizerWrapper) or inner is None
+            or len(saved) < 2):
         return saved
     heads = [d["name"].split("/") for d in saved[:2]]
     if ([h[-1] for h in heads] == ["iteration", "learning_rate"]
