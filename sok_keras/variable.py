@@ -267,11 +267,11 @@ class Variable(keras.Variable):
                     f"does not match the initial value's {array.shape}."
                 )
             if dtype is None:
-                dtype = (
-                    array.dtype.name
-                    if np.issubdtype(array.dtype, np.floating)
-                    else "float32"
-                )
+                # (Keras' name for it: ml_dtypes' bfloat16, of NumPy kind
+                # "V", is no np.floating; QA: it made a float32 table.)
+                value_dtype = keras.backend.standardize_dtype(array.dtype)
+                dtype = (value_dtype if value_dtype in TABLE_DTYPES
+                         else "float32")
             global_shape = _checked_shape(array.shape, name)
 
             def make_values():

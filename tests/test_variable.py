@@ -225,3 +225,26 @@ def test_block_writes_give_int64_bounds(monkeypatch):
             assert isinstance(bound, tf.Tensor) and bound.dtype == tf.int64
     np.testing.assert_array_equal(
         table.numpy(), np.asarray(init(shape=(300_000, 8))))
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: a.astype("float16"),
+    lambda a: tf.constant(a, tf.bfloat16),
+    lambda a: keras.ops.cast(a, "bfloat16"),
+    lambda a: np.asarray(keras.ops.convert_to_numpy(
+        tf.constant(a, tf.bfloat16))),  # ml_dtypes' bfloat16 array
+    lambda a: a,
+])
+def test_the_table_takes_its_initial_values_dtype(make):
+    """A float initial value gives the table its dtype, as keras.Variable
+    (QA: a bfloat16 value, ml_dtypes' NumPy kind "V", made a float32
+    table); ints give float32."""
+    a = np.random.default_rng(0).normal(size=(6, 2))
+    value = make(a)
+    want = keras.Variable(value).dtype
+    v = sok.Variable(value)
+    assert v.dtype == want
+    np.testing.assert_array_equal(
+        v.read_global().astype("float64"),
+        np.asarray(keras.ops.convert_to_numpy(value)).astype("float64"))
+    assert sok.Variable(np.arange(12).reshape(6, 2)).dtype == "float32"
