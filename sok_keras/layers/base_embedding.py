@@ -58,6 +58,19 @@ def init_keras_layer(init, cls, kwargs):
             f"'mixed_bfloat16', ...). Received: dtype={kwargs['dtype']!r} "
             f"({e})") from None
     layer = getattr(init, "__self__", None)
+    mode = getattr(getattr(layer, "dtype_policy", None), "quantization_mode",
+                   None)
+    if mode is not None:
+        # (QA: taken, and the first call failed inside Keras, "does not
+        # have a `_int8_call` method".)
+        name = kwargs.get("name")
+        raise ValueError(
+            f"{cls}{f' {name!r}' if name else ''}: sok tables take no "
+            f"quantized dtype policy ({mode!r}); give a float dtype or "
+            "policy ('float32', 'mixed_bfloat16', ...). "
+            "`model.quantize(...)` quantizes the model's other layers and "
+            f"leaves sok layers as they are. Received: "
+            f"dtype={kwargs.get('dtype')!r}.")
     table_dtype = getattr(layer, "variable_dtype", None)
     if "dtype" in kwargs and table_dtype not in TABLE_DTYPES:
         # (QA: an int dtype was refused at build, by the table, naming

@@ -134,6 +134,19 @@ def test_argument_validation():
         sok.layers.EmbeddingCollection(
             {"t": {"vocabulary_size": 3, "embedding_dim": 2}},
             {"f": {"table": "t"}}, dtype="int64", name="c")
+    # A quantized policy (QA: taken, then Keras' "does not have a
+    # `_int8_call` method" at the first call).
+    for cls in (sok.layers.DistributedEmbedding,
+                sok.layers.LocalizedEmbedding):
+        with pytest.raises(ValueError, match=rf"{cls.__name__} 'q': sok "
+                           r"tables take no quantized dtype policy \('int8'"
+                           r"\).*Received: dtype='int8_from_float32'"):
+            cls(3, 4, dtype="int8_from_float32", name="q")
+    with pytest.raises(ValueError, match=r"EmbeddingCollection 'c': sok "
+                       r"tables take no quantized"):
+        sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 3, "embedding_dim": 2}},
+            {"f": {"table": "t"}}, dtype="float8_from_float32", name="c")
     for ok in ("float64", "bfloat16", "mixed_float16"):
         sok.layers.DistributedEmbedding(3, 4, dtype=ok)
     with pytest.raises(ValueError, match=r"LocalizedEmbedding 'emb': bad "
