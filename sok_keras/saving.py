@@ -570,14 +570,77 @@ def _backup_on_train_end(original):
     return on_train_end
 
 
+def _own_variables(layer):
+    """The variables Keras' `Layer.save_own_variables` saves (in its
+    order), and whether a `sok_keras.Variable` is among them."""
+    from sok_keras.variable import Variable
+
+    own = list(layer._trainable_variables) + list(
+        layer._non_trainable_variables)
+    return own, any(isinstance(v, Variable) for v in own)
+
+
+def _layer_saving(original_save, original_load):
+    """Keras' `Layer.save_own_variables` / `load_own_variables` for layers
+    and models that hold a `sok_keras.Variable` themselves (SOK's way: a
+    subclassed model or custom layer owning the table, looked up with
+    `sok.lookup_sparse`). Such a table is saved whole, in global row
+    order, with its optimizer slots (`"<i>.slot.<name>"`), and each rank
+    loads its rows, as the sok layers' tables are. Before (QA), Keras
+    wrote `store["<i>"] = table`: this rank's shard (on N ranks, rank 0's
+    rows only) and no slots. Other layers keep Keras' methods."""
+    from sok_keras.variable import Variable
+
+    def save_own_variables(self, store):
+        own, has_tables = _own_variables(self)
+        if not has_tables:
+            return original_save(self, store)
+        from sok_keras.layers.base_embedding import save_table
+
+        for i, v in enumerate(own):
+            if isinstance(v, Variable):
+                save_table(store, f"{i}", f"{i}.slot.", v)
+            else:
+                store[f"{i}"] = v
+
+    def load_own_variables(self, store):
+        own, has_tables = _own_variables(self)
+        if not has_tables:
+            return original_load(self, store)
+        from sok_keras import consistency
+        from sok_keras.layers.base_embedding import load_table
+
+        keys = [k for k in store.keys() if ".slot." not in k]
+        if len(keys) != len(own):
+            raise ValueError(
+                f"Layer '{self.name}' expected {len(own)} variables, but "
+                f"received {len(keys)} variables during loading. Expected: "
+                f"{[v.name for v in own]}")
+        for i, v in enumerate(own):
+            if isinstance(v, Variable):
+                consistency.check_table(v, "load")
+                load_table(store, f"{i}", f"{i}.slot.", v,
+                           f"Layer '{self.name}'")
+            else:
+                v.assign(store[f"{i}"])
+
+    save_own_variables.__wrapped__ = original_save
+    load_own_variables.__wrapped__ = original_load
+    return save_own_variables, load_own_variables
+
+
 def install():
     """Routes `keras.Model.save` and `save_weights` through `save_model`
-    and `save_weights`, and makes `keras.callbacks.BackupAndRestore` delete
-    its shared folder from rank 0 only (idempotent)."""
+    and `save_weights`, makes `keras.callbacks.BackupAndRestore` delete its
+    shared folder from rank 0 only, and saves tables that layers hold
+    themselves whole (`_layer_saving`) (idempotent)."""
     import keras
 
     if _ORIGINAL["save"] is not None:
         return
+    layer = keras.layers.Layer
+    layer.save_own_variables, layer.load_own_variables = _layer_saving(
+        layer.save_own_variables, layer.load_own_variables)
     _ORIGINAL["save"] = keras.Model.save
     _ORIGINAL["save_weights"] = keras.Model.save_weights
 

@@ -123,3 +123,21 @@ class SubclassedRanker(keras.Model):
 
     def call(self, ids):
         return self.head(self.emb(ids))
+
+
+@keras.saving.register_keras_serializable(package="sok_keras_tests")
+class RawTableRanker(keras.Model):
+    """SOK's way: a subclassed model that holds a `sok.Variable` itself and
+    looks it up with `sok.lookup_sparse` (no sok layer)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = sok.Variable(
+            keras.initializers.RandomUniform(seed=5), shape=(41, 4),
+            name="raw_table")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(sok.lookup_sparse(self.table, ids,
+                                           combiners="sum"))
+
