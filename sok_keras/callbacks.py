@@ -499,12 +499,35 @@ def _make_checkpoint_folders(callbacks):
     for cb in keras.tree.flatten(callbacks) if callbacks else ():
         if isinstance(cb, keras.callbacks.ModelCheckpoint):
             folder = os.path.dirname(os.fspath(cb.filepath))
+            if "{" in folder:
+                _folder_made_when_saving(cb)
+                continue
         elif isinstance(cb, keras.callbacks.BackupAndRestore):
             folder = os.fspath(cb.backup_dir)
         else:
             continue
-        if folder and "{" not in folder and "://" not in folder:
+        if folder and "://" not in folder:
             os.makedirs(folder, exist_ok=True)
+
+
+def _folder_made_when_saving(checkpoint):
+    """A `ModelCheckpoint` whose folder is a template (`ck/epoch{epoch:02d}/
+    model.keras`) makes that epoch's folder with `exist_ok` once it decides
+    to save, on every rank, before Keras' own check-then-create (QA: the
+    ranks raced, FileExistsError in 3 runs of 4)."""
+    should_save = checkpoint._should_save_model
+    if getattr(should_save, "_sok_keras", False):
+        return
+
+    def should_save_model(epoch, batch, logs, filepath):
+        yes = should_save(epoch, batch, logs, filepath)
+        folder = os.path.dirname(os.fspath(filepath))
+        if yes and folder and "://" not in folder:
+            os.makedirs(folder, exist_ok=True)
+        return yes
+
+    should_save_model._sok_keras = True
+    checkpoint._should_save_model = should_save_model
 
 
 def with_global_metrics(kind, original, model, args, kwargs):

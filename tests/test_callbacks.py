@@ -102,12 +102,25 @@ def test_checkpoint_folders_are_made_first(tmp_path):
     cb.with_global_metrics("fit", keras.Model.fit, model, (),
                            {"callbacks": [ckpt]})
     assert folder.is_dir()
-    # Once more (the folder exists: no error), and a templated folder is
-    # left to Keras.
+    # Once more (the folder exists: no error). A templated folder is made
+    # when the callback decides to save, with exist_ok on every rank,
+    # before Keras' check-then-create (QA: on 2 ranks, FileExistsError in 3
+    # runs of 4).
+    templated = keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "e{epoch:02d}" / "m.keras"), save_best_only=True,
+        mode="min")
+    templated._set_monitor_op()
     cb.with_global_metrics("fit", keras.Model.fit, model, (),
-                           {"callbacks": [ckpt, keras.callbacks.ModelCheckpoint(
-                               str(tmp_path / "{epoch}" / "m.keras"))]})
+                           {"callbacks": [ckpt, templated]})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    path = templated._get_file_path(0, None, {"val_loss": 1.0})
+    assert templated._should_save_model(0, None, {"val_loss": 1.0}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "e01"]
+    # Not for an epoch it does not save (not better).
+    path = templated._get_file_path(1, None, {"val_loss": 2.0})
+    assert not templated._should_save_model(1, None, {"val_loss": 2.0},
+                                            path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "e01"]
 
 
 def test_evaluate_keeps_keras_return_forms_on_one_rank():
