@@ -20,6 +20,7 @@ from sok_keras.layers.base_embedding import padding_mask
 from sok_keras.layers.base_embedding import ragged_spec
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import as_int_ids
+from sok_keras.layers.base_embedding import first_load_error
 from sok_keras.layers.base_embedding import flatten_deep_ids
 from sok_keras.variable import NOTHING_SAVED_HINT
 from sok_keras.variable import Variable
@@ -652,6 +653,7 @@ class EmbeddingCollection(keras.layers.Layer):
             save_table(store, f"table.{t}", f"table.{t}.slot.",
                        self.embeddings[t])
 
+    @first_load_error
     def load_own_variables(self, store):
         if not self.built:  # as BaseEmbedding.load_own_variables
             self.build()
