@@ -154,7 +154,9 @@ def _enter(what, path):
         raise CheckpointError(
             f"sok_keras.{what}('{path}') must be called on every rank ({n} "
             f"ranks), but not all of them called it within "
-            f"{saving.save_timeout():g} s (SOK_SAVE_TIMEOUT).") from e
+            f"{saving.save_timeout():g} s (SOK_SAVE_TIMEOUT): a rank "
+            "skipped it, or is that late (raise SOK_SAVE_TIMEOUT if ranks "
+            "reach it minutes apart).") from e
 
 
 # -- what to save: tables, slots, dense weights, optimizer variables --------

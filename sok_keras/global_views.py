@@ -76,7 +76,9 @@ def check_in(what, key=None):
     except tf.errors.OpError as e:
         if "timed out" in str(e):
             why = (f"not all of them called it within {timeout:g} s "
-                   "(SOK_SAVE_TIMEOUT)")
+                   f"(SOK_SAVE_TIMEOUT): a rank skipped it, or is more than "
+                   f"{timeout:g} s late (its own work before the call, a "
+                   "long callback: raise SOK_SAVE_TIMEOUT for that)")
         elif isinstance(e, tf.errors.UnavailableError):
             # A rank that exited (its script ended without the call) or
             # crashed: TensorFlow reports its tasks unreachable.

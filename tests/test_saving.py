@@ -97,6 +97,9 @@ def test_save_on_rank_0_only_fails_fast_with_a_clear_error(tmp_path):
     assert job.returncode == 0, job.output
     r0 = job.results[0]
     assert "must be called on every rank" in r0["error"], r0
+    # A rank may only be late: the message says what to raise (QA).
+    assert ("a rank skipped it, or is more than 5 s late" in r0["error"]
+            and "raise SOK_SAVE_TIMEOUT" in r0["error"]), r0
     assert r0["elapsed"] < 30, r0
     assert not (tmp_path / "model.keras").exists()
 
