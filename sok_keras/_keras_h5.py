@@ -200,10 +200,33 @@ class _TrackedTempfiles:
         self.opened().append(f)
         return f
 
+    def mkdtemp(self, *args, **kwargs):
+        """Keras' assets folder of a save (`get_temp_dir`), removed when
+        the save ends: Keras removes it in `asset_store.close()`, which
+        its `finally` does not reach when the weights' close raised (a
+        full disk; QA: one `$TMPDIR/tmp*/assets` left per failed save).
+        Only inside a save (`_temporaries_removed`)."""
+        path = self._module.mkdtemp(*args, **kwargs)
+        if getattr(self._local, "saving", 0):
+            self.opened().append(_RemovedFolder(path))
+        return path
+
     def TemporaryDirectory(self, *args, **kwargs):  # noqa: N802 - tempfile's
         if kwargs.get("dir") is None or args:
             return self._module.TemporaryDirectory(*args, **kwargs)
         return _ClaimedDirectory(self._module, kwargs)
+
+
+class _RemovedFolder:
+    """A folder `close()` removes (what `_temporaries_removed` calls)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def close(self):
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 class _ClaimedDirectory:
@@ -245,12 +268,16 @@ def _temporaries_removed(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         tracked = _saving_lib().tempfile
-        files = tracked.opened() if isinstance(
-            tracked, _TrackedTempfiles) else []
+        mine = isinstance(tracked, _TrackedTempfiles)
+        files = tracked.opened() if mine else []
         before = len(files)
+        if mine:
+            tracked._local.saving = getattr(tracked._local, "saving", 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
+            if mine:
+                tracked._local.saving -= 1
             while len(files) > before:
                 f = files.pop()
                 try:

@@ -308,13 +308,18 @@ def test_a_failed_save_on_one_rank_leaves_the_previous_file_and_no_other(
     became 3 KB that did not load). Now it is written beside the file and
     renamed. "weights": a layer's save fails; "close": the weights file's
     close fails (a full disk), after which Keras' own temporary weights
-    file stayed on disk as long as the error was referenced."""
+    file stayed on disk as long as the error was referenced, and Keras'
+    assets folder in TMPDIR for good (QA)."""
     import errno
+    import tempfile
 
     import numpy as np
     from keras.src.saving import saving_lib
 
     model, emb = _trained_one_rank_model()
+    scratch = tmp_path.parent / f"{tmp_path.name}-tmpdir"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     path = str(tmp_path / ("m.keras" if what == "save" else "m.weights.h5"))
     getattr(model, what)(path)
     before = emb.embeddings.numpy().copy()
@@ -337,6 +342,7 @@ def test_a_failed_save_on_one_rank_leaves_the_previous_file_and_no_other(
     # Nothing beside the file, while the error (and its traceback) lives.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         os.path.basename(path)], failed
+    assert list(scratch.iterdir()) == [], failed
     monkeypatch.undo()
     emb.embeddings.assign(before - 7.0)
     if what == "save":
