@@ -1506,7 +1506,6 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     consistency.record_lookup(params, "lookup_sparse")
     is_list = isinstance(sp_ids, (list, tuple))
     params, sp_ids = _to_list(params), _to_list(sp_ids)
-    sp_ids = [_shape_inference_ids(ids) for ids in sp_ids]
     if len(params) != len(sp_ids):
         raise ValueError(
             "lookup_sparse needs one ids tensor per table. Received: "
@@ -1541,6 +1540,7 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     names = []
     for p, c in zip(params, combiners):
         names.append(_table_key(p))
+        sp_ids[len(names) - 1] = _float_ids(sp_ids[len(names) - 1])
         if c is None:
             raise ValueError(
                 "lookup_sparse pools: `combiners` must be 'sum', 'mean' or "
@@ -1560,12 +1560,15 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     return outputs if is_list else outputs[0]
 
 
-def _shape_inference_ids(ids):
+def _float_ids(ids):
     """`ids`, cast to int64 while Keras infers shapes without data: it
     builds a subclassed model that looks its tables up itself (SOK's way)
     by running `call` on float32 placeholders (`load_model`; before, the
     lookup refused them, the model stayed unbuilt and Keras loaded none of
-    its other layers' weights). Real float ids are still refused."""
+    its other layers' weights). Float ids with values are still refused,
+    as TensorFlow's lookups refuse them (docs/failures.md): a functional
+    model on a float `keras.Input` is built, and refused at its first
+    call."""
     from sok_keras.layers.base_embedding import as_int_ids
 
     return as_int_ids(ids, None)
@@ -1598,7 +1601,7 @@ def all2all_dense_embedding(param, indices):
             "must be a dense tensor, every entry a valid id (SOK's "
             "fixed-shape lookup); for ragged or sparse ids use "
             f"lookup_sparse. Received: {type(indices).__name__}.")
-    indices = _shape_inference_ids(tf.convert_to_tensor(indices))
+    indices = _float_ids(tf.convert_to_tensor(indices))
     _check_int(indices, name)
     flat = tf.reshape(tf.cast(indices, tf.int64), [-1])
     rows, inverse = gather_rows(param, flat, table_name=name)

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from sok_keras import _leftovers
+from sok_keras._keras_h5 import first_load_error
 from sok_keras import _terminate
 from sok_keras import global_views
 from sok_keras import world
@@ -607,6 +608,10 @@ def _layer_saving(original_save, original_load):
         own, has_tables = _own_variables(self)
         if not has_tables:
             return original_load(self, store)
+        return load_with_tables(self, store, own)
+
+    @first_load_error
+    def load_with_tables(self, store, own):
         from sok_keras import consistency
         from sok_keras.layers.base_embedding import load_table
 

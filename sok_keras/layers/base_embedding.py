@@ -1,13 +1,13 @@
 """Shared machinery of the sok_keras embedding layers."""
 
 import copy
-import functools
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from sok_keras import consistency
+from sok_keras._keras_h5 import first_load_error
 from sok_keras.lookup import SUPPORTED_COMBINERS
 from sok_keras.variable import TABLE_DTYPES
 from sok_keras.variable import Variable
@@ -119,30 +119,6 @@ def check_combiner(combiner, layer):
             f"None. Received: combiner={combiner!r}."
         )
     return combiner
-
-
-def first_load_error(load):
-    """Makes a layer's `load_own_variables` raise its first error of a load
-    again where Keras tries the layer once more under another path of the
-    model (a subclassed model's `layers` list), whose entry is empty: Keras
-    reports the last error, and "no 'embeddings' entry ... Found: []" hid
-    the cause (QA: a table of 55 rows loading a file of 50)."""
-
-    @functools.wraps(load)
-    def load_own_variables(self, store):
-        failed = self.__dict__.get("_sok_load_error")
-        if failed is not None and failed[0] is store and not list(
-                store.keys()):
-            raise failed[1]
-        try:
-            result = load(self, store)
-        except Exception as e:
-            self.__dict__["_sok_load_error"] = (store, e)
-            raise
-        self.__dict__.pop("_sok_load_error", None)
-        return result
-
-    return load_own_variables
 
 
 def save_table(store, key, slot_prefix, table):

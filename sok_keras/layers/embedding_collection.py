@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from sok_keras import consistency
+from sok_keras._keras_h5 import first_load_error
 from sok_keras import lookup
 from sok_keras.layers import feature_config
 from sok_keras.layers.base_embedding import check_combiner
@@ -20,7 +21,6 @@ from sok_keras.layers.base_embedding import padding_mask
 from sok_keras.layers.base_embedding import ragged_spec
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import as_int_ids
-from sok_keras.layers.base_embedding import first_load_error
 from sok_keras.layers.base_embedding import flatten_deep_ids
 from sok_keras.variable import NOTHING_SAVED_HINT
 from sok_keras.variable import Variable
