@@ -561,6 +561,8 @@ def _guard_servers(world):
     # sokrun), and a rank started by hand with it listened on every
     # interface (QA).
     ip = _bind_host()
+    if ip is not None:
+        _check_bind_host(ip, world)
     if ip is not None and _bind_guard_loaded():
         os.environ.pop(_GUARD_EXEC, None)  # (not for this rank's children)
         return
@@ -595,6 +597,32 @@ def _guard_servers(world):
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable] + list(sys.orig_argv[1:]))
+
+
+def _check_bind_host(ip, world):
+    """`SOK_BIND_HOST` must be an address of the rank's own host (its
+    `MASTER_ADDR` / `SOK_WORKER_ADDRS` entry), unless that entry is a
+    wildcard: TensorFlow's server listens there, and the other ranks
+    connect to the entry (review: 127.0.0.1, sokrun's value, exported in
+    a multi-host job failed as "the port is in use", or hung until
+    SOK_COMM_TIMEOUT)."""
+    import ipaddress
+    import socket
+
+    host = _host_of(world.worker_addrs[world.rank])
+    if host in _WILDCARDS:
+        return
+    try:
+        mine = {ipaddress.ip_address(a[4][0].split("%")[0])
+                for a in socket.getaddrinfo(host, None)}
+    except (OSError, ValueError):
+        return  # `_guard_servers` names an address that does not resolve
+    if ipaddress.ip_address(ip) not in mine:
+        raise RuntimeError(
+            f"sok_keras: SOK_BIND_HOST={ip} is not rank {world.rank}'s "
+            f"address {host!r} (from {world.source}), where the other ranks "
+            "connect: unset it (the rank then listens on its own address), "
+            "or set it to that address.")
 
 
 def _confine_nccl():
@@ -794,12 +822,18 @@ def _bind_host():
     only addresses, let the servers listen on every interface)."""
     import ipaddress
 
+    import socket
+
     host = os.environ.get("SOK_BIND_HOST", "")
     if not host:
         return None
     try:
+        # (inet_pton, as the guard reads it: no "%scope", which
+        # ipaddress takes and the guard would pass over. Review.)
+        socket.inet_pton(socket.AF_INET6 if ":" in host
+                         else socket.AF_INET, host)
         ipaddress.ip_address(host)
-    except ValueError:
+    except (OSError, ValueError):
         raise RuntimeError(
             "sok_keras: SOK_BIND_HOST must be the IPv4 or IPv6 address this "
             "rank's servers listen on (e.g. 127.0.0.1), not a host name. "
