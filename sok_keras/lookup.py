@@ -1505,7 +1505,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
         _check_table(p)
     consistency.record_lookup(params, "lookup_sparse")
     is_list = isinstance(sp_ids, (list, tuple))
-    params, sp_ids = _to_list(params), _to_list(sp_ids)
+    params = _to_list(params)
+    sp_ids = [_float_ids(ids) for ids in _to_list(sp_ids)]
     if len(params) != len(sp_ids):
         raise ValueError(
             "lookup_sparse needs one ids tensor per table. Received: "
@@ -1540,7 +1541,6 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     names = []
     for p, c in zip(params, combiners):
         names.append(_table_key(p))
-        sp_ids[len(names) - 1] = _float_ids(sp_ids[len(names) - 1])
         if c is None:
             raise ValueError(
                 "lookup_sparse pools: `combiners` must be 'sum', 'mean' or "

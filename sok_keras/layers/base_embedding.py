@@ -47,14 +47,15 @@ def get_initializer(initializer, where):
 def init_keras_layer(init, cls, kwargs):
     """Runs `keras.layers.Layer.__init__` (`init`, bound) with `kwargs`;
     a `dtype` Keras cannot read is refused naming the layer and value."""
+    name = kwargs.get("name")
+    who = f"{cls}{f' {name!r}' if name else ''}"
     try:
         init(**kwargs)
     except ValueError as e:
         if "dtype" not in kwargs or "olicy" not in str(e):
             raise
-        name = kwargs.get("name")
         raise ValueError(
-            f"{cls}{f' {name!r}' if name else ''}: `dtype` must be a float "
+            f"{who}: `dtype` must be a float "
             "dtype or a Keras dtype policy ('float32', 'mixed_float16', "
             f"'mixed_bfloat16', ...). Received: dtype={kwargs['dtype']!r} "
             f"({e})") from None
@@ -64,9 +65,8 @@ def init_keras_layer(init, cls, kwargs):
     if mode is not None:
         # (QA: taken, and the first call failed inside Keras, "does not
         # have a `_int8_call` method".)
-        name = kwargs.get("name")
         raise ValueError(
-            f"{cls}{f' {name!r}' if name else ''}: sok tables take no "
+            f"{who}: sok tables take no "
             f"quantized dtype policy ({mode!r}); give a float dtype or "
             "policy ('float32', 'mixed_bfloat16', ...). "
             "`model.quantize(...)` quantizes the model's other layers and "
@@ -76,9 +76,8 @@ def init_keras_layer(init, cls, kwargs):
     if "dtype" in kwargs and table_dtype not in TABLE_DTYPES:
         # (QA: an int dtype was refused at build, by the table, naming
         # only 'embeddings'.)
-        name = kwargs.get("name")
         raise ValueError(
-            f"{cls}{f' {name!r}' if name else ''}: the tables' dtype must "
+            f"{who}: the tables' dtype must "
             f"be one of {list(TABLE_DTYPES)} (or a policy such as "
             f"'mixed_float16'). Received: dtype={kwargs['dtype']!r}.")
 

@@ -121,32 +121,29 @@ def test_argument_validation():
         with pytest.raises(ValueError, match=rf"DistributedEmbedding 'emb': "
                            rf"`dtype` must be.*Received: dtype='{dtype}'"):
             sok.layers.DistributedEmbedding(3, 4, dtype=dtype, name="emb")
-    # An integer dtype Keras takes: named by the layer when it is made
-    # (QA: refused at build by the table, as "'embeddings'" only).
-    for cls in (sok.layers.DistributedEmbedding,
-                sok.layers.LocalizedEmbedding):
-        with pytest.raises(ValueError, match=rf"{cls.__name__} 'user_ids': "
-                           r"the tables' dtype must be one of.*"
-                           r"Received: dtype='int32'"):
-            cls(3, 4, dtype="int32", name="user_ids")
-    with pytest.raises(ValueError, match=r"EmbeddingCollection 'c': the "
-                       r"tables' dtype.*dtype='int64'"):
-        sok.layers.EmbeddingCollection(
-            {"t": {"vocabulary_size": 3, "embedding_dim": 2}},
-            {"f": {"table": "t"}}, dtype="int64", name="c")
-    # A quantized policy (QA: taken, then Keras' "does not have a
+    # Named by the layer when it is made: an integer dtype Keras takes
+    # (QA: refused at build by the table, as "'embeddings'" only), and a
+    # quantized policy (QA: taken, then Keras' "does not have a
     # `_int8_call` method" at the first call).
-    for cls in (sok.layers.DistributedEmbedding,
-                sok.layers.LocalizedEmbedding):
-        with pytest.raises(ValueError, match=rf"{cls.__name__} 'q': sok "
-                           r"tables take no quantized dtype policy \('int8'"
-                           r"\).*Received: dtype='int8_from_float32'"):
-            cls(3, 4, dtype="int8_from_float32", name="q")
-    with pytest.raises(ValueError, match=r"EmbeddingCollection 'c': sok "
-                       r"tables take no quantized"):
-        sok.layers.EmbeddingCollection(
-            {"t": {"vocabulary_size": 3, "embedding_dim": 2}},
-            {"f": {"table": "t"}}, dtype="float8_from_float32", name="c")
+    for dtype, message in (
+            ("int32", r"the tables' dtype must be one of.*"
+                      r"Received: dtype='int32'"),
+            ("int8_from_float32", r"sok tables take no quantized dtype "
+                                  r"policy \('int8'\).*Received: "
+                                  r"dtype='int8_from_float32'")):
+        for cls in (sok.layers.DistributedEmbedding,
+                    sok.layers.LocalizedEmbedding):
+            with pytest.raises(ValueError,
+                               match=rf"{cls.__name__} 'q': {message}"):
+                cls(3, 4, dtype=dtype, name="q")
+    for dtype, message in (("int64", r"the tables' dtype.*dtype='int64'"),
+                           ("float8_from_float32",
+                            "sok tables take no quantized")):
+        with pytest.raises(ValueError,
+                           match=rf"EmbeddingCollection 'c': {message}"):
+            sok.layers.EmbeddingCollection(
+                {"t": {"vocabulary_size": 3, "embedding_dim": 2}},
+                {"f": {"table": "t"}}, dtype=dtype, name="c")
     for ok in ("float64", "bfloat16", "mixed_float16"):
         sok.layers.DistributedEmbedding(3, 4, dtype=ok)
     with pytest.raises(ValueError, match=r"LocalizedEmbedding 'emb': bad "
