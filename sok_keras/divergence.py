@@ -165,6 +165,16 @@ _SAME_STEPS = (
     "`sok.shard_batches`, or give every rank as many batches of its own "
     "(pad the last ones: docs/failures.md)")
 
+# The same, where a rank ended its `fit` early because a callback set
+# `model.stop_training` there.
+_SAME_STOP = (
+    ". `model.stop_training` was set on rank {ranks} (by a callback) and "
+    "not alike on every rank: a callback must decide the same on every "
+    "rank, from the logs (global with several ranks), or agree on a "
+    "decision of one rank's own (a stop file, a clock) first, e.g. with "
+    "`sok_keras.compat.horovod.broadcast` on every rank "
+    "(docs/failures.md)")
+
 # Reports that rank 0 keeps to itself: progress (one per step).
 # ("where?" and "released" go to one rank only: `_hub_line`.)
 _LOCAL = ("progress",)
@@ -213,6 +223,8 @@ class _Channel:
         self.my_ends = {}  # (lid, epoch) -> steps, this rank
         self.peer_ends = {}  # (rank, lid, epoch) -> steps
         self.loop_done = {}  # (rank, lid) -> steps of its loop
+        # (rank, lid): that rank's `fit` stopped on `model.stop_training`.
+        self.stopped = set()
         self.failed = {}  # rank -> message
         # A peer ended an epoch one step before the step begun here, which
         # may yet find its data empty (`diverged`, `_periodic`).
@@ -538,6 +550,8 @@ class _Channel:
                     self.released.add(r)
                     self.changed.notify_all()
                 return
+            if msg.get("stopped") and "lid" in msg:
+                self.stopped.add((r, msg["lid"]))
             if kind == "epoch_end":
                 self.peer_ends[(r, msg["lid"], msg["epoch"])] = msg["steps"]
             elif kind == "loop_done":
@@ -583,6 +597,13 @@ class _Channel:
             self._send_to_rank(r, {"t": "released", "rank": self.rank,
                                    "to": r})
 
+    def _advice(self, lid, ranks):
+        """What to do about `lid` ending after other steps on `ranks`."""
+        stopped = [r for r in sorted(ranks) if (r, lid) in self.stopped]
+        if not stopped:
+            return _SAME_STEPS
+        return _SAME_STOP.format(ranks=" and ".join(map(str, stopped)))
+
     def diverged(self):
         """Why this rank cannot go on, or None (call with the lock)."""
         me = self.rank
@@ -596,12 +617,12 @@ class _Channel:
                 kind = self.labels.get(lid, lid.partition("#")[0])
                 return (f"{kind} diverged in epoch {epoch + 1}: rank {r} "
                         f"finished after step {steps}; rank {me} finished "
-                        f"after step {mine}{_SAME_STEPS}")
+                        f"after step {mine}{self._advice(lid, (r, me))}")
             if (mine is None and loop is not None and loop.epoch == epoch
                     and loop.step > steps):
                 reason = (f"{loop.label} diverged in epoch {epoch + 1}: rank "
                           f"{r} finished after step {steps}; rank {me} is at "
-                          f"step {loop.step}{_SAME_STEPS}")
+                          f"step {loop.step}{self._advice(lid, (r, me))}")
                 if loop.step == steps + 1 and loop.done == steps:
                     # Begun, not finished: with data of unknown length this
                     # may be the step that finds the data empty (the peer
@@ -620,7 +641,8 @@ class _Channel:
             if mine > total:  # e.g. rank-local early stopping
                 reason = (f"{loop.label} diverged: rank {r} finished it "
                           f"after {_steps(total)} in all; rank {me} is at "
-                          f"{loop.where()} ({_steps(mine)}){_SAME_STEPS}")
+                          f"{loop.where()} ({_steps(mine)})"
+                          f"{self._advice(lid, (r, me))}")
                 if (not loop.ended and mine == total + 1
                         and loop.step == loop.done + 1):
                     # Begun, not finished: the step that finds the data
@@ -782,23 +804,31 @@ class _Channel:
             loop.done = 0
             loop.ended = False
 
-    def end_epoch(self, loop):
-        """`loop`'s data for its current epoch ran out on this rank."""
+    def end_epoch(self, loop, stopped=False):
+        """`loop`'s data for its current epoch ran out on this rank (or
+        `stopped`: `model.stop_training` ended it)."""
         with self.lock:
             if loop.ended:
                 return
             loop.ended = True
             self.my_ends[(loop.lid, loop.epoch)] = loop.done
+            if stopped:
+                self.stopped.add((self.rank, loop.lid))
             reason = self.diverged()
         self.publish(t="epoch_end", lid=loop.lid, epoch=loop.epoch,
-                     steps=loop.done)
+                     steps=loop.done, stopped=stopped)
         if reason is not None:
             self.abort(reason)
 
-    def finish(self, loop, total, timeout):
-        """`loop` returned on this rank: waits until every other rank has
+    def finish(self, loop, total, timeout, stopped=False):
+        """`loop` returned on this rank (`stopped`: a `fit` that
+        `model.stop_training` ended): waits until every other rank has
         ended it too; raises if one failed, left, or ran other steps."""
-        self.publish(t="loop_done", lid=loop.lid, steps=total)
+        if stopped:
+            with self.lock:
+                self.stopped.add((self.rank, loop.lid))
+        self.publish(t="loop_done", lid=loop.lid, steps=total,
+                     stopped=stopped)
         deadline = time.monotonic() + timeout
         with self.lock:
             while True:
@@ -1074,7 +1104,11 @@ class _Tracker(keras.callbacks.Callback):
         self._ch.begin_epoch(self._top, epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._ch.end_epoch(self._top)
+        # (The first callback: a stop decided in a later one's
+        # `on_epoch_end` reaches the peers with the loop's end, `finish`.)
+        self._ch.end_epoch(
+            self._top, stopped=bool(getattr(self.model, "stop_training",
+                                            False)))
 
     def on_train_batch_begin(self, batch, logs=None):
         self._ch.step(self._top, batch + 1)
@@ -1166,7 +1200,8 @@ def run_loop(kind, original, model, args, kwargs):
         with ch.lock:
             total = sum(v for (lid, _), v in ch.my_ends.items()
                         if lid == loop.lid) if kind == "fit" else loop.done
-        ch.finish(loop, total, _timeout())
+        ch.finish(loop, total, _timeout(), stopped=kind == "fit" and bool(
+            getattr(model, "stop_training", False)))
         return out
     finally:
         ch.end_loop(loop)

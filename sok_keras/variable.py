@@ -776,9 +776,12 @@ class Variable(keras.Variable):
         shape is checked before anything is read.
 
         Args:
-            table: array-like `[rows, dim]` (NumPy, h5py, memmap).
+            table: array-like `[rows, dim]` (NumPy, h5py, memmap, nested
+                lists).
             name: the owner's name for error messages (defaults to the path).
         """
+        if not hasattr(table, "shape"):  # nested lists, as `assign` takes
+            table = np.asarray(table)
         _check_global_shape(table, self._sok_global_shape,
                             name or self.path)
         if self._sok_shards:

@@ -162,11 +162,21 @@ def test_uneven_validation_with_several_steps_per_execution():
 
 
 def test_rank_that_stops_training_early():
-    # EarlyStopping on rank-local logs: rank 1 stops after epoch 1.
+    """EarlyStopping on rank-local logs: rank 1 stops after epoch 1, or a
+    callback of its own stops it after step 2. Both ranks' errors say that
+    `model.stop_training` was set on rank 1 (QA: they said only to batch
+    the data evenly, which it was)."""
     job, detail = _job(5, 5, "stop", 3)
     _both_diverged(job, detail,
                    "fit diverged: rank 1 finished it after 5 steps in all; "
-                   "rank 0 is at step 1 of epoch 2 of fit (6 steps)")
+                   "rank 0 is at step 1 of epoch 2 of fit (6 steps). "
+                   "`model.stop_training` was set on rank 1")
+    job, detail = _job(5, 5, "stop_batch", 2)
+    _both_diverged(job, detail,
+                   "fit diverged in epoch 1: rank 1 finished after step 2; "
+                   "rank 0 is at step 3. `model.stop_training` was set on "
+                   "rank 1 (by a callback)")
+    assert "drop_remainder" not in job.results[0]["error"], detail
 
 
 @pytest.mark.parametrize("extra", ["raise", "raise_poisoned"])

@@ -160,8 +160,8 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
     ShardedCheckpoint.restore_latest or model.export on rank 0 only fails
     within SOK_SAVE_TIMEOUT (before: waited for the 300-600 s
     communication timeout); loading a plain Keras model on one rank is not
-    stopped; `set_weights` of a whole table says to use `assign_global`
-    (before: Keras' bare shape mismatch)."""
+    stopped; `set_weights` of a whole table, or of another layer's shard,
+    says to use `assign_global` (before: Keras' bare shape mismatch)."""
     r0, r1 = run_workers(worker_path("global_views"), 2,
                          args=[str(tmp_path), last], timeout=300,
                          env={"SOK_SAVE_TIMEOUT": "5"})
@@ -172,6 +172,11 @@ def test_global_views_on_two_ranks(tmp_path, last, what):
         assert ("set_weights takes this rank's shard of table "
                 "'emb/embeddings'" in r["set_whole"]
                 and "assign_global(table)" in r["set_whole"]), r["set_whole"]
+        # (QA: rank 1 got Keras' bare "weight shape (50, 4) is not
+        # compatible with provided weight shape (0, 4)".)
+        assert ("LocalizedEmbedding 'placed1': set_weights takes this "
+                "rank's shard of table 'placed1/embeddings'" in r["set_other"]
+                and "assign_global(table)" in r["set_other"]), r["set_other"]
         assert f"Trainable params: {total:,}" in r["summary"]
         assert "Sharded tables" in r["summary"]
         assert (f"{1001 * 8:,} params (1,001 x 8), "

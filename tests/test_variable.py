@@ -111,6 +111,19 @@ def test_tables_written_in_place_are_read_without_copies(tmp_path):
             assert _reads_alias_the_table(t), t.path
 
 
+def test_assign_global_takes_nested_lists():
+    """`assign_global` takes what `keras.Variable.assign` takes, nested
+    lists too, and a wrong one is named by its own shape (QA: a list was
+    refused as "shape ()")."""
+    table = sok.Variable(np.zeros((3, 2), "float32"), name="listed")
+    table.assign_global([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    np.testing.assert_array_equal(table.read_global(),
+                                  [[1, 2], [3, 4], [5, 6]])
+    with pytest.raises(ValueError, match=r"'listed'.*shape \(2, 2\), but "
+                       r"the whole table has shape \(3, 2\)"):
+        table.assign_global([[1.0, 2.0], [3.0, 4.0]])
+
+
 def test_a_table_passed_to_a_tf_function_stays_a_table():
     """SOK's examples pass their tables as `tf.function` arguments
     (`step(params, ids)`): the lookup and the sparse update reach the

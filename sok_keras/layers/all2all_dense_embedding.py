@@ -7,6 +7,7 @@ from sok_keras import replicas
 from sok_keras.layers.base_embedding import BaseEmbedding
 from sok_keras.layers.base_embedding import as_int_ids
 from sok_keras.layers.base_embedding import check_positive_int
+from sok_keras.layers.base_embedding import layer_name
 from sok_keras._ops import not_converted as _not_converted
 
 
@@ -62,6 +63,7 @@ class All2AllDenseEmbedding(BaseEmbedding):
     def __init__(self, max_vocabulary_size_per_gpu, embedding_vec_size,
                  slot_num, nnz_per_slot, embeddings_initializer="uniform",
                  vocabulary_size=None, optimizer=None, **kwargs):
+        cls = layer_name("All2AllDenseEmbedding", kwargs.get("name"))
         for key in ("dynamic_input", "use_hashtable", "key_dtype",
                     "embedding_initializer"):
             if key in kwargs:
@@ -70,17 +72,16 @@ class All2AllDenseEmbedding(BaseEmbedding):
                     embeddings_initializer = value
                 elif key == "use_hashtable" and value:
                     raise ValueError(
-                        "All2AllDenseEmbedding: `use_hashtable=True` is not "
+                        f"{cls}: `use_hashtable=True` is not "
                         "supported; ids index the table directly."
                     )
                 elif key == "dynamic_input" and value:
                     raise ValueError(
-                        "All2AllDenseEmbedding: `dynamic_input=True` (SOK "
+                        f"{cls}: `dynamic_input=True` (SOK "
                         "1's ids of any length) is not supported: this "
                         "layer takes [batch, slot_num, nnz_per_slot] ids. "
                         "For unpooled ids of any shape use "
                         "`DistributedEmbedding(..., combiner=None)`.")
-        cls = "All2AllDenseEmbedding"
         # SOK 1's positional order goes on with dynamic_input,
         # use_hashtable (bools) and key_dtype; here those places are
         # embeddings_initializer, vocabulary_size and optimizer.

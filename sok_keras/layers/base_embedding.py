@@ -44,11 +44,16 @@ def get_initializer(initializer, where):
             f"initializer={initializer!r}.") from None
 
 
+def layer_name(cls, name):
+    """How errors name a layer: `DistributedEmbedding 'user_emb'` (the class
+    alone while it has no name yet)."""
+    return f"{cls} '{name}'" if name else cls
+
+
 def init_keras_layer(init, cls, kwargs):
     """Runs `keras.layers.Layer.__init__` (`init`, bound) with `kwargs`;
     a `dtype` Keras cannot read is refused naming the layer and value."""
-    name = kwargs.get("name")
-    who = f"{cls}{f' {name!r}' if name else ''}"
+    who = layer_name(cls, kwargs.get("name"))
     try:
         init(**kwargs)
     except ValueError as e:
@@ -187,6 +192,7 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     """`(vocabulary_size, embedding_dim)`, also from Keras' names
     `input_dim` / `output_dim`; refuses Keras' other Embedding arguments
     with what to do instead (popped from `kwargs`)."""
+    who = layer_name(cls, kwargs.get("name"))
     for ours, keras_name, value in (("vocabulary_size", "input_dim",
                                      vocabulary_size),
                                     ("embedding_dim", "output_dim",
@@ -194,7 +200,7 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
         if keras_name in kwargs:
             if value is not None:
                 raise ValueError(
-                    f"{cls}: give `{ours}` or Keras' `{keras_name}`, not "
+                    f"{who}: give `{ours}` or Keras' `{keras_name}`, not "
                     f"both. Received: {ours}={value!r}, "
                     f"{keras_name}={kwargs[keras_name]!r}.")
     vocabulary_size = kwargs.pop("input_dim", vocabulary_size)
@@ -209,7 +215,7 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
                     if positional else
                     ", ".join(f"{k}={kwargs[k]!r}" for k in sok1))
         raise ValueError(
-            f"{cls} does not take SOK 1's arguments. SOK 1's "
+            f"{who} does not take SOK 1's arguments. SOK 1's "
             "`DistributedEmbedding(combiner, max_vocabulary_size_per_gpu, "
             "embedding_vec_size, slot_num, max_nnz)` is here "
             f"`{cls}(vocabulary_size=max_vocabulary_size_per_gpu * "
@@ -227,7 +233,7 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
             if value is None:
                 continue
             raise ValueError(
-                f"{cls} does not take `{name}` (an argument of "
+                f"{who} does not take `{name}` (an argument of "
                 f"keras.layers.Embedding): {why}. Received: "
                 f"{name}={value!r}.")
     return vocabulary_size, embedding_dim
@@ -413,21 +419,25 @@ def flatten_deep_ids(ids, weights, where):
 
 def check_shard_weights(layer, weights):
     """`set_weights` on N ranks takes each table's local shard: a whole
-    table given instead is refused with what to do (Keras' own error only
-    compares shapes)."""
+    table, or another layer's shard, given instead is refused with what to
+    do, on every rank (Keras' own error only compares shapes)."""
     from sok_keras.variable import is_sok_variable
 
     for v, w in zip(layer.weights, weights):
-        shape = tuple(getattr(w, "shape", ()))
+        shape = tuple(np.shape(w))
         if (is_sok_variable(v) and shape != tuple(v.shape)
-                and shape == tuple(v.global_shape)):
+                and v.num_ranks > 1):
+            # (QA: another layer's shard, such as a LocalizedEmbedding's
+            # placed on another rank, got Keras' bare shape message.)
+            received = ("the whole table" if shape == tuple(v.global_shape)
+                        else "an array of shape")
             raise ValueError(
                 f"{type(layer).__name__} '{layer.name}': set_weights takes "
                 f"this rank's shard of table '{v.path}', {tuple(v.shape)} "
-                f"on rank {v.rank} of {v.num_ranks}; received the whole "
-                f"table {shape}. Copy a whole table in with "
+                f"on rank {v.rank} of {v.num_ranks}; received {received} "
+                f"{shape}. Copy a whole table in with "
                 "`layer.embeddings.assign_global(table)` (every rank calls "
-                "it).")
+                "it; `read_global()` reads one).")
 
 
 class BaseEmbedding(keras.layers.Layer):
@@ -458,18 +468,20 @@ class BaseEmbedding(keras.layers.Layer):
         init_keras_layer(super().__init__, cls, kwargs)
         from sok_keras.lookup import check_pooling
 
-        check_pooling(pooling, cls)
+        # (QA: a model of many tables needs the one at fault named.)
+        who = layer_name(cls, self.name)
+        check_pooling(pooling, who)
         self.pooling = pooling
         # Keras saves this optimizer's own variables (its step count) with
         # the layer, since it is an attribute of the layer.
-        self.table_optimizer = get_table_optimizer(optimizer, cls)
+        self.table_optimizer = get_table_optimizer(optimizer, who)
         self.vocabulary_size = check_positive_int(
-            vocabulary_size, "vocabulary_size", cls)
+            vocabulary_size, "vocabulary_size", who)
         self.embedding_dim = check_positive_int(
-            embedding_dim, "embedding_dim", cls)
-        self.combiner = check_combiner(combiner, cls)
+            embedding_dim, "embedding_dim", who)
+        self.combiner = check_combiner(combiner, who)
         self.embeddings_initializer = get_initializer(
-            embeddings_initializer, f"{cls} '{self.name}'")
+            embeddings_initializer, who)
         self._initial_table = _initial_table(
             initial, (self.vocabulary_size, self.embedding_dim),
             f"{self.name}/embeddings")

@@ -103,13 +103,30 @@ def test_argument_validation():
         sok.layers.DistributedEmbedding(-3, 4)
     with pytest.raises(ValueError, match="embedding_dim.*2.5"):
         sok.layers.DistributedEmbedding(3, 2.5)
-    with pytest.raises(ValueError, match="combiner.*'max'"):
-        sok.layers.DistributedEmbedding(3, 4, combiner="max")
-    with pytest.raises(ValueError, match="pooling.*'nowhere'"):
-        sok.layers.DistributedEmbedding(3, 4, pooling="nowhere")
+    # Each names the layer, one of a model's many (QA: the class only).
+    for layer, kwargs, says in (
+            (sok.layers.DistributedEmbedding, {"combiner": "max"},
+             "combiner='max'"),
+            (sok.layers.LocalizedEmbedding, {"pooling": "nowhere"},
+             "pooling='nowhere'"),
+            (sok.layers.DistributedEmbedding, {"optimizer": "bogus_opt"},
+             "`optimizer`.*bogus_opt"),
+            (sok.layers.LocalizedEmbedding,
+             {"embeddings_initializer": "bogus_init"},
+             "initializer='bogus_init'"),
+            (sok.layers.DistributedEmbedding, {"input_dim": 3},
+             "input_dim=3"),
+            (sok.layers.DistributedEmbedding, {"mask_zero": True},
+             "mask_zero=True")):
+        with pytest.raises(ValueError, match=rf"^{layer.__name__} "
+                           rf"'user_emb'.*{says}"):
+            layer(3, 4, name="user_emb", **kwargs)
+    with pytest.raises(ValueError, match=r"All2AllDenseEmbedding 'a2a': "
+                       r"`slot_num`.*slot_num=0"):
+        sok.layers.All2AllDenseEmbedding(3, 4, 0, 1, name="a2a")
     # Before: "BaseEmbedding.__init__() missing 2 required positional
     # arguments".
-    with pytest.raises(ValueError, match=r"DistributedEmbedding: "
+    with pytest.raises(ValueError, match=r"DistributedEmbedding '\w+': "
                        r"`vocabulary_size` must be a positive integer"):
         sok.layers.DistributedEmbedding(embedding_dim=4)
     # A number as a string is no SOK 1 combiner (before: the SOK 1 text).

@@ -8,7 +8,8 @@ in a callback at step 5); "exit" (rank 1 calls os._exit(0) at step 5);
 "raise_poisoned" (as "raise", after strangers sent rank 0's side channel
 lines that are not a rank's: `null`, `[]`, `1`, a hello with a wrong or no
 token, a long line without a newline; one stays connected);
-"stop" (rank 1 stops training after its first epoch); "unknown" (data and
+"stop" (rank 1 stops training after its first epoch); "stop_batch" (rank
+1 stops training after step 2); "unknown" (data and
 validation data of unknown length, through `.filter`, and GlobalMetrics:
 Keras then begins one more step per epoch, which finds the data empty);
 "spe" (steps_per_execution=3: Keras reports one step per execution);
@@ -55,6 +56,10 @@ class Trouble(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if RANK == 1 and EXTRA == "stop":  # a rank-local early stop
             self.model.stop_training = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if RANK == 1 and EXTRA == "stop_batch" and batch == 1:
+            self.model.stop_training = True  # e.g. a stop file on rank 1
 
     def on_train_batch_begin(self, batch, logs=None):
         if RANK == 0 and batch == 4 and EXTRA == "stall0":

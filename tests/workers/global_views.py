@@ -42,6 +42,17 @@ try:
 except ValueError as e:
     result["set_whole"] = str(e)
 emb.set_weights(emb.get_weights())  # the shard: accepted
+# Another layer's shard: a table placed on rank 0 into one placed on rank 1
+# (its whole table on one rank, no rows on the other).
+placed = [sok.layers.LocalizedEmbedding(50, 4, rank=r, name=f"placed{r}")
+          for r in (0, 1)]
+for layer in placed:
+    layer.build((None, 3))
+try:
+    placed[1].set_weights(placed[0].get_weights())
+    result["set_other"] = "no error"
+except ValueError as e:
+    result["set_other"] = str(e)
 mine = model.predict(x, verbose=0)
 result["mine"] = mine.tolist()
 result["gathered"] = sok.gather_predictions(mine).tolist()
