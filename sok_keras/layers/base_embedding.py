@@ -239,11 +239,38 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
     return vocabulary_size, embedding_dim
 
 
+# Keras layers that return ragged (sparse) ids for ragged (sparse) inputs,
+# though their output's KerasTensor is not marked so.
+_KEEPS_RAGGED = ("StringLookup", "IntegerLookup", "Hashing")
+
+
 def is_ragged_or_sparse(ids):
     """Ragged or sparse ids: tensors, or the `keras.Input(ragged=True)` /
-    `keras.Input(sparse=True)` placeholders of a functional model."""
-    return isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)) or bool(
-        getattr(ids, "ragged", False) or getattr(ids, "sparse", False))
+    `keras.Input(sparse=True)` placeholders of a functional model, or what a
+    lookup layer (`StringLookup`, `IntegerLookup`, `Hashing`) makes of
+    those: Keras marks its output dense, but at run time it is ragged
+    (sparse) as its input."""
+    return ragged_origin(ids) is not None
+
+
+def ragged_origin(ids):
+    """`"ragged"` or `"sparse"` where `ids` are ragged or sparse (see
+    `is_ragged_or_sparse`), else None."""
+    for _ in range(16):  # (a chain of lookup layers, at most)
+        if isinstance(ids, tf.RaggedTensor) or getattr(ids, "ragged", False):
+            return "ragged"
+        if isinstance(ids, tf.SparseTensor) or getattr(ids, "sparse", False):
+            return "sparse"
+        history = getattr(ids, "_keras_history", None)
+        op = getattr(history, "operation", None)
+        if type(op).__name__ not in _KEEPS_RAGGED:
+            return None
+        try:
+            node = op._inbound_nodes[history.node_index]
+            ids = node.arguments.keras_tensors[0]
+        except (AttributeError, IndexError):
+            return None
+    return None
 
 
 def padding_mask(ids, combiner):
@@ -259,7 +286,7 @@ def padding_mask(ids, combiner):
 def ragged_spec(spec, ids, combiner):
     """`spec` (a KerasTensor) marked ragged where an unpooled lookup of
     ragged ids returns ragged rows."""
-    if combiner is None and getattr(ids, "ragged", False):
+    if combiner is None and ragged_origin(ids) == "ragged":
         return keras.KerasTensor(spec.shape, spec.dtype, ragged=True)
     return spec
 

@@ -486,6 +486,49 @@ def test_unpooled_lookup_of_ragged_or_sparse_model_inputs(kind, layer):
     assert not np.array_equal(var().numpy(), table)
 
 
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+@pytest.mark.parametrize("layer", ["distributed", "collection"])
+def test_unpooled_lookup_of_ids_from_a_lookup_layer(kind, layer):
+    """Ragged or sparse strings through `StringLookup` (and `Hashing`)
+    inside the model: Keras marks those layers' outputs dense, but they
+    are ragged (sparse) at run time. The lookup gives them no mask and a
+    ragged output, as `keras.layers.Embedding` (QA: the layer's `ids != -1`
+    mask became a ragged mask at run time, and GlobalAveragePooling1D
+    failed, "Input to reshape is a tensor with 1 values")."""
+    words = tf.ragged.constant([["a", "b"], ["c", "zz", "a"], ["b"]])
+    x = words if kind == "ragged" else words.to_sparse()
+    inp = keras.Input((None,), dtype="string", **{kind: True})
+    ids = keras.layers.StringLookup(vocabulary=["a", "b", "c"])(inp)
+    rows = [[1, 2], [3, 0, 1], [2]]  # (0: out of vocabulary)
+    table = np.arange(4 * 2, dtype=np.float32).reshape(4, 2)
+    if layer == "distributed":
+        emb = sok.layers.DistributedEmbedding(4, 2, combiner=None)
+        out, var = emb(ids), lambda: emb.embeddings
+    else:
+        emb = sok.layers.EmbeddingCollection(
+            {"t": {"vocabulary_size": 4, "embedding_dim": 2}},
+            {"g": {"table": "t", "combiner": None}})
+        out, var = emb({"g": ids})["g"], lambda: emb.embeddings["t"]
+    assert getattr(out, "_keras_mask", None) is None
+    assert out.ragged == (kind == "ragged")
+    var().assign(table)
+    avg = keras.Model(inp, keras.layers.GlobalAveragePooling1D()(out))
+    got = avg.predict(x, verbose=0)
+    if kind == "ragged":
+        want = [table[r].mean(0) for r in rows]
+    else:  # zeros where the dense rows have no id
+        want = [table[r].sum(0) / 3 for r in rows]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    avg.compile(optimizer="sgd", loss="mse")
+    avg.fit(x, np.ones((3, 2), np.float32), verbose=0)
+    assert not np.array_equal(var().numpy(), table)
+    # Through a chain of lookup layers too.
+    hashed = keras.layers.Hashing(4)(keras.layers.StringLookup(
+        vocabulary=["a"], output_mode="int")(inp))
+    assert sok.layers.DistributedEmbedding(4, 2, combiner=None)(
+        hashed).ragged == (kind == "ragged")
+
+
 def test_a_subclassed_model_saves_and_loads_with_its_trained_state(
         tmp_path):
     """Before: load_model failed with "'DistributedEmbedding' object has
