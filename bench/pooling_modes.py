@@ -3,7 +3,9 @@ mode ("auto", "home", "owner"), on N ranks (the layers' docstring cites it).
 
 Each mode runs in its own job (`sokrun`), the modes alternating over
 `--rounds`, so that a machine's drift touches them alike. The model: F
-one-id features, each its own `DistributedEmbedding` (pooled sum), then
+features of `--ids` ids each (1: one-id features, for which "auto" pools at
+home without a per-step `tf.cond`), each its own `DistributedEmbedding`
+(pooled sum), then
 Concatenate, Dense(64, relu), Dense(1); `OptimizerWrapper(Adam)`; Zipf ids.
 
 Usage (from the repository root):
@@ -33,12 +35,12 @@ def worker(args):
     import numpy as np
     import tensorflow as tf
 
-    f, v, d, b = args.features, args.vocab, args.dim, args.batch
+    f, v, d, b, k = args.features, args.vocab, args.dim, args.batch, args.ids
     keras.utils.set_random_seed(0)
-    inp = keras.Input((f,), dtype="int64")
+    inp = keras.Input((f * k,), dtype="int64")
     cols = [sok.layers.DistributedEmbedding(
         v, d, combiner="sum", pooling=args.mode, name=f"e{i}")(
-            inp[:, i:i + 1]) for i in range(f)]
+            inp[:, i * k:(i + 1) * k]) for i in range(f)]
     x = keras.layers.Dense(64, activation="relu")(
         keras.layers.Concatenate()(cols))
     model = keras.Model(inp, keras.layers.Dense(1)(x))
@@ -46,7 +48,7 @@ def worker(args):
                   loss="mse")
     rng = np.random.default_rng(1)
     steps = args.warmup + args.steps
-    ids = rng.zipf(1.2, size=(b * steps, f)) % v
+    ids = rng.zipf(1.2, size=(b * steps, f * k)) % v
     y = rng.normal(size=(b * steps, 1)).astype("float32")
     ds = sok.shard_batches(tf.data.Dataset.from_tensor_slices(
         (ids, y)).batch(b, drop_remainder=True))
@@ -66,6 +68,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--features", type=int, default=26)
+    p.add_argument("--ids", type=int, default=1,
+                   help="ids per feature and sample")
     p.add_argument("--vocab", type=int, default=10000)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch", type=int, default=1024)

@@ -1346,6 +1346,18 @@ def _ragged_weights(ids, weights, name):
         return tf.identity(weights.values)
 
 
+def _at_most_one_id_per_bag(ids):
+    """Whether dense `ids` hold one id per sample at most (`[batch]` or
+    `[batch, 1]`, known when traced)."""
+    if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+        return False
+    shape = getattr(ids, "shape", None)
+    if shape is None:
+        shape = np.shape(ids)
+    shape = tf.TensorShape(shape)
+    return shape.rank == 1 or (shape.rank == 2 and shape[1] == 1)
+
+
 def _backward_is_shared(param, feat):
     """Whether a `tf.cond` here would get one backward function that every
     `tape.gradient` call runs: inside a function, under a persistent tape or
@@ -1403,6 +1415,11 @@ def _lookup_one(param, ids, weights, combiner, name, pooling):
     if param._sok_shards and pooling == "auto":
         # Between a strategy's replicas the collectives are merge_calls,
         # which cannot sit inside the per-step `tf.cond` of "auto".
+        pooling = "home"
+    if pooling == "auto" and _at_most_one_id_per_bag(ids):
+        # Pooling on the owner sends each id with its sample (16 bytes) and
+        # brings back a row per id: never fewer bytes than one row per
+        # distinct id home. No per-step `tf.cond` to trace, then.
         pooling = "home"
     if pooling == "auto" and _backward_is_shared(param, feat):
         pooling = "home"

@@ -129,5 +129,25 @@ for seed, many in SETS:
                 for g in grads[1:]:
                     max_grad_diff = max(
                         max_grad_diff, float(np.abs(g - grads[0]).max(initial=0.0)))
+
+# "auto" traces a per-step tf.cond only where pooling on the owner can move
+# fewer bytes: not for dense ids of one id per sample (traced, not run).
+def cond_ops(width):
+    var = tables["dist"]
+
+    @tf.function(autograph=False)
+    def look(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(lookup_one(var, ids, combiner="sum"))
+        return tape.gradient(loss, var)
+
+    shape = [None] if width is None else [None, width]
+    graph = look.get_concrete_function(
+        tf.TensorSpec(shape, tf.int64)).graph
+    return sum(op.type in ("If", "StatelessIf")
+               for op in graph.get_operations())
+
+
 write_result({"max_err": max_err, "max_grad_diff": max_grad_diff,
-              "max_wgrad_err": max_wgrad_err, "cases": cases})
+              "max_wgrad_err": max_wgrad_err, "cases": cases,
+              "cond_ops": {str(w): cond_ops(w) for w in (None, 1, 3)}})
