@@ -84,6 +84,12 @@ def record_lookup(table, what):
     stack[-1].append(f"{what}({names})")
 
 
+def recording():
+    """Whether a checked Keras step is being traced (its lookups are
+    compared across ranks before it runs)."""
+    return bool(getattr(_LOCAL, "stack", None))
+
+
 class _Recording:
     def __enter__(self):
         if not hasattr(_LOCAL, "stack"):

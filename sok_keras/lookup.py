@@ -1394,6 +1394,16 @@ def lookup_one(param, ids, weights=None, combiner="sum", name=None,
     where pooled rows are summed: see `_pooled_exchange`.
     """
     _check_table(param)
+    if (pooling == "auto" and combiner is not None and param.num_ranks > 1
+            and consistency.recording() and _at_most_one_id_per_bag(ids)):
+        # Pooling on the owner sends each id with its sample (16 bytes) and
+        # brings back a row per id: never fewer bytes than one row per
+        # distinct id home. So no per-step `tf.cond` of both ways to trace
+        # (QA: it tripled the first step of models of many one-id tables).
+        # Only in a Keras step's first trace, whose lookups (this mode
+        # among them) the ranks compare before it runs: ranks whose ids
+        # differ in shape would otherwise make different exchanges.
+        pooling = "home"
     consistency.record_lookup(param, f"lookup_one[{combiner},{pooling}]")
     return _mark_lookup(_lookup_one(param, ids, weights, combiner, name,
                                     pooling))
@@ -1415,11 +1425,6 @@ def _lookup_one(param, ids, weights, combiner, name, pooling):
     if param._sok_shards and pooling == "auto":
         # Between a strategy's replicas the collectives are merge_calls,
         # which cannot sit inside the per-step `tf.cond` of "auto".
-        pooling = "home"
-    if pooling == "auto" and _at_most_one_id_per_bag(ids):
-        # Pooling on the owner sends each id with its sample (16 bytes) and
-        # brings back a row per id: never fewer bytes than one row per
-        # distinct id home. No per-step `tf.cond` to trace, then.
         pooling = "home"
     if pooling == "auto" and _backward_is_shared(param, feat):
         pooling = "home"

@@ -130,24 +130,37 @@ for seed, many in SETS:
                     max_grad_diff = max(
                         max_grad_diff, float(np.abs(g - grads[0]).max(initial=0.0)))
 
-# "auto" traces a per-step tf.cond only where pooling on the owner can move
-# fewer bytes: not for dense ids of one id per sample (traced, not run).
-def cond_ops(width):
-    var = tables["dist"]
+# In a Keras step, "auto" traces its per-step tf.cond of both ways only
+# where pooling on the owner can move fewer bytes: not for dense ids of one
+# id per sample. (A custom tf.function keeps it: its lookups are not
+# compared across ranks before it runs.)
+import keras  # noqa: E402
 
-    @tf.function(autograph=False)
-    def look(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(lookup_one(var, ids, combiner="sum"))
-        return tape.gradient(loss, var)
+from sok_keras import lookup  # noqa: E402
 
-    shape = [None] if width is None else [None, width]
-    graph = look.get_concrete_function(
-        tf.TensorSpec(shape, tf.int64)).graph
-    return sum(op.type in ("If", "StatelessIf")
-               for op in graph.get_operations())
+both_ways = []
+_pooled = lookup._pooled_exchange
 
+
+def _counted(comm, param, *args):
+    both_ways.append(param.path)
+    return _pooled(comm, param, *args)
+
+
+lookup._pooled_exchange = _counted
+inp = keras.Input((4,), dtype="int64")
+one = sok.layers.DistributedEmbedding(50, 4, name="one")(inp[:, :1])
+three = sok.layers.DistributedEmbedding(50, 4, name="three")(inp[:, 1:])
+model = keras.Model(inp, keras.layers.Dense(1)(
+    keras.layers.Concatenate()([one, three])))
+model.compile(optimizer="adam", loss="mse")
+x = np.random.default_rng(5 + RANK).integers(0, 50, (4, 4))
+model.fit(x, np.ones((4, 1), np.float32), batch_size=2, verbose=0)
+in_fit = sorted(set(both_ways))
+both_ways.clear()
+tf.function(lambda i: model.get_layer("one")(i))(tf.constant(x[:, :1]))
+lookup._pooled_exchange = _pooled
 
 write_result({"max_err": max_err, "max_grad_diff": max_grad_diff,
               "max_wgrad_err": max_wgrad_err, "cases": cases,
-              "cond_ops": {str(w): cond_ops(w) for w in (None, 1, 3)}})
+              "both_ways": {"fit": in_fit, "function": both_ways}})
