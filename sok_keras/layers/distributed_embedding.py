@@ -35,11 +35,14 @@ class DistributedEmbedding(BaseEmbedding):
             (all ranks agree); `"home"` or `"owner"` pin one way: no
             per-step comparison, and no `tf.cond` of both ways to trace,
             which shortens the first step of models with many separate
-            tables (`bench/pooling_modes.py`, 26 one-id tables on 2 CPU
-            ranks: 8 s to the first step with `"home"`, 25 s with
-            `"auto"`; then steps of 95-110 ms with either; or use one
+            tables of several ids per sample (`bench/pooling_modes.py`,
+            26 tables of 3 ids on 2 CPU ranks: 4.3 s to the first step
+            with `"home"`, 13.3 s with `"auto"`; or use one
             `EmbeddingCollection`), but the bytes moved are no longer the
-            fewer of the two. Ignored with one rank
+            fewer of the two. In a Keras step, `"auto"` pools dense ids of
+            one id per sample at home, with no `tf.cond` (the owner way
+            never moves fewer bytes there; 26 one-id tables: 4.4 s, as
+            `"home"`). Ignored with one rank
             and for unpooled lookups. Inside a `tf.function` under a
             persistent `GradientTape` (or tapes nested), `"auto"` pools at
             home, so that several `tape.gradient` calls work.
