@@ -263,8 +263,9 @@ def ragged_origin(ids):
             return "sparse"
         history = getattr(ids, "_keras_history", None)
         op = getattr(history, "operation", None)
-        if type(op).__name__ not in _KEEPS_RAGGED:
-            return None
+        if (type(op).__name__ not in _KEEPS_RAGGED
+                or getattr(op, "output_mode", "int") != "int"):
+            return None  # (multi_hot, count, ...: dense at run time)
         try:
             node = op._inbound_nodes[history.node_index]
             ids = node.arguments.keras_tensors[0]

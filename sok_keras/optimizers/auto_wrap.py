@@ -375,7 +375,8 @@ def _build_compiled_before_tables(model, iterator, data_batch):
 
 def _build_optimizer_before_the_step(model):
     """Builds the optimizer of a built model with sok tables (or a sok
-    optimizer) before its first step, as Keras does under a strategy.
+    optimizer) before its first training step (`make_train_function`), as
+    Keras does under a strategy.
 
     Without a strategy Keras builds the optimizer inside the first traced
     step; TensorFlow then traces that step a second time, since the first
@@ -433,12 +434,25 @@ def _install_symbolic_build_hook():
                 data_batch = _batch_spec(iterator)
             return self._symbolic_build(iterator=iterator,
                                         data_batch=data_batch)
-        out = original(self, iterator=iterator, data_batch=data_batch)
-        _build_optimizer_before_the_step(self)
-        return out
+        return original(self, iterator=iterator, data_batch=data_batch)
 
     _maybe_symbolic_build._sok_keras = True
     TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+
+    # `fit` and `train_on_batch` make the train function after the build
+    # above (and, in `fit`, before the callbacks begin: BackupAndRestore
+    # restores into the built optimizer); `evaluate` makes none (review:
+    # built there, the optimizer gave an evaluate-only job its slots, and
+    # one built for other trainable weights than `fit`'s failed).
+    make_train = TensorFlowTrainer.make_train_function
+
+    @functools.wraps(make_train)
+    def make_train_function(self, *args, **kwargs):
+        _build_optimizer_before_the_step(self)
+        return make_train(self, *args, **kwargs)
+
+    make_train_function._sok_keras = True
+    TensorFlowTrainer.make_train_function = make_train_function
 
 
 def _install_plain_optimizer_check():

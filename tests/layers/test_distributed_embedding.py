@@ -527,6 +527,10 @@ def test_unpooled_lookup_of_ids_from_a_lookup_layer(kind, layer):
         vocabulary=["a"], output_mode="int")(inp))
     assert sok.layers.DistributedEmbedding(4, 2, combiner=None)(
         hashed).ragged == (kind == "ragged")
+    # Not a lookup's ids: counts, dense at run time (and masked).
+    counts = keras.layers.Hashing(4, output_mode="count")(inp)
+    out = sok.layers.DistributedEmbedding(4, 2, combiner=None)(counts)
+    assert not out.ragged and out._keras_mask is not None
 
 
 def test_a_subclassed_model_saves_and_loads_with_its_trained_state(

@@ -588,6 +588,18 @@ def test_the_first_step_is_traced_once():
         assert len(traces) == 1, optimizer
         assert len(model.optimizer.variables) > 2  # (Adam's slots)
 
+    # `evaluate` builds no optimizer (review: an evaluate-only job got the
+    # tables' slots, and `fit` after a change of the trainable weights
+    # failed with "Unknown variable").
+    model = _model()
+    model.compile(optimizer="adam", loss="mse")
+    model.layers[-1].trainable = False
+    model.evaluate(x, y, verbose=0)
+    assert not model.optimizer.built
+    model.layers[-1].trainable = True
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert model.optimizer.built
+
     class Cell(keras.layers.Layer):  # no build(): weights made in a step
         def __init__(self):
             super().__init__()
