@@ -88,8 +88,9 @@ def test_different_lookup_order_raises_on_every_rank(_run):
     r0, r1, detail = _run("order")
     for r in (r0, r1):
         assert r["type"] == "InconsistentRanksError", detail
-        assert (f"lookup 1 of the step is lookup_one[sum,auto]({A}) on rank "
-                f"0 and lookup_one[sum,auto]({B}) on rank 1") in r["error"], (
+        # (One id per sample: "auto" pools at home in a Keras step.)
+        assert (f"lookup 1 of the step is lookup_one[sum,home]({A}) on rank "
+                f"0 and lookup_one[sum,home]({B}) on rank 1") in r["error"], (
                     detail)
 
 
