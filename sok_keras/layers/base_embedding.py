@@ -460,7 +460,8 @@ def check_shard_weights(layer, weights):
             received = ("the whole table" if shape == tuple(v.global_shape)
                         else "an array of shape")
             raise ValueError(
-                f"{type(layer).__name__} '{layer.name}': set_weights takes "
+                f"{layer_name(type(layer).__name__, layer.name)}: "
+                "set_weights takes "
                 f"this rank's shard of table '{v.path}', {tuple(v.shape)} "
                 f"on rank {v.rank} of {v.num_ranks}; received {received} "
                 f"{shape}. Copy a whole table in with "
