@@ -455,6 +455,27 @@ def _install_symbolic_build_hook():
     TensorFlowTrainer.make_train_function = make_train_function
 
 
+def _install_jit_support_check():
+    """Keras' XLA check (`model_supports_jit`: `compile`'s "auto", the
+    `jit_compile` setter) asks each layer's `supports_jit`; sok layers say
+    no. A model (or custom layer) that holds a `sok_keras.Variable` itself
+    and looks it up with `sok.lookup_sparse` has no such layer: on a GPU
+    "auto" compiled its step with XLA and the first lookup failed (H100
+    run 29). The check now also answers no for it (idempotent)."""
+    from keras.src.trainers import trainer
+
+    original = trainer.model_supports_jit
+    if getattr(original, "_sok_keras", False):
+        return
+
+    @functools.wraps(original)
+    def model_supports_jit(model):
+        return original(model) and not has_sok_layers(model)
+
+    model_supports_jit._sok_keras = True
+    trainer.model_supports_jit = model_supports_jit
+
+
 def _install_plain_optimizer_check():
     """Makes a plain Keras optimizer built for sok tables and dense weights
     on several ranks say what it does (when it is built, on rank 0;
@@ -552,6 +573,7 @@ def install():
     _install_plain_optimizer_check()
     _install_empty_shard_filter()
     _install_symbolic_build_hook()
+    _install_jit_support_check()
     if _ORIGINAL_COMPILE is not None:
         return
     # Patch the class that defines compile (Keras' Trainer), not

@@ -425,6 +425,33 @@ def test_models_with_sok_layers_never_use_xla():
     assert coll.supports_jit is False
 
 
+def test_models_holding_a_sok_variable_themselves_never_use_xla():
+    """SOK's way, a model holding a `sok.Variable` and looking it up with
+    `sok.lookup_sparse` (no sok layer), gets the same answer from Keras'
+    XLA check as a model with sok layers. Before, Keras saw no layer
+    without XLA kernels: on a GPU, `jit_compile="auto"` compiled the step
+    and `fit` failed at the lookup (H100 run 29); here `jit_compile=True`
+    does the same on the CPU."""
+    from tests.layers_model import RawTableRanker
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 41, size=(16, 3))
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    model = RawTableRanker()
+    with pytest.warns(UserWarning, match="doesn't support `jit_compile=True`"):
+        model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    assert model.jit_compile is False
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert np.isfinite(model.predict(x, verbose=0)).all()
+    # An uncompiled model resolves "auto" through the same check.
+    from keras.src.trainers.trainer import model_supports_jit
+
+    assert model_supports_jit(RawTableRanker()) is False
+    assert model_supports_jit(_functional()) is False
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert model_supports_jit(plain) is True
+
+
 def test_unpooled_lookup_masks_padding_for_mask_aware_layers():
     table = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
     ids = np.array([[1, 2, -1], [3, -1, -1]])
