@@ -31,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from sok_keras import shard_reads
 from sok_keras import world
 
 _FIELDS = ("name", "vocabulary_size", "embedding_dim", "dtype", "mode",
@@ -460,12 +461,17 @@ def wrap_step(model, attr, kind):
     def step(*args, **kwargs):
         if state["done"] or tf.executing_eagerly():
             return original(*args, **kwargs)
-        with _Recording() as lookups:
+        with _Recording() as lookups, shard_reads.watching() as ours:
             out = original(*args, **kwargs)
         state["done"] = True
         # An uncompiled model (predict only) has no optimizer attribute.
         optimizer = getattr(model, "optimizer", None)
         tables = model_tables(model)
+        if world.num_ranks() > 1:
+            # (Before the comparison: every rank refuses alike, and no
+            # collective waits for one that raised.)
+            shard_reads.refuse_other_reads(model, tables, ours,
+                                           world.num_ranks())
         compare({"tables": [table_signature(t, optimizer) for t in tables],
                  "lookups": lookups, "dense": dense_signature(model)},
                 f"consistency/{attr}",

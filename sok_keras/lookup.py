@@ -34,6 +34,7 @@ from sok_keras import consistency
 from sok_keras import lookup_ops
 from sok_keras import _gradients
 from sok_keras import replicas
+from sok_keras import shard_reads
 from sok_keras import world
 from sok_keras._ops import ops
 from sok_keras._ops import register_gradient_once
@@ -745,6 +746,7 @@ def _exchange_rows(comm, params, ids_list, names, problems=None):
     return [(r, d.inverse) for r, d in zip(rows, deduped)]
 
 
+@shard_reads.reading(lambda param, *_, **__: param)
 def gather_rows(param, ids, table_name=None, problem=None):
     """Looks up the rows of `ids` in a sharded table, deduplicated.
 
@@ -772,6 +774,7 @@ def gather_rows(param, ids, table_name=None, problem=None):
     return _exchange_rows(comm, [param], [ids], [name], [problem])[0]
 
 
+@shard_reads.reading(lambda params, *_, **__: params)
 def gather_rows_fused(params, ids_list, names, problems=None):
     """`gather_rows` for several tables with one exchange per direction.
 
@@ -1386,6 +1389,7 @@ def _backward_is_shared(param, feat):
 
 
 @_not_converted
+@shard_reads.reading(lambda param, *_, **__: param)
 def lookup_one(param, ids, weights=None, combiner="sum", name=None,
                pooling="auto"):
     """Looks up (and pools) one feature in one table. See `lookup_sparse`.

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from sok_keras import _gradients
 from sok_keras import lookup
+from sok_keras import shard_reads
 from sok_keras import world
 from sok_keras.optimizers import sparse_kernels, sparse_rules, tf_slots
 from sok_keras.variable import is_sok_variable
@@ -538,6 +539,8 @@ def _apply_dense_compiled(opt, apply_dense, grads, variables):
     fns[key](*grads)
 
 
+@shard_reads.reading(lambda opt, grads, variables, *_, **__: [
+    v for v in variables if is_sok_variable(v)])
 def apply_with_tables(opt, grads, variables, apply_dense,
                       jit_compile=False):
     """One training step for a mix of dense weights and sharded tables.
