@@ -30,6 +30,7 @@ import functools
 import os
 import threading
 import warnings
+import weakref
 
 _INSTALLED = False
 # The first error of each sok layer in the Keras load in progress on this
@@ -131,6 +132,7 @@ def install():
     lib.load_weights_only = _in_load_scope(lib.load_weights_only)
     _keep_optimizer_state_whole()
     _interruptions_end_the_fallback()
+    _track_written_stores()
     _legacy_h5_loads_masks()
     _legacy_h5_loads_whole_tables()
     _INSTALLED = True
@@ -372,6 +374,53 @@ def _interruptions_end_the_fallback():
 
     __init__._sok_keras = True
     store.__init__ = __init__
+
+
+_WRITTEN_STORES = weakref.WeakSet()
+
+
+def _track_written_stores():
+    """Remembers the weights stores Keras opens for writing on disk, for
+    `close_written_stores_under` (idempotent)."""
+    lib = _saving_lib()
+    for store in (lib.H5IOStore, lib.ShardedH5IOStore):
+        original = store.__init__
+        if getattr(original, "_sok_tracked", False):
+            continue
+
+        def __init__(self, *args, _original=original, **kwargs):
+            _original(self, *args, **kwargs)
+            if getattr(self, "mode", None) == "w":
+                _WRITTEN_STORES.add(self)
+
+        functools.update_wrapper(__init__, original)
+        __init__._sok_tracked = True
+        store.__init__ = __init__
+
+
+def close_written_stores_under(path):
+    """Closes the weights files that Keras' stores still hold open for
+    writing at or under `path` (a file, or a folder). Keras' save leaves
+    its store open when a write fails (a full disk): h5py's handles then
+    failed again when Python freed them, and the process died of SIGSEGV
+    at exit, after the save's own clear error (QA). (Enumerating h5py's
+    open files instead crashed on a `.keras` save's in-memory one.)"""
+    path = os.path.abspath(path)
+    for store in list(_WRITTEN_STORES):
+        where = getattr(store, "path", None) or getattr(
+            store, "path_or_io", None)
+        if (not isinstance(where, (str, os.PathLike))
+                or getattr(store, "archive", None) is not None):
+            continue  # in memory (io.BytesIO), or an entry of a zip
+        where = os.path.abspath(where)
+        if where != path and not where.startswith(path + os.sep):
+            continue
+        h5_file = getattr(store, "h5_file", None)
+        if h5_file is not None:
+            # (Its last write fails again, as the save did.)
+            with contextlib.suppress(Exception):
+                h5_file.close()
+        _WRITTEN_STORES.discard(store)
 
 
 def _model_optimizer_state(original):

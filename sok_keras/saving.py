@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from sok_keras import _leftovers
+from sok_keras import _keras_h5
 from sok_keras._keras_h5 import first_load_error
 from sok_keras import _terminate
 from sok_keras import global_views
@@ -237,6 +238,7 @@ class _Staging:
         os.rmdir(self.folder)
 
     def remove(self):
+        _keras_h5.close_written_stores_under(self.folder or self.target)
         try:
             if self.folder is not None or os.path.isdir(self.target):
                 shutil.rmtree(self.folder or self.target, ignore_errors=True)
@@ -668,3 +670,40 @@ def install():
     keras.Model.save_weights = save_weights_
     backup = keras.callbacks.BackupAndRestore
     backup.on_train_end = _backup_on_train_end(backup.on_train_end)
+    _route_public_functions()
+
+
+def _route_public_functions():
+    """`keras.saving.save_model(model, ...)` (also `keras.models.
+    save_model`) and `keras.saving.save_weights(model, ...)` through the
+    model's `save` / `save_weights`, as Keras' methods call them the other
+    way round. Before, these functions bypassed the methods sok_keras
+    routes: on N ranks every rank ran Keras' own save into the same path
+    (QA: `zipped=False` raced for the HDF5 file's lock, failed on every
+    rank and left a half-written folder). Replaced where Keras exports
+    them, not in `keras.src.saving.saving_api`, which the methods call."""
+    import keras
+
+    api = {"save_model": "save", "save_weights": "save_weights"}
+    for module in (keras.saving, keras.models):
+        for name, method in api.items():
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "_sok_keras", False):
+                continue
+            setattr(module, name, _through_method(original, method))
+
+
+def _through_method(original, method):
+    @functools.wraps(original)
+    def routed(model, filepath, *args, **kwargs):
+        import keras
+
+        # (A class with a `save` of its own, which may call this function,
+        # keeps Keras' function.)
+        if isinstance(model, keras.Model) and getattr(
+                getattr(type(model), method, None), "_sok_keras", False):
+            return getattr(model, method)(filepath, *args, **kwargs)
+        return original(model, filepath, *args, **kwargs)
+
+    routed._sok_keras = True
+    return routed

@@ -48,6 +48,10 @@ def test_every_rank_saves_one_file_atomically(tmp_path):
             f"w_{i:05d}.weights.h5" for i in range(len(files) - 1)], files
         assert len(files) > 2, files  # the table and Adam's slots: 3 MB
     assert r0["unzipped"] == ["m"], r0["unzipped"]  # zipped=False twice
+    for r in (r0, r1):  # keras.saving.save_model / save_weights functions
+        assert r["functions"] == {
+            "f.keras": True, "g": True, "w.weights.h5": True,
+            "files": ["f.keras", "g", "w.weights.h5"]}, r["functions"]
     assert "disk full (injected)" in r0["failure"]
     assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"]
@@ -516,3 +520,20 @@ def test_a_subclassed_model_loading_another_table_size_names_both(
     again = Sub(50)
     again(ids)
     again.load_weights(path)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_save_that_fills_the_disk_fails_cleanly(tmp_path, ranks):
+    """The error on every rank, no file left, and the processes exit
+    normally (before: SIGSEGV at exit after a failed `save_weights`)."""
+    results = run_workers(worker_path("save_full_disk"), ranks,
+                          args=[str(tmp_path)], timeout=240)
+    for r in results:
+        for what, error in r["errors"].items():
+            assert error is not None, (what, r)
+            if r["rank"] == 0:
+                assert "File too large" in error, (what, error)
+            else:
+                assert "failed on rank 0" in error, (what, error)
+        assert r["left"] == [], r["left"]
+

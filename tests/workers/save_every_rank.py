@@ -125,6 +125,26 @@ for _ in range(2):
     model.save(os.path.join(unzipped, "m"), zipped=False)
 unzipped = sorted(os.listdir(unzipped))
 
+# Keras' public functions save as the methods do (before: they bypassed
+# sok_keras, and every rank ran Keras' own save into the same path:
+# `zipped=False` failed on every rank and left a half-written folder).
+public = os.path.join(folder, "public")
+os.makedirs(public, exist_ok=True)
+saved = emb.embeddings.read_global()
+keras.saving.save_model(model, os.path.join(public, "f.keras"))
+keras.models.save_model(model, os.path.join(public, "g"), zipped=False)
+keras.saving.save_weights(model, os.path.join(public, "w.weights.h5"))
+functions = {}
+for name in ("f.keras", "g"):
+    again = keras.saving.load_model(os.path.join(public, name))
+    functions[name] = bool(np.array_equal(
+        again.get_layer("emb").embeddings.read_global(), saved))
+model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+keras.saving.load_weights(model, os.path.join(public, "w.weights.h5"))
+functions["w.weights.h5"] = bool(np.array_equal(
+    emb.embeddings.read_global(), saved))
+functions["files"] = sorted(os.listdir(public))
+
 # A failing save: the writer (rank 0) fails half-way; nothing may change.
 before = open(path, "rb").read() if RANK == 0 else None
 from sok_keras import saving  # noqa: E402
@@ -181,5 +201,6 @@ more = {
 }
 write_result({"checks": checks, "leftovers": leftovers, "failure": failure,
               "sharded": sharded, "unzipped": unzipped,
+              "functions": functions,
               "unchanged": unchanged, "more": more,
               "after": [n for n in os.listdir(folder) if "sok-tmp" in n]})
