@@ -5,6 +5,7 @@ import logging
 import threading
 
 import keras
+from keras.src.backend.common import global_state
 
 from sok_keras import replicas
 from sok_keras.layers.base_embedding import DEFAULT_COMBINER
@@ -12,11 +13,24 @@ from sok_keras.layers.base_embedding import BaseEmbedding
 
 _ROUND_ROBIN = itertools.count()
 _ROUND_ROBIN_LOCK = threading.Lock()
+_SESSION_KEY = "sok_keras_localized_round_robin"
 _LOG = logging.getLogger("sok_keras")
 
 
 def _next_rank():
+    """The next rank of the round-robin. It starts again in a new Keras
+    session (`keras.utils.clear_session()`), as Keras' layer names do: the
+    same model code run twice in one process, with a `clear_session` in
+    between, places its tables alike (QA: the second model's table went to
+    rank 1, and restoring the first model's per-rank checkpoint into it
+    failed). Only the main thread's session counts (Keras keeps one per
+    thread; a strategy's replica threads must not restart it)."""
+    global _ROUND_ROBIN
     with _ROUND_ROBIN_LOCK:
+        if (threading.current_thread() is threading.main_thread()
+                and global_state.get_global_attribute(_SESSION_KEY) is None):
+            _ROUND_ROBIN = itertools.count()
+            global_state.set_global_attribute(_SESSION_KEY, True)
         return next(_ROUND_ROBIN) % replicas.table_ranks()
 
 
@@ -38,7 +52,8 @@ class LocalizedEmbedding(BaseEmbedding):
         embeddings_initializer: initializer. Defaults to `"uniform"`.
         rank: int or `None`, the rank that holds the table. `None` (default)
             places localized tables round-robin over the ranks in the order
-            they are built (the same order on every rank). An explicit rank
+            they are built (the same order on every rank), starting again
+            at rank 0 after `keras.utils.clear_session()`. An explicit rank
             must be smaller than the number of ranks.
         pooling: where pooled rows are summed with several ranks:
             `"auto"` (default), `"home"` or `"owner"`, as

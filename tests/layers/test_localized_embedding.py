@@ -39,3 +39,24 @@ def test_config_and_saving(tmp_path):
     model = keras.Model(ids, out)
     x = np.random.default_rng(1).integers(0, 30, size=(8, 3))
     assert_model_saving(model, x, tmp_path)
+
+
+def test_round_robin_starts_again_after_clear_session(monkeypatch):
+    """The same model code after `keras.utils.clear_session()` places its
+    tables alike (QA: on 2 ranks the second model's table went to rank 1,
+    and a per-rank checkpoint of the first no longer restored)."""
+    from sok_keras import replicas
+
+    monkeypatch.setattr(replicas, "table_ranks", lambda: 2)
+
+    def placed():
+        return sok.layers.LocalizedEmbedding(10, 2)._table_mode()
+
+    for _ in range(2):
+        keras.utils.clear_session()
+        assert [placed(), placed(), placed()] == [
+            "localized:0", "localized:1", "localized:0"]
+    explicit = sok.layers.LocalizedEmbedding(10, 2, rank=0)
+    assert explicit._table_mode() == "localized:0"
+    assert placed() == "localized:1"  # an explicit rank takes no turn
+
