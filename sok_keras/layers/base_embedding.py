@@ -225,6 +225,14 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
             "call it once per slot, or use `sok.layers.EmbeddingCollection` "
             f"with one feature per slot sharing a table. Received: "
             f"{received}.")
+    refuse_keras_only_arguments(who, kwargs)
+    return vocabulary_size, embedding_dim
+
+
+def refuse_keras_only_arguments(who, kwargs):
+    """Refuses `keras.layers.Embedding`'s arguments that a sharded table
+    cannot honor (`_KERAS_ONLY`), with what to do instead; pops those left
+    at Keras' defaults from `kwargs`. `who` names the layer."""
     for name, why in _KERAS_ONLY.items():
         if name in kwargs:
             value = kwargs.pop(name)
@@ -236,7 +244,6 @@ def _keras_embedding_arguments(cls, vocabulary_size, embedding_dim, kwargs):
                 f"{who} does not take `{name}` (an argument of "
                 f"keras.layers.Embedding): {why}. Received: "
                 f"{name}={value!r}.")
-    return vocabulary_size, embedding_dim
 
 
 # Keras layers that return ragged (sparse) ids for ragged (sparse) inputs,

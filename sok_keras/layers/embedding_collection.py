@@ -16,9 +16,11 @@ from sok_keras.layers.base_embedding import check_pooled_rank
 from sok_keras.layers.base_embedding import get_initializer
 from sok_keras.layers.base_embedding import get_table_optimizer
 from sok_keras.layers.base_embedding import init_keras_layer
+from sok_keras.layers.base_embedding import layer_name
 from sok_keras.layers.base_embedding import load_table
 from sok_keras.layers.base_embedding import padding_mask
 from sok_keras.layers.base_embedding import ragged_spec
+from sok_keras.layers.base_embedding import refuse_keras_only_arguments
 from sok_keras.layers.base_embedding import save_table
 from sok_keras.layers.base_embedding import as_int_ids
 from sok_keras.layers.base_embedding import flatten_deep_ids
@@ -216,6 +218,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 f"EmbeddingCollection: {tpu_only} are arguments of keras-rs' "
                 "DistributedEmbedding for TPUs only. Give each table its "
                 "optimizer in `TableConfig.optimizer`.")
+        refuse_keras_only_arguments(
+            layer_name("EmbeddingCollection", kwargs.get("name")), kwargs)
         init_keras_layer(super().__init__, "EmbeddingCollection", kwargs)
         # Ids are never cast to the compute dtype (`as_int_ids`), as
         # `keras.layers.Embedding` does not cast them.

@@ -158,6 +158,17 @@ def test_config_round_trip_and_errors():
                        r"must be.*dtype='foo'"):
         sok.layers.EmbeddingCollection(TABLES, FEATURES, dtype="foo",
                                        name="c")
+    # keras.layers.Embedding's arguments a sharded table cannot honor:
+    # refused with what to do, as the single-table layers refuse them
+    # (before: Keras' "Unrecognized keyword arguments").
+    with pytest.raises(ValueError, match=r"EmbeddingCollection 'c' does not "
+                       r"take `embeddings_regularizer`.*penalty"):
+        sok.layers.EmbeddingCollection(
+            TABLES, FEATURES, name="c",
+            embeddings_regularizer=keras.regularizers.L2(0.1))
+    with pytest.raises(ValueError, match=r"does not take `mask_zero`.*-1"):
+        sok.layers.EmbeddingCollection(TABLES, FEATURES, mask_zero=True)
+    sok.layers.EmbeddingCollection(TABLES, FEATURES, mask_zero=False)
     # A misspelt mode is refused when the layer is made, not at its first
     # call (a localized rank is checked at build, against the world then).
     with pytest.raises(ValueError, match="table 't' must be 'distributed'.*"
