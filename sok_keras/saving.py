@@ -37,6 +37,7 @@ import contextlib
 import functools
 import os
 import shutil
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -316,9 +317,15 @@ def save_weights(model, filepath, overwrite=True, **kwargs):
         model: a Keras model (called on every rank).
         filepath: the destination, ending in `.weights.h5`.
         overwrite: whether an existing file may be replaced.
-        **kwargs: passed to Keras' own `Model.save_weights`.
+        **kwargs: passed to Keras' own `Model.save_weights`; others than
+            `max_shard_size` (`objects_to_skip`, which the function
+            `keras.saving.save_weights` takes) to that function.
     """
     original = _ORIGINAL["save_weights"] or type(model).save_weights
+    if set(kwargs) - {"max_shard_size"}:
+        from keras.src.saving import saving_api
+
+        original = saving_api.save_weights
     return _save_on_every_rank(model, filepath, overwrite,
                                "model.save_weights",
                                lambda target: original(
@@ -693,17 +700,25 @@ def _route_public_functions():
             setattr(module, name, _through_method(original, method))
 
 
+_ROUTING = threading.local()
+
+
 def _through_method(original, method):
     @functools.wraps(original)
     def routed(model, filepath, *args, **kwargs):
         import keras
 
-        # (A class with a `save` of its own, which may call this function,
-        # keeps Keras' function.)
-        if isinstance(model, keras.Model) and getattr(
-                getattr(type(model), method, None), "_sok_keras", False):
+        # A class's own `save` that calls this function gets Keras' (a
+        # guard, not a test of the method: one that calls `super().save`
+        # is routed; review: a flag copied by `functools.wraps` recursed).
+        if not isinstance(model, keras.Model) or getattr(
+                _ROUTING, "active", False):
+            return original(model, filepath, *args, **kwargs)
+        _ROUTING.active = True
+        try:
             return getattr(model, method)(filepath, *args, **kwargs)
-        return original(model, filepath, *args, **kwargs)
+        finally:
+            _ROUTING.active = False
 
     routed._sok_keras = True
     return routed

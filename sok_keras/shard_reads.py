@@ -11,9 +11,18 @@ On one rank the variable is the whole table, and such reads are right.
 
 While a Keras step (`train_step`, `test_step`, `predict_step`) is traced
 on several ranks (`consistency.wrap_step`), sok's lookups and optimizer
-updates mark the ops they make that read a table (`own`); any other op
-of the step that reads a table's values (`ReadVariableOp`, a gather) is
-refused before the step runs, naming the model, the table and the op.
+updates mark the ops they make that read a table (`own`). Any other read
+of a table's rows by id (a gather) is refused before the step runs,
+naming the model, the table and the op; so is a read of its values that
+reaches a matrix product or a gather (the table used as a weight matrix:
+tied output weights, a `Dense` kernel set to it), through ops that keep
+the values' layout (casts, transposes, reshapes, elementwise arithmetic).
+Elementwise work on the shard is left alone: a penalty on the shard
+times the number of ranks (docs/design.md), a plain optimizer's weight
+decay in a custom `train_step`.
+
+Not seen: reads inside a function the step calls (a nested
+`tf.function`, a `tf.cond` branch), `run_eagerly=True`, and custom loops.
 """
 
 import contextlib
@@ -25,12 +34,24 @@ from tensorflow.python.framework import func_graph
 
 _LOCAL = threading.local()
 
-# Ops that read a variable's values: what converting a table to a tensor
-# (`keras.ops.matmul(h, table)`, `tf.transpose(table)`) or
-# `tf.gather(table, ids)` makes. Function calls and control flow (their
-# bodies are other graphs) and shape reads are left alone.
-_VALUE_READS = frozenset({"ReadVariableOp", "ResourceGather",
-                          "ResourceGatherNd"})
+# Reads of rows by id of a table's variable: this rank's local rows by a
+# global id, always wrong on several ranks.
+_ROW_READS = frozenset({"ResourceGather", "ResourceGatherNd"})
+# What converting a table to a tensor makes (`keras.ops.matmul(h, table)`).
+_VALUE_READ = "ReadVariableOp"
+# Ops whose output is their input's values, rearranged or elementwise: a
+# read's value is followed through them.
+_PASS_THROUGH = frozenset({
+    "Identity", "Cast", "Transpose", "ConjugateTranspose", "Reshape",
+    "ExpandDims", "Squeeze", "Neg", "Mul", "RealDiv", "AddV2", "Add", "Sub",
+    "Maximum", "Minimum", "StopGradient", "IdentityN", "L2Normalize",
+    "Rsqrt", "Sqrt", "Tanh", "Sigmoid"})
+# Ops that use a value as a matrix or as rows to pick from.
+_MATRIX_USES = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "GatherV2", "Gather", "GatherNd", "SparseMatMul", "SparseTensorDenseMatMul",
+    "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN"})
+_FOLLOW_LIMIT = 256  # ops visited per read (a bound on odd graphs)
 
 
 @contextlib.contextmanager
@@ -87,7 +108,8 @@ def refuse_other_reads(model, tables, ours, num_ranks):
                 table, "_sok_shards", None):
             continue  # a whole table, or per-replica copies of it
         other = sorted(op.name for op in _readers(graph, [table]) - ours
-                       if op.type in _VALUE_READS)
+                       if op.type in _ROW_READS
+                       or (op.type == _VALUE_READ and _used_as_matrix(op)))
         if other:
             local = int(table.shape[0])
             rows = int(table.global_shape[0])
@@ -96,13 +118,40 @@ def refuse_other_reads(model, tables, ours, num_ranks):
                 f"'{table.path}' other than by looking ids up (op "
                 f"'{other[0]}'), e.g. tied output weights (`h @ "
                 "layer.embeddings`): on "
-                f"{num_ranks} ranks the table's variable holds this rank's "
-                f"rows only ({local} of its {rows} rows), so the model "
-                "would compute with one rank's shard. Read the table only "
+                f"{num_ranks} ranks the table is split over the ranks and "
+                f"its variable holds this rank's part ({local} of its "
+                f"{rows} rows), so each rank would compute with other "
+                "rows, none with the whole table. Read the table only "
                 "through its sok layer (or `sok.lookup_sparse`); for an "
                 "output layer use a `keras.layers.Dense` of its own, or "
                 "keep a table that every rank must read whole in a "
                 "`keras.layers.Embedding` (docs/failures.md).")
+
+
+def _used_as_matrix(read):
+    """Whether the value `read` (a ReadVariableOp) gives reaches a matrix
+    product or a gather through ops that keep its layout."""
+    todo, seen = [read], set()
+    while todo and len(seen) < _FOLLOW_LIMIT:
+        op = todo.pop()
+        for out in op.outputs:
+            for user in out.consumers():
+                if user in seen or _is_gradient(user):
+                    continue
+                seen.add(user)
+                if user.type in _MATRIX_USES:
+                    return True
+                if user.type in _PASS_THROUGH:
+                    todo.append(user)
+    return False
+
+
+def _is_gradient(op):
+    """A backward op (`tf.GradientTape` names them `gradient_tape/...`): a
+    penalty's gradient is the shard's own, and it reaches the optimizer,
+    not the model's forward."""
+    return op.name.startswith("gradient_tape/") or (
+        "/gradient_tape/" in op.name)
 
 
 def _readers(graph, tables):

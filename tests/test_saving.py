@@ -51,7 +51,9 @@ def test_every_rank_saves_one_file_atomically(tmp_path):
     for r in (r0, r1):  # keras.saving.save_model / save_weights functions
         assert r["functions"] == {
             "f.keras": True, "g": True, "w.weights.h5": True,
-            "files": ["f.keras", "g", "w.weights.h5"]}, r["functions"]
+            "own.keras": True,
+            "files": ["f.keras", "g", "own.keras", "skip.weights.h5",
+                      "w.weights.h5"]}, r["functions"]
     assert "disk full (injected)" in r0["failure"]
     assert "failed on rank 0 (of 2 ranks)" in r1["failure"], r1["failure"]
     assert r0["unchanged"]
@@ -536,4 +538,36 @@ def test_a_save_that_fills_the_disk_fails_cleanly(tmp_path, ranks):
             else:
                 assert "failed on rank 0" in error, (what, error)
         assert r["left"] == [], r["left"]
+
+
+def test_keras_saving_functions_route_without_recursion(tmp_path):
+    """A `save` of a model's own, decorated with `functools.wraps` (which
+    copies sok_keras' marker), that calls `keras.saving.save_model`
+    (review: RecursionError); `keras.saving.save_weights` with Keras'
+    `objects_to_skip` (review: a TypeError, also without sok tables)."""
+    import functools
+
+    import keras
+    import numpy as np
+
+    import sok_keras as sok
+
+    class Own(keras.Model):
+        @functools.wraps(keras.Model.save)
+        def save(self, filepath, *args, **kwargs):
+            return keras.saving.save_model(self, filepath, *args, **kwargs)
+
+    ids = keras.Input((2,), dtype="int64")
+    emb = sok.layers.DistributedEmbedding(10, 2, name="emb")
+    dense = keras.layers.Dense(1)
+    model = Own(ids, dense(emb(ids)))
+    model.save(str(tmp_path / "own.keras"))
+    again = keras.saving.load_model(str(tmp_path / "own.keras"),
+                                    custom_objects={"Own": Own})
+    np.testing.assert_array_equal(again.get_layer("emb").get_weights()[0],
+                                  emb.get_weights()[0])
+    for m in (model, keras.Sequential([keras.Input((2,)), dense])):
+        path = str(tmp_path / f"{m.name}.weights.h5")
+        keras.saving.save_weights(m, path, objects_to_skip=[dense])
+        assert (tmp_path / f"{m.name}.weights.h5").exists()
 

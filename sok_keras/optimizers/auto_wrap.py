@@ -56,6 +56,8 @@ _ORIGINAL_LOOPS = {}
 _STEPS = {"fit": (("train_step", "train_function"),),
           "evaluate": (("test_step", "test_function"),),
           "predict": (("predict_step", "predict_function"),)}
+_ON_BATCH_LOOP = {"train_on_batch": "fit", "test_on_batch": "evaluate",
+                  "predict_on_batch": "predict"}
 _LOG = logging.getLogger("sok_keras")
 # The loop (`fit`, `evaluate`, ...) whose hook is running (several ranks).
 _LOOP_KIND = contextvars.ContextVar("sok_keras_loop_kind", default=None)
@@ -691,7 +693,7 @@ def install_loop_hooks():
 
         functools.update_wrapper(hook, original)
         setattr(owner, kind, hook)
-    for kind in ("train_on_batch", "test_on_batch"):
+    for kind in ("train_on_batch", "test_on_batch", "predict_on_batch"):
         if kind in _ORIGINAL_LOOPS:
             continue
         owner = next(c for c in keras.Model.__mro__ if kind in c.__dict__)
@@ -700,9 +702,18 @@ def install_loop_hooks():
 
         def on_batch(self, *args, _kind=kind, _original=original,
                      **kwargs):
+            # The first step traced is checked as the loops' are (the
+            # ranks' tables and lookups; reads of a table other than by
+            # lookups, `shard_reads`). QA: a tied-weights model trained
+            # silently through `train_on_batch`, and a `fit` after it made
+            # no new step function, so went unchecked too.
+            loop = _ON_BATCH_LOOP[_kind]
+            if getattr(self, _STEPS[loop][0][1], None) is None:
+                _check_first_steps(self, loop)
             # As `fit` / `evaluate`: the global logs, so that decisions
             # taken on them are the same on every rank.
-            if not (callbacks.global_metrics_enabled() and (
+            if _kind == "predict_on_batch" or not (
+                    callbacks.global_metrics_enabled() and (
                     has_sok_layers(self) or is_sok_aware(
                         getattr(self, "optimizer", None))
                     or _awaits_tables(self))):

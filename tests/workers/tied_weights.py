@@ -1,13 +1,18 @@
 """Tied output weights (`logits = h @ table^T`) read a sok table other
 than by looking ids up. On N ranks the table's variable is this rank's
-shard: `predict`, `evaluate` and `fit` refuse such a model, naming the
-table and the reading op; on one rank they run (the variable is the whole
-table). A model that only looks its tables up runs on any number of ranks.
-argv: MODEL ("tied" or "dense") KIND[/CALL]... (KIND "distributed",
-"localized" or "collection"; CALL "predict", "evaluate" or "fit", all
-three if left out). Reports, per case, the error (class and message) or
-None; the first error ends the run (after a failed loop the job's
-collectives are aborted: `sok_keras.divergence`)."""
+shard: `fit`, `evaluate`, `predict` and the `*_on_batch` methods refuse
+such a model, naming the table and the reading op; on one rank they run
+(the variable is the whole table). A model that only looks its tables up
+runs on any number of ranks, and so does one that reads the shard
+elementwise: a penalty on it times the number of ranks (docs/design.md).
+
+argv: MODEL KIND[/CALL]... MODEL: "tied", "gather" (rows picked from the
+variable by id), "dense", or "penalty" ("dense" with that penalty). KIND:
+"distributed", "localized" or "collection". CALL: "predict", "evaluate",
+"fit" or one of the `*_on_batch` methods; all if left out. Reports, per
+case, the error (class and message) or None; the first error ends the
+run (after a failed loop the job's collectives are aborted:
+`sok_keras.divergence`)."""
 
 import sys
 
@@ -33,7 +38,36 @@ class Tied(keras.layers.Layer):
         return keras.ops.matmul(h, keras.ops.transpose(self.table_of()))
 
 
-def model_of(kind, tied):
+class Gather(keras.layers.Layer):
+    """Picks rows from the table's variable by id, as tf.nn.embedding_lookup
+    on a whole table would."""
+
+    def __init__(self, table_of, **kwargs):
+        super().__init__(**kwargs)
+        self.table_of = table_of
+
+    def call(self, h, ids):
+        import tensorflow as tf
+
+        rows = tf.gather(self.table_of(), ids[:, 0])
+        return h + rows
+
+
+class Penalty(keras.layers.Layer):
+    """An L2 penalty on the table's shard times the number of ranks: the
+    ranks' mean of it is the whole table's (docs/design.md)."""
+
+    def __init__(self, table_of, **kwargs):
+        super().__init__(**kwargs)
+        self.table_of = table_of
+
+    def call(self, h):
+        self.add_loss(sok.num_ranks() * 1e-3 * keras.ops.sum(
+            keras.ops.square(self.table_of())))
+        return h
+
+
+def model_of(kind, what):
     ids = keras.Input((3,), dtype="int64", name="ids")
     if kind == "collection":
         emb = sok.layers.EmbeddingCollection(
@@ -47,8 +81,15 @@ def model_of(kind, tied):
         emb = layer(V, D, combiner="mean", name="items")
         h = emb(ids)
         table_of = lambda: emb.embeddings  # noqa: E731
-    out = Tied(table_of)(h) if tied else keras.layers.Dense(V)(h)
-    model = keras.Model(ids, out, name=f"{kind}_{'tied' if tied else 'dense'}")
+    if what == "tied":
+        out = Tied(table_of)(h)
+    elif what == "gather":
+        out = keras.layers.Dense(V)(Gather(table_of)(h, ids))
+    elif what == "penalty":
+        out = keras.layers.Dense(V)(Penalty(table_of)(h))
+    else:
+        out = keras.layers.Dense(V)(h)
+    model = keras.Model(ids, out, name=f"{kind}_{what}")
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True))
     return model
@@ -60,16 +101,19 @@ calls = {
     "predict": lambda m: m.predict(x, batch_size=4, verbose=0),
     "evaluate": lambda m: m.evaluate(x, y, batch_size=4, verbose=0),
     "fit": lambda m: m.fit(x, y, batch_size=4, epochs=1, verbose=0),
+    "train_on_batch": lambda m: m.train_on_batch(x[:4], y[:4]),
+    "test_on_batch": lambda m: m.test_on_batch(x[:4], y[:4]),
+    "predict_on_batch": lambda m: m.predict_on_batch(x[:4]),
 }
 result = {}
-tied = sys.argv[1] == "tied"
+what = sys.argv[1]
 for case in sys.argv[2:]:
     kind, _, only = case.partition("/")
     for call, fn in calls.items():
         if only and call != only:
             continue
         try:
-            fn(model_of(kind, tied))
+            fn(model_of(kind, what))
             error = None
         except Exception as e:  # noqa: BLE001 -- reported
             error = [type(e).__name__, str(e)]
