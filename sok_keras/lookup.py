@@ -1261,8 +1261,15 @@ def _pooled_lookup_grad(op, dy):
     # from reading the table tensor, and keeps the sort keys short; the
     # forward validated every id.
     if table.shape.is_fully_defined():
-        dense_shape = tf.constant(table.shape.as_list(), tf.int64)
+        # int32 where it fits, as TensorFlow's own gather gradient
+        # (`ResourceGather`): a `tf.cond` with the lookup in one branch
+        # makes the other branch's zero gradient so, and their types must
+        # match (QA: on one rank, a lookup inside `tf.cond` failed `fit`).
         rows = table.shape[0]
+        dense_shape = tf.constant(
+            table.shape.as_list(),
+            tf.int32 if rows < 2 ** 31 and table.shape[1] < 2 ** 31
+            else tf.int64)
     else:
         dense_shape = tf.shape(table, out_type=tf.int64)
         rows = _INT64_MAX

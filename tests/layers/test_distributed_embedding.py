@@ -452,6 +452,37 @@ def test_models_holding_a_sok_variable_themselves_never_use_xla():
     assert model_supports_jit(plain) is True
 
 
+@pytest.mark.parametrize("combiner", [None, "sum"])
+def test_a_lookup_inside_tf_cond_trains(combiner):
+    """A subclassed model looking up in one branch of a `tf.cond`: the other
+    branch's zero gradient of the table is TensorFlow's (int32 shape), and
+    the lookup's must match it (QA: `fit` failed with "true_fn and
+    false_fn ... must have the same ... structure" on one rank)."""
+
+    class Branchy(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = sok.layers.DistributedEmbedding(20, 4,
+                                                       combiner=combiner)
+            self.out = keras.layers.Dense(1)
+
+        def call(self, ids):
+            shape = [tf.shape(ids)[0], 3, 4] if combiner is None else [
+                tf.shape(ids)[0], 4]
+            h = tf.cond(tf.shape(ids)[0] > 0, lambda: self.emb(ids),
+                        lambda: tf.zeros(shape))
+            return self.out(tf.reshape(h, [tf.shape(ids)[0], -1]))
+
+    model = Branchy()
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(24).reshape(8, 3) % 20
+    model(x[:1])
+    before = model.emb.embeddings.numpy().copy()
+    model.fit(x, np.ones((8, 1)), batch_size=4, epochs=1, verbose=0)
+    changed = np.any(model.emb.embeddings.numpy() != before, axis=1)
+    np.testing.assert_array_equal(np.flatnonzero(changed), np.unique(x))
+
+
 def test_unpooled_lookup_masks_padding_for_mask_aware_layers():
     table = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
     ids = np.array([[1, 2, -1], [3, -1, -1]])
