@@ -131,8 +131,10 @@ def install():
         _no_optimizer_state_without_compile(lib.load_model)))
     lib.load_weights_only = _in_load_scope(lib.load_weights_only)
     _keep_optimizer_state_whole()
-    _interruptions_end_the_fallback()
+    # (The tracker first: the interruption check's own wrapper must be the
+    # outer one, which Keras' frame calls.)
     _track_written_stores()
+    _interruptions_end_the_fallback()
     _legacy_h5_loads_masks()
     _legacy_h5_loads_whole_tables()
     _INSTALLED = True
