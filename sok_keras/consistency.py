@@ -470,8 +470,7 @@ def wrap_step(model, attr, kind):
         if world.num_ranks() > 1:
             # (Before the comparison: every rank refuses alike, and no
             # collective waits for one that raised.)
-            shard_reads.refuse_other_reads(model, tables, ours,
-                                           world.num_ranks())
+            shard_reads.refuse_other_reads(model, tables, ours)
         compare({"tables": [table_signature(t, optimizer) for t in tables],
                  "lookups": lookups, "dense": dense_signature(model)},
                 f"consistency/{attr}",

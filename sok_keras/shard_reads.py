@@ -98,10 +98,10 @@ def reading(tables_of):
     return decorate
 
 
-def refuse_other_reads(model, tables, ours, num_ranks):
+def refuse_other_reads(model, tables, ours):
     """Raises ValueError if the step being traced (the current graph) reads
-    one of `tables` (sharded over `num_ranks` > 1) other than through the
-    ops in `ours`."""
+    one of `tables` (those sharded over several ranks) other than through
+    the ops in `ours`."""
     graph = tf.compat.v1.get_default_graph()
     for table in tables:
         if getattr(table, "num_ranks", 1) < 2 or getattr(
@@ -118,7 +118,7 @@ def refuse_other_reads(model, tables, ours, num_ranks):
                 f"'{table.path}' other than by looking ids up (op "
                 f"'{other[0]}'), e.g. tied output weights (`h @ "
                 "layer.embeddings`): on "
-                f"{num_ranks} ranks the table is split over the ranks and "
+                f"{table.num_ranks} ranks the table is split over the ranks and "
                 f"its variable holds this rank's part ({local} of its "
                 f"{rows} rows), so each rank would compute with other "
                 "rows, none with the whole table. Read the table only "
@@ -170,15 +170,10 @@ def _readers(graph, tables):
 def _captured(graph, handle):
     """`handle` (an eager resource tensor) as captured into `graph`, directly
     or through the function graphs it is nested in; None if not captured."""
-    captures = graph.captures
-    for external, internal in captures:
-        if external is handle:
-            return internal
     outer = getattr(graph, "outer_graph", None)
-    if isinstance(outer, func_graph.FuncGraph):
-        outer_handle = _captured(outer, handle)
-        if outer_handle is not None:
-            for external, internal in captures:
-                if external is outer_handle:
-                    return internal
+    via = (_captured(outer, handle)
+           if isinstance(outer, func_graph.FuncGraph) else None)
+    for external, internal in graph.captures:
+        if external is handle or (via is not None and external is via):
+            return internal
     return None
