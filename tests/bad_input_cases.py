@@ -178,7 +178,7 @@ def _with_id(kind, bad, value, dtype=tf.int64):
 
 def _bad_id(value, dtype=tf.int64):
     return (lambda kind, bad: _with_id(kind, bad, value, dtype),
-            ("raise", (IAE,), ["{name}", str(value)]), False)
+            ("raise", (IAE,), ["{name}", str(value), "(-1 is padding)"]), False)
 
 
 def _float_ids(value):

@@ -142,7 +142,7 @@ class SokDedupBucketizeBase : public OpKernel {
         "sok_keras: table '", table_name_, "': id ",
         lookup::IdText(error.value),
         " at position ", error.position, " is out of range [0, ", vocab_size_,
-        ").");
+        ") (-1 is padding).");
   }
 
   // Allocates output `index` ([size] int64) and copies `size` values into
@@ -365,7 +365,7 @@ class SokCheckExchangeOp : public OpKernel {
                     " looked up id ", lookup::IdText(error.value),
                     " (position ",
                     error.position, "), out of range [0, ", vocab_size_,
-                    ")."));
+                    ") (-1 is padding)."));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({num_ranks, num_ranks}), &out));
