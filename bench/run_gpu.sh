@@ -53,7 +53,7 @@ if [ "$what" = multirank ] || [ "$what" = all ]; then
       tests/test_launch.py tests/test_comm.py tests/test_decisions_multirank.py \
       tests/test_global_views.py tests/test_bad_inputs_multirank.py tests/test_saving.py \
       tests/test_init_global.py tests/test_recipes_horovod.py tests/test_recipes_strategy.py \
-      tests/test_recipes_mirrored.py
+      tests/test_recipes_mirrored.py tests/test_shard_reads.py tests/test_terminate.py
 fi
 if [ "$what" = bench ] || [ "$what" = multirank ] || [ "$what" = all ]; then
   step demo_1rank timeout 120 python3 -m sokrun -np 1 --timeout 110 python3 -m sok_keras.examples.train_dlrm
