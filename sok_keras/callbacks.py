@@ -530,16 +530,46 @@ def _folder_made_when_saving(checkpoint):
     checkpoint._should_save_model = should_save_model
 
 
+def joining(callback_list, extra, loop):
+    """`loop` (Keras' `fit` / `evaluate` / `predict`, called as
+    `loop(model, ...)`) run with the callbacks `extra` put into a
+    `keras.callbacks.CallbackList` for that run only: after those of sok's
+    that must come first (`sok_first`), before the caller's. Keras runs a
+    given `CallbackList` as it is, without setting its model and
+    parameters, so `extra` gets them here."""
+
+    @functools.wraps(loop)
+    def run(model, *args, **kwargs):
+        first = 0
+        for c in callback_list.callbacks:
+            if not getattr(c, "sok_first", False):
+                break
+            first += 1
+        for c in extra:
+            c.set_model(model)
+            c.set_params(dict(callback_list.params or {}))
+        callback_list.callbacks[first:first] = list(extra)
+        try:
+            return loop(model, *args, **kwargs)
+        finally:
+            callback_list.callbacks[:] = [
+                c for c in callback_list.callbacks
+                if not any(c is e for e in extra)]
+
+    return run
+
+
 def with_global_metrics(kind, original, model, args, kwargs):
     """How the multi-rank loop hooks call Keras' `fit` / `evaluate`.
 
     Returns `(call, args, kwargs)`: with global metrics on, `callbacks`
     gets a `GlobalMetrics` first (a given one is moved first); `evaluate`
     returns global values (in the form asked for: a dict with
-    `return_dict=True`, else Keras' list or scalar). `predict` and a
-    `callbacks` that is a `keras.callbacks.CallbackList` are left as they
-    are (validation inside `fit` passes the fit's list, whose
-    `GlobalMetrics` already computed the global values). The folders of
+    `return_dict=True`, else Keras' list or scalar). `predict` is left as
+    it is. A `callbacks` that is a `keras.callbacks.CallbackList` (yours,
+    or the fit's list that validation inside `fit` passes) gets a
+    `GlobalMetrics` first for this loop only, unless it has one (QA: a
+    user's list saw each rank's own values). The folders of
     `ModelCheckpoint` callbacks are created first, on every rank.
     """
     if kind not in ("fit", "evaluate"):
@@ -548,9 +578,13 @@ def with_global_metrics(kind, original, model, args, kwargs):
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     callbacks = bound.arguments.get("callbacks")
     _make_checkpoint_folders(callbacks)
+    call = original
     if isinstance(callbacks, keras.callbacks.CallbackList):
         found = [c for c in callbacks.callbacks
                  if isinstance(c, GlobalMetrics)]
+        if enabled and not found:
+            found = [GlobalMetrics()]
+            call = joining(callbacks, found, original)
     else:
         callbacks = keras.tree.flatten(callbacks) if callbacks else []
         found = [c for c in callbacks if isinstance(c, GlobalMetrics)]
@@ -559,7 +593,7 @@ def with_global_metrics(kind, original, model, args, kwargs):
             found = found or [GlobalMetrics()]
             bound.arguments["callbacks"] = found + rest
     if kind == "fit" or not (enabled or found):
-        return original, bound.args[1:], bound.kwargs
+        return call, bound.args[1:], bound.kwargs
     gm = found[0] if found else None
     want_dict = bool(bound.arguments.get("return_dict", False))
     bound.arguments["return_dict"] = True
@@ -568,7 +602,7 @@ def with_global_metrics(kind, original, model, args, kwargs):
     def evaluate(model, *a, **k):
         if gm is not None:
             gm.last_test_logs = None
-        logs = original(model, *a, **k)
+        logs = call(model, *a, **k)
         if gm is not None and gm.last_test_logs is not None:
             logs = gm.last_test_logs
         else:

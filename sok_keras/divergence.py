@@ -1080,6 +1080,8 @@ def start(world):
 class _Tracker(keras.callbacks.Callback):
     """Follows this rank's steps in a loop (the first callback)."""
 
+    sok_first = True  # (`sok_keras.callbacks.joining` keeps it first)
+
     def __init__(self, ch, loop):
         super().__init__()
         self._ch = ch
@@ -1185,13 +1187,19 @@ def run_loop(kind, original, model, args, kwargs):
         return original(model, *args, **kwargs)
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     callbacks = bound.arguments.get("callbacks")
-    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
-        return original(model, *args, **kwargs)  # a CallbackList: as is
     loop = ch.begin_loop(kind)
-    bound.arguments["callbacks"] = [_Tracker(ch, loop)] + list(callbacks or ())
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        # The caller's list: the tracker joins it for this loop.
+        from sok_keras.callbacks import joining
+
+        call = joining(callbacks, [_Tracker(ch, loop)], original)
+    else:
+        call = original
+        bound.arguments["callbacks"] = [_Tracker(ch, loop)] + list(
+            keras.tree.flatten(callbacks) if callbacks else ())
     try:
         try:
-            out = original(*bound.args, **bound.kwargs)
+            out = call(*bound.args, **bound.kwargs)
         except BaseException as e:
             replacement = ch.failed_here(loop, e)
             if replacement is not None:

@@ -2,6 +2,8 @@
 loop plumbing of multi-rank fit / evaluate, in one process. The 2-rank
 behaviour is tested in tests/test_decisions_multirank.py."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -84,12 +86,29 @@ def test_global_metrics_goes_first():
     call, a, k = cb.with_global_metrics(
         "fit", keras.Model.fit, model, (), {"callbacks": [stop]})
     assert _callbacks_of(call, a, k, model) == [stop]
-    # predict and CallbackLists are not touched.
+    # A CallbackList (Keras runs it as it is) gets one for the loop only,
+    # with the model set.
     cb.set_global_metrics(True)
     listed = keras.callbacks.CallbackList([stop])
+    seen = []
+
+    @functools.wraps(keras.Model.fit)
+    def fit(model, *args, **kwargs):
+        seen.append(list(kwargs["callbacks"].callbacks))
+
     call, a, k = cb.with_global_metrics(
-        "fit", keras.Model.fit, model, (), {"callbacks": listed})
+        "fit", fit, model, (), {"callbacks": listed})
     assert _callbacks_of(call, a, k, model) is listed
+    call(model, *a, **k)
+    assert isinstance(seen[0][0], cb.GlobalMetrics) and seen[0][1:] == [stop]
+    assert seen[0][0].model is model
+    assert listed.callbacks == [stop]
+    # ... unless it has one; predict is not touched.
+    listed = keras.callbacks.CallbackList([stop, mine])
+    call, a, k = cb.with_global_metrics(
+        "fit", fit, model, (), {"callbacks": listed})
+    call(model, *a, **k)
+    assert seen[1] == [stop, mine] and listed.callbacks == [stop, mine]
     assert cb.with_global_metrics(
         "predict", keras.Model.predict, model, (1,), {"callbacks": [stop]}
     ) == (keras.Model.predict, (1,), {"callbacks": [stop]})

@@ -26,6 +26,10 @@ _SHARED = {
     (5, 4, "metrics", 1): ((5, 5, "save", 1), (5, 4, "metrics", 1)),
     (5, 5, "validate", 2): ((5, 5, "validate", 2), (4, 5, "metrics", 1)),
     (4, 5, "metrics", 1): ((5, 5, "validate", 2), (4, 5, "metrics", 1)),
+    (5, 5, "callback_list", 2): ((5, 5, "callback_list", 2),
+                                 (5, 4, "callback_list", 1)),
+    (5, 4, "callback_list", 1): ((5, 5, "callback_list", 2),
+                                 (5, 4, "callback_list", 1)),
     (5, 5, "spe", 2): ((5, 5, "spe", 2), (5, 4, "spe", 1)),
     (5, 4, "spe", 1): ((5, 5, "spe", 2), (5, 4, "spe", 1)),
 }
@@ -307,6 +311,21 @@ def test_equal_steps_never_trigger_anything():
     for r in (0, 1):
         assert job.results[r]["error"] is None, detail
     assert job.results[0]["saved"] and job.results[1]["saved"], detail
+
+
+def test_a_keras_callback_list_gets_global_logs_and_divergence_checks():
+    """Keras runs a `CallbackList` given to `fit` as it is: sok's tracker
+    and `GlobalMetrics` join it for the loop (QA: before, each rank's
+    History held its own losses, and a rank with fewer batches went
+    unseen until SOK_COMM_TIMEOUT)."""
+    job, detail = _job(5, 5, "callback_list", 2)
+    assert job.returncode == 0, detail
+    for r in (0, 1):
+        assert job.results[r]["error"] is None, detail
+        assert len(job.results[r]["losses"]) == 2, detail
+    assert job.results[0]["losses"] == job.results[1]["losses"], detail
+    _both_diverged(*_job(5, 4, "callback_list"),
+                   "rank 1 finished after step 4; rank 0 is at step 5")
 
 
 def test_equal_steps_with_validation_and_two_epochs():
