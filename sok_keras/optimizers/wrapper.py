@@ -4,6 +4,7 @@ import contextlib
 import copy
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from sok_keras import _gradients
@@ -754,6 +755,22 @@ def _apply_reduced(opt, grads, variables, apply_dense, jit_compile):
             apply_dense(dense_g, dense_v)
 
 
+def _earlier_layout(store, variables):
+    """Whether `store` holds `variables` in an earlier version's layout:
+    two scalars (the wrapper's own step count and learning rate) first,
+    then entries of the variables' shapes. A file of another optimizer
+    (or of an optimizer not yet built) whose count is only two more is
+    none: Keras skips it with its warning (QA: its slots were read into
+    the step count, and loading failed)."""
+    n = len(variables)
+    if len(store.keys()) != n + 2:
+        return False
+    shapes = [tuple(getattr(store[str(i)], "shape", np.shape(store[str(i)])))
+              for i in range(n + 2)]
+    return shapes[:2] == [(), ()] and all(
+        shapes[i + 2] == tuple(v.shape) for i, v in enumerate(variables))
+
+
 @keras.saving.register_keras_serializable(package="sok_keras")
 class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     """Makes any supported Keras optimizer train sharded tables, sparsely.
@@ -893,11 +910,12 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
         return own + self.inner_optimizer.variables
 
     def load_own_variables(self, store):
-        n = len(self.variables)
-        if len(store.keys()) == n + 2:
+        variables = self.variables
+        if _earlier_layout(store, variables):
             # A file of an earlier version, which saved the wrapper's own
             # (unused) step count and learning rate first.
-            store = {str(i): store[str(i + 2)] for i in range(n)}
+            store = {str(i): store[str(i + 2)]
+                     for i in range(len(variables))}
         super().load_own_variables(store)
 
     @property
