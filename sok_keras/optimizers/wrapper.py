@@ -771,6 +771,36 @@ def _earlier_layout(store, variables):
         shapes[i + 2] == tuple(v.shape) for i, v in enumerate(variables))
 
 
+def _inner_option(name):
+    """A property of the wrapper that is the inner optimizer's `name`
+    (Keras' base class sets its defaults, None, before there is one): a
+    Keras user's `model.optimizer.clipnorm = 1.0` after `compile` wrapped
+    the optimizer (QA: it was kept on the wrapper, which never reads it)."""
+
+    def get(self):
+        inner = self.__dict__.get("inner_optimizer")
+        return None if inner is None else getattr(inner, name)
+
+    def set(self, value):
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None:
+            if value is not None:
+                raise ValueError(
+                    f"OptimizerWrapper does not take `{name}`. Instead, set "
+                    f"`{name}` on the inner optimizer. Received: "
+                    f"{name}={value!r}.")
+            return
+        before = getattr(inner, name)
+        setattr(inner, name, value)
+        try:
+            _check_supported(inner)
+        except ValueError:
+            setattr(inner, name, before)
+            raise
+
+    return property(get, set, doc=f"The inner optimizer's `{name}`.")
+
+
 @keras.saving.register_keras_serializable(package="sok_keras")
 class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     """Makes any supported Keras optimizer train sharded tables, sparsely.
@@ -956,6 +986,17 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     def lr(self):
         """SOK's (and Keras 2's) name for `learning_rate`."""
         return self.learning_rate
+
+    clipnorm = _inner_option("clipnorm")
+    global_clipnorm = _inner_option("global_clipnorm")
+    clipvalue = _inner_option("clipvalue")
+    weight_decay = _inner_option("weight_decay")
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """The inner optimizer's `exclude_from_weight_decay` (tables
+        included)."""
+        self.inner_optimizer.exclude_from_weight_decay(
+            var_list=var_list, var_names=var_names)
 
     @_not_converted
     def apply(self, grads, trainable_variables=None):

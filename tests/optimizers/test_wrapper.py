@@ -1163,3 +1163,48 @@ def test_load_weights_into_a_model_whose_optimizer_is_not_built(tmp_path):
         fresh.load_weights(path)
     for a, b in zip(model.get_weights(), fresh.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("option,value", [
+    ("clipnorm", 0.01), ("global_clipnorm", 0.01), ("clipvalue", 0.001),
+    ("weight_decay", 0.9), ("exclude", None)])
+def test_options_set_on_the_wrapper_after_compile_apply(option, value):
+    """`compile` wraps the optimizer; Keras' options a user then sets on
+    `model.optimizer` are the inner optimizer's, as if set before (QA:
+    they were kept on the wrapper, which never reads them)."""
+    x = np.arange(16).reshape(8, 2) % 10
+    y = np.full((8, 1), 5.0, np.float32)
+
+    def run(before):
+        keras.utils.clear_session()
+        ids = keras.Input((2,), dtype="int64")
+        emb = sok.layers.DistributedEmbedding(10, 4, combiner=None,
+                                              name="emb")
+        dense = keras.layers.Dense(1, use_bias=False,
+                                   kernel_initializer="ones", name="head")
+        model = keras.Model(ids, dense(keras.layers.Flatten()(emb(ids))))
+        emb.embeddings.assign_global(np.full((10, 4), 0.1, np.float32))
+        weight_decay = 0.5 if option == "exclude" else None
+        inner = keras.optimizers.SGD(0.5, weight_decay=weight_decay)
+        model.compile(optimizer=inner, loss="mse")
+        target = inner if before else model.optimizer
+        assert before or isinstance(target, sok.OptimizerWrapper)
+        if option == "exclude":
+            target.exclude_from_weight_decay(var_names=["emb"])
+        else:
+            setattr(target, option, value)
+            assert getattr(model.optimizer, option) == value
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+        return [emb.embeddings.read_global(), dense.kernel.numpy()]
+
+    for a, b in zip(run(before=True), run(before=False)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_clipping_set_on_the_wrapper_keeps_the_accumulation_check():
+    wrapper = sok.OptimizerWrapper(keras.optimizers.SGD(
+        0.1, gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        wrapper.clipnorm = 1.0
+    assert wrapper.clipnorm is None
+    assert wrapper.inner_optimizer.clipnorm is None
