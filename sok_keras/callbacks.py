@@ -330,6 +330,46 @@ def check_replicated_weights(model, when):
             "averaging\".")
 
 
+def check_learning_rates(model, when):
+    """Raises on every rank if the learning rate of the model's optimizer
+    differs between the ranks (one all-reduce of one value per rank).
+
+    A callback that sets it (`LearningRateScheduler`, `ReduceLROnPlateau`)
+    given on rank 0 only, as Horovod's recipes do, trains each rank's rows
+    at its own rate (QA: a model of tables only trained on without a
+    word; with dense weights, the error blamed their averaging).
+
+    Args:
+        model: the Keras model.
+        when: words for the message, e.g. `"after epoch 3"`.
+
+    Raises:
+        RuntimeError: naming each rank's learning rate, on every rank.
+    """
+    opt = getattr(model, "optimizer", None)
+    if opt is None or world.num_ranks() == 1:
+        return
+    try:
+        rate = float(np.asarray(keras.ops.convert_to_numpy(
+            opt.learning_rate)))
+    except (TypeError, ValueError, AttributeError):
+        return  # (no single number: nothing to compare)
+    n = world.num_ranks()
+    mine = np.zeros([n], np.float64)
+    mine[world.rank()] = rate
+    rates = _all_reduce_sum([mine], "global_metrics/learning_rate")
+    if np.all(np.abs(rates - rates[0]) <= 1e-7 * np.abs(rates[0])):
+        return
+    each = ", ".join(f"rank {r}: {v:g}" for r, v in enumerate(rates))
+    raise RuntimeError(
+        f"sok_keras: {when}, the learning rate of the model's optimizer "
+        f"{type(opt).__name__} differs between the ranks ({each}); every "
+        "rank must train at the same rate. Give a callback that sets it "
+        "(`LearningRateScheduler`, `ReduceLROnPlateau`) to `fit` on every "
+        "rank, not on rank 0 only: it sees the global logs there, so it "
+        "decides the same everywhere.")
+
+
 def average_rank_statistics(model):
     """Averages over the ranks the model's non-trainable floating weights
     that differ between them, so every rank holds the same.
@@ -473,6 +513,7 @@ class GlobalMetrics(keras.callbacks.Callback):
             if agreed[i] == n:
                 logs[k] = known[k][1]
         average_rank_statistics(self.model)
+        check_learning_rates(self.model, f"after epoch {epoch + 1}")
         check_replicated_weights(self.model, f"after epoch {epoch + 1}")
         self._last_epoch_logs = dict(logs)
 

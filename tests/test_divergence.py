@@ -328,6 +328,19 @@ def test_a_keras_callback_list_gets_global_logs_and_divergence_checks():
                    "rank 1 finished after step 4; rank 0 is at step 5")
 
 
+def test_a_learning_rate_set_on_rank_0_only_is_refused():
+    """(QA: a model of tables only trained each rank's rows at its own rate
+    without a word; with dense weights, the error blamed averaging.)"""
+    job, detail = _job(5, 5, "lr_rank0")
+    assert job.returncode == 0, detail
+    for r in (0, 1):
+        error = job.results[r]["error"] or ""
+        assert job.results[r]["type"] == "RuntimeError", detail
+        assert ("after epoch 1, the learning rate of the model's optimizer "
+                "OptimizerWrapper differs between the ranks (rank 0: 0.01, "
+                "rank 1: 0.1)") in error, detail
+
+
 def test_equal_steps_with_validation_and_two_epochs():
     job, detail = _job(5, 5, "validate", 2)
     assert job.returncode == 0, detail

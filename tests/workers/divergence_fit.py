@@ -12,6 +12,7 @@ token, a long line without a newline; one stays connected);
 1 stops training after step 2); "unknown" (data and
 validation data of unknown length, through `.filter`, and GlobalMetrics:
 Keras then begins one more step per epoch, which finds the data empty);
+"lr_rank0" (a LearningRateScheduler on rank 0 only);
 "callback_list" (the callbacks given as a `keras.callbacks.CallbackList`);
 "spe" (steps_per_execution=3: Keras reports one step per execution);
 "stall" (rank 1 sleeps 15 s before step 5: a stalled rank; "stall0":
@@ -92,6 +93,9 @@ model.compile(optimizer=sok.optimizers.OptimizerWrapper(
 callbacks = [Trouble()]
 if EXTRA in ("metrics", "validate", "unknown"):
     callbacks.append(sok.callbacks.GlobalMetrics())
+if EXTRA == "lr_rank0" and RANK == 0:  # Horovod's habit
+    callbacks.append(keras.callbacks.LearningRateScheduler(
+        lambda epoch, rate: rate * 0.1))
 if EXTRA == "callback_list":  # Keras runs a given CallbackList as it is
     callbacks = keras.callbacks.CallbackList(
         callbacks, add_history=True, model=model)
