@@ -229,6 +229,58 @@ def _check_seeded(dataset, n):
             "the dataset; keep every stage deterministic.")
 
 
+def _seeds(dataset):
+    """The `(seed, seed2)` of the pipeline's `shuffle` and
+    `Dataset.random()` stages, in a fixed order (None where not static)."""
+    found, seen, todo = [], set(), [dataset]
+    while todo:
+        ds = todo.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        if type(ds).__name__ in _WHAT:
+            values = [_static(getattr(ds, a, None)) for a in ("_seed", "_seed2")]
+            found.append(tuple(None if v is None else int(v) for v in values))
+        try:
+            todo.extend(ds._inputs())
+        except Exception:  # noqa: BLE001 - a dataset kind without inputs
+            pass
+    return found
+
+
+def _check_same_seeds(dataset, n):
+    """Raises on every rank if the seeds of the pipeline's random stages
+    differ between the ranks. With `keras.utils.set_random_seed(42)`, an op
+    given no seed of its own draws its second seed from a count of the
+    random ops made before it, so a rank that made one more (QA: an extra
+    op on rank 0 before the dataset) shuffles another way; each rank then
+    sliced other global batches, some samples twice, others never."""
+    import hashlib
+
+    from sok_keras import global_views
+
+    seeds = _seeds(dataset)
+    global_views.check_in("sok.shard_batches")
+    digest = hashlib.sha256(repr(seeds).encode()).digest()
+    mine = int.from_bytes(digest[:5], "big")  # 40 bits: sums fit int64
+    agree = _world.control_communicator().agree
+    timeout = global_views.enter_timeout()
+    total = agree("shard_batches/seeds", mine, timeout)
+    differ = agree("shard_batches/seeds_differ", int(total != n * mine),
+                   timeout)
+    if differ:
+        raise ValueError(
+            f"shard_batches: the seeds of the dataset's random stages differ "
+            f"between the {n} ranks (rank {_world.rank()}: (seed, seed2) = "
+            f"{seeds}), so each rank would read other global batches: some "
+            "rows trained twice per epoch, others never. An op given no "
+            "seed of its own takes its second seed from the number of "
+            "random ops made before it, which differs where the ranks ran "
+            "different code first: pass the seed to the stage itself "
+            "(`shuffle(buffer_size, seed=42)`), or build the dataset before "
+            "any rank-dependent random work.")
+
+
 def shard_batches(dataset, global_batch_size=None):
     """Keeps this rank's slice of every global batch of `dataset`.
 
@@ -270,7 +322,9 @@ def shard_batches(dataset, global_batch_size=None):
             `interleave` or `flat_map` function, with no seed (neither its
             own nor a global one when it was made), or a
             `deterministic=False` stage or option (a `map`'s random op
-            changes values only and is allowed).
+            changes values only and is allowed), or seeds of those stages
+            that differ between the ranks (compared across them: call
+            `shard_batches` on every rank, in the same order).
 
     Example:
 
@@ -336,6 +390,7 @@ def shard_batches(dataset, global_batch_size=None):
     if n == 1:
         return dataset
     _check_seeded(dataset, n)
+    _check_same_seeds(dataset, n)
     b = size // n
     start = _world.rank() * b
     is_tuple = type(spec) is tuple  # tf.data unpacks plain tuples only

@@ -8,10 +8,16 @@ import tensorflow as tf
 
 from sok_keras import data
 from sok_keras import world
+from tests.multiprocess import run_workers
+from tests.multiprocess import worker_path
 
 
 @pytest.fixture
 def as_rank(monkeypatch):
+    # (No peers here: the ranks' seeds are compared on real ranks, in
+    # `test_seeds_that_differ_between_ranks_are_refused`.)
+    monkeypatch.setattr(data, "_check_same_seeds", lambda dataset, n: None)
+
     def set_rank(rank, n):
         monkeypatch.setattr(world, "_WORLD", None)
         monkeypatch.setenv("SOK_RANK", str(rank))
@@ -261,3 +267,20 @@ def test_errors(as_rank):
             r"\.unbatch\(\)\.batch\(global_batch_size, "
             r"drop_remainder=True\)")):
         data.shard_batches(csv_like)
+
+
+def test_seeds_that_differ_between_ranks_are_refused():
+    """With the global seed set, a `shuffle` given no seed of its own takes
+    its second seed from the number of random ops made before it: a rank
+    that made one more shuffled another way, and each rank sliced another
+    global batch (QA: sample 20 on both ranks, another on none)."""
+    same = run_workers(worker_path("shuffle_seeds"), 2, ["same"], timeout=90)
+    assert [r["error"] for r in same] == [None, None]
+    rows = same[0]["rows"] + same[1]["rows"]
+    assert len(set(rows)) == 12  # one global batch, split
+    other = run_workers(worker_path("shuffle_seeds"), 2, ["extra_op"],
+                        timeout=90)
+    for rank, r in enumerate(other):
+        assert r["error"].startswith(
+            "shard_batches: the seeds of the dataset's random stages differ "
+            f"between the 2 ranks (rank {rank}: (seed, seed2) = [(42, "), r
