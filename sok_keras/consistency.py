@@ -430,13 +430,18 @@ def check_fit_batches(model, x, batch_size):
     """Raises `InconsistentRanksError` on every rank when the ranks would
     train on batches of other sizes: each would then train on its slice of
     another global batch (QA: ranks batching the same data by 64 and by 32
-    before `sok.shard_batches` trained on silently). One eager all-gather;
-    nothing in a world of one."""
+    before `sok.shard_batches` trained on silently), or when the seeds of
+    the random stages before `sok.shard_batches` differ (`data.shard_seeds`).
+    One eager all-gather; nothing in a world of one."""
     if world.num_ranks() == 1:
         return
-    mine = fit_batch_size(x, batch_size)
-    sizes = [json.loads(t) for t in _gather_texts(json.dumps(mine),
-                                                  "consistency/fit_batch")]
+    from sok_keras import data
+
+    mine = [fit_batch_size(x, batch_size),
+            data.shard_seeds(x) if isinstance(x, tf.data.Dataset) else None]
+    gathered = [json.loads(t) for t in _gather_texts(json.dumps(mine),
+                                                     "consistency/fit_batch")]
+    sizes = [g[0] for g in gathered]
     known = {r: b for r, b in enumerate(sizes) if b is not None}
     if len(set(known.values())) > 1:
         text = ", ".join(f"{b} on rank {r}" for r, b in known.items())
@@ -447,6 +452,10 @@ def check_fit_batches(model, x, batch_size):
             "dataset, batched to the same global size on every rank, then "
             "`sok.shard_batches` (or arrays sliced `x[sok.rank()::"
             "sok.num_ranks()]` with the same `batch_size` everywhere).")
+    seeds = {r: g[1] for r, g in enumerate(gathered) if g[1] is not None}
+    if len(set(seeds.values())) > 1:
+        raise InconsistentRanksError(
+            data.seeds_differ_message(model.name, seeds))
 
 
 def wrap_step(model, attr, kind):

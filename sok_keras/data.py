@@ -2,6 +2,7 @@
 
 import functools
 import inspect
+import json
 
 import tensorflow as tf
 
@@ -248,37 +249,52 @@ def _seeds(dataset):
     return found
 
 
-def _check_same_seeds(dataset, n):
-    """Raises on every rank if the seeds of the pipeline's random stages
-    differ between the ranks. With `keras.utils.set_random_seed(42)`, an op
-    given no seed of its own draws its second seed from a count of the
-    random ops made before it, so a rank that made one more (QA: an extra
-    op on rank 0 before the dataset) shuffles another way; each rank then
-    sliced other global batches, some samples twice, others never."""
-    import hashlib
+def shard_seeds(dataset):
+    """The seeds of the random stages before `shard_batches` in the
+    pipeline of `dataset` (a `tf.data.Dataset` made from one that
+    `shard_batches` returned), as JSON text; None where there is none.
+    `model.fit` compares them across the ranks
+    (`consistency.check_fit_batches`)."""
+    seen, todo = set(), [dataset]
+    while todo:
+        ds = todo.pop()
+        if id(ds) in seen or not isinstance(ds, tf.data.Dataset):
+            continue
+        seen.add(id(ds))
+        found = getattr(ds, "_sok_shard_seeds", None)
+        if found is not None:
+            return found
+        try:
+            todo.extend(ds._inputs())
+        except Exception:  # noqa: BLE001 - a dataset kind without inputs
+            pass
+    return None
 
-    from sok_keras import global_views
 
-    seeds = _seeds(dataset)
-    global_views.check_in("sok.shard_batches")
-    digest = hashlib.sha256(repr(seeds).encode()).digest()
-    mine = int.from_bytes(digest[:5], "big")  # 40 bits: sums fit int64
-    agree = _world.control_communicator().agree
-    timeout = global_views.enter_timeout()
-    total = agree("shard_batches/seeds", mine, timeout)
-    differ = agree("shard_batches/seeds_differ", int(total != n * mine),
-                   timeout)
-    if differ:
-        raise ValueError(
-            f"shard_batches: the seeds of the dataset's random stages differ "
-            f"between the {n} ranks (rank {_world.rank()}: (seed, seed2) = "
-            f"{seeds}), so each rank would read other global batches: some "
-            "rows trained twice per epoch, others never. An op given no "
-            "seed of its own takes its second seed from the number of "
-            "random ops made before it, which differs where the ranks ran "
-            "different code first: pass the seed to the stage itself "
-            "(`shuffle(buffer_size, seed=42)`), or build the dataset before "
-            "any rank-dependent random work.")
+def seeds_differ_message(model_name, seeds_by_rank):
+    """The error of `fit` when the ranks' `shard_seeds` differ (QA: with
+    `keras.utils.set_random_seed(42)` on every rank, a rank that made one
+    more random op before the dataset shuffled another way; each rank then
+    sliced other global batches, some samples twice, others never)."""
+    each = "; ".join(f"rank {r}: {s}" for r, s in seeds_by_rank.items())
+    firsts = {tuple(p[0] for p in json.loads(s)) for s in
+              seeds_by_rank.values()}
+    if len(firsts) > 1:
+        why = ("the first seed of each pair is the global seed, and it "
+               "differs: set the same one on every rank "
+               "(`keras.utils.set_random_seed(42)`) before making the "
+               "dataset")
+    else:
+        why = ("a stage given no seed of its own takes its second seed from "
+               "the number of random ops made before it, which differs "
+               "where the ranks ran different code first: pass the seed to "
+               "the stage itself (`shuffle(buffer_size, seed=42)`), or make "
+               "the dataset before any rank-dependent random work")
+    return (f"sok_keras: the ranks differ at the start of fit of model "
+            f"'{model_name}': the seeds (seed, seed2) of the random stages "
+            f"before `sok.shard_batches` are {each}, so each rank reads other "
+            "global batches and keeps its slice of another batch than its "
+            f"peers: some rows trained twice per epoch, others never. Here {why}.")
 
 
 def shard_batches(dataset, global_batch_size=None):
@@ -322,9 +338,9 @@ def shard_batches(dataset, global_batch_size=None):
             `interleave` or `flat_map` function, with no seed (neither its
             own nor a global one when it was made), or a
             `deterministic=False` stage or option (a `map`'s random op
-            changes values only and is allowed), or seeds of those stages
-            that differ between the ranks (compared across them: call
-            `shard_batches` on every rank, in the same order).
+            changes values only and is allowed). The seeds of those
+            stages are compared across the ranks at the start of
+            `model.fit` of the dataset, which raises if they differ.
 
     Example:
 
@@ -390,7 +406,7 @@ def shard_batches(dataset, global_batch_size=None):
     if n == 1:
         return dataset
     _check_seeded(dataset, n)
-    _check_same_seeds(dataset, n)
+    seeds = json.dumps(_seeds(dataset))
     b = size // n
     start = _world.rank() * b
     is_tuple = type(spec) is tuple  # tf.data unpacks plain tuples only
@@ -416,5 +432,7 @@ def shard_batches(dataset, global_batch_size=None):
         out = tf.nest.pack_sequence_as(element, flat)
         return tuple(out) if is_tuple else out
 
-    return dataset.map(keep, num_parallel_calls=tf.data.AUTOTUNE,
-                       deterministic=True)
+    out = dataset.map(keep, num_parallel_calls=tf.data.AUTOTUNE,
+                      deterministic=True)
+    out._sok_shard_seeds = seeds  # (compared by `fit`: `shard_seeds`)
+    return out

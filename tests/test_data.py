@@ -14,10 +14,6 @@ from tests.multiprocess import worker_path
 
 @pytest.fixture
 def as_rank(monkeypatch):
-    # (No peers here: the ranks' seeds are compared on real ranks, in
-    # `test_seeds_that_differ_between_ranks_are_refused`.)
-    monkeypatch.setattr(data, "_check_same_seeds", lambda dataset, n: None)
-
     def set_rank(rank, n):
         monkeypatch.setattr(world, "_WORLD", None)
         monkeypatch.setenv("SOK_RANK", str(rank))
@@ -269,18 +265,27 @@ def test_errors(as_rank):
         data.shard_batches(csv_like)
 
 
-def test_seeds_that_differ_between_ranks_are_refused():
+def test_seeds_that_differ_between_ranks_are_refused_by_fit():
     """With the global seed set, a `shuffle` given no seed of its own takes
     its second seed from the number of random ops made before it: a rank
     that made one more shuffled another way, and each rank sliced another
-    global batch (QA: sample 20 on both ranks, another on none)."""
-    same = run_workers(worker_path("shuffle_seeds"), 2, ["same"], timeout=90)
-    assert [r["error"] for r in same] == [None, None]
-    rows = same[0]["rows"] + same[1]["rows"]
-    assert len(set(rows)) == 12  # one global batch, split
-    other = run_workers(worker_path("shuffle_seeds"), 2, ["extra_op"],
-                        timeout=90)
-    for rank, r in enumerate(other):
-        assert r["error"].startswith(
-            "shard_batches: the seeds of the dataset's random stages differ "
-            f"between the 2 ranks (rank {rank}: (seed, seed2) = [(42, "), r
+    global batch (QA: sample 20 on both ranks, another on none). `fit`
+    compares the seeds before `shard_batches` across the ranks; a rank may
+    call `shard_batches` alone (review: a collective in it failed that)."""
+    jobs = {case: run_workers(worker_path("shuffle_seeds"), 2, [case],
+                              timeout=90)
+            for case in ("same", "peek", "extra_op", "global")}
+    for case in ("same", "peek"):
+        same = jobs[case]
+        assert [r["error"] for r in same] == [None, None], case
+        rows = same[0]["rows"] + same[1]["rows"]
+        assert sorted(rows) == sorted(set(rows)) and len(rows) == 12, case
+        assert same[0]["loss"] == same[1]["loss"], case
+    for case, why in (("extra_op", "pass the seed to the stage itself"),
+                      ("global", "set the same one on every rank")):
+        for r in jobs[case]:
+            assert r["error"].startswith(
+                "sok_keras: the ranks differ at the start of fit of model "
+                "'functional': the seeds (seed, seed2) of the random stages "
+                "before `sok.shard_batches` are rank 0: [[4"), (case, r)
+            assert why in r["error"], (case, r)
