@@ -779,7 +779,9 @@ def _inner_option(name):
 
     def get(self):
         inner = self.__dict__.get("inner_optimizer")
-        return None if inner is None else getattr(inner, name)
+        if inner is None or self.__dict__.get("_sok_own_build"):
+            return None  # (the base class' build: no accumulators of its own)
+        return getattr(inner, name)
 
     def set(self, value):
         inner = self.__dict__.get("inner_optimizer")
@@ -791,6 +793,13 @@ def _inner_option(name):
                     f"{name}={value!r}.")
             return
         before = getattr(inner, name)
+        if name == "gradient_accumulation_steps" and value != before and (
+                inner.built):
+            raise ValueError(
+                f"OptimizerWrapper '{self.name}': set "
+                "`gradient_accumulation_steps` before the first step (its "
+                f"optimizer {type(inner).__name__} is built, without "
+                f"accumulators). Received: {name}={value!r}.")
         setattr(inner, name, value)
         try:
             _check_supported(inner)
@@ -921,7 +930,11 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
         dense = [v for v in var_list if not is_sok_variable(v)]
         self.inner_optimizer.build(dense)
         create_table_slots(self.inner_optimizer, var_list)
-        super().build(var_list)
+        self._sok_own_build = True
+        try:
+            super().build(var_list)
+        finally:
+            self._sok_own_build = False
         if self.skip_nonfinite:  # (so that older files still load)
             self.skipped_steps = self.add_variable(
                 shape=(), dtype="int64", initializer="zeros",
@@ -991,6 +1004,10 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
     global_clipnorm = _inner_option("global_clipnorm")
     clipvalue = _inner_option("clipvalue")
     weight_decay = _inner_option("weight_decay")
+    # (Review: these two were kept on the wrapper too: the loss was scaled
+    # and never unscaled, and accumulation was ignored.)
+    loss_scale_factor = _inner_option("loss_scale_factor")
+    gradient_accumulation_steps = _inner_option("gradient_accumulation_steps")
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """The inner optimizer's `exclude_from_weight_decay` (tables

@@ -1167,7 +1167,8 @@ def test_load_weights_into_a_model_whose_optimizer_is_not_built(tmp_path):
 
 @pytest.mark.parametrize("option,value", [
     ("clipnorm", 0.01), ("global_clipnorm", 0.01), ("clipvalue", 0.001),
-    ("weight_decay", 0.9), ("exclude", None)])
+    ("weight_decay", 0.9), ("exclude", None),
+    ("gradient_accumulation_steps", 2)])
 def test_options_set_on_the_wrapper_after_compile_apply(option, value):
     """`compile` wraps the optimizer; Keras' options a user then sets on
     `model.optimizer` are the inner optimizer's, as if set before (QA:
@@ -1208,3 +1209,26 @@ def test_clipping_set_on_the_wrapper_keeps_the_accumulation_check():
         wrapper.clipnorm = 1.0
     assert wrapper.clipnorm is None
     assert wrapper.inner_optimizer.clipnorm is None
+    # The wrapper's own build makes no accumulators (the inner one does).
+    table = sok.Variable(np.zeros((6, 2), np.float32))
+    dense = keras.Variable(np.zeros((3,), np.float32))
+    wrapper.build([table, dense])
+    assert wrapper.gradient_accumulation_steps == 2
+    assert not getattr(wrapper, "_accumulated_gradients", None)
+    assert [tuple(a.shape) for a in
+            wrapper.inner_optimizer._accumulated_gradients] == [(3,)]
+    # Once built, accumulation is not turned on or off any more.
+    with pytest.raises(ValueError, match="before the first step"):
+        wrapper.gradient_accumulation_steps = 4
+
+
+def test_loss_scale_factor_set_on_the_wrapper_is_refused():
+    """(Review: kept on the wrapper, it scaled the loss, and nothing
+    unscaled the gradients.)"""
+    wrapper = sok.OptimizerWrapper(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="`loss_scale_factor` on SGD is not "
+                       "supported with sharded tables"):
+        wrapper.loss_scale_factor = 128.0
+    assert wrapper.loss_scale_factor is None
+    assert wrapper.inner_optimizer.loss_scale_factor is None
+    assert float(wrapper.scale_loss(2.0)) == 2.0
