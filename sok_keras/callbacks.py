@@ -358,7 +358,8 @@ def check_learning_rates(model, when):
     mine = np.zeros([n], np.float64)
     mine[world.rank()] = rate
     rates = _all_reduce_sum([mine], "global_metrics/learning_rate")
-    if np.all(np.abs(rates - rates[0]) <= 1e-7 * np.abs(rates[0])):
+    close = np.isclose(rates, rates[0], rtol=1e-7, atol=0.0, equal_nan=True)
+    if np.all(close):
         return
     each = ", ".join(f"rank {r}: {v:g}" for r, v in enumerate(rates))
     raise RuntimeError(
@@ -434,8 +435,9 @@ class GlobalMetrics(keras.callbacks.Callback):
     statistics each rank keeps from its own slice (`BatchNormalization`'s
     moving mean and variance) are averaged over the ranks
     (`average_rank_statistics`; also before each evaluation and at the end
-    of `fit`), and the dense weights are checked equal on every rank
-    (`check_replicated_weights`).
+    of `fit`), and the optimizer's learning rate and the dense weights are
+    checked equal on every rank (`check_learning_rates`,
+    `check_replicated_weights`).
 
     Example:
 
@@ -600,6 +602,26 @@ def joining(callback_list, extra, loop):
     return run
 
 
+def _first_for_the_loop(callback_list, callback, loop):
+    """`loop` run with `callback` moved to the front of `callback_list`
+    (after sok's `sok_first` ones), then put back where it was."""
+
+    @functools.wraps(loop)
+    def run(model, *args, **kwargs):
+        before = list(callback_list.callbacks)
+        rest = [c for c in before if c is not callback]
+        first = 0
+        while first < len(rest) and getattr(rest[first], "sok_first", False):
+            first += 1
+        callback_list.callbacks[:] = rest[:first] + [callback] + rest[first:]
+        try:
+            return loop(model, *args, **kwargs)
+        finally:
+            callback_list.callbacks[:] = before
+
+    return run
+
+
 def with_global_metrics(kind, original, model, args, kwargs):
     """How the multi-rank loop hooks call Keras' `fit` / `evaluate`.
 
@@ -626,6 +648,10 @@ def with_global_metrics(kind, original, model, args, kwargs):
         if enabled and not found:
             found = [GlobalMetrics()]
             call = joining(callbacks, found, original)
+        elif found and callbacks.callbacks[0] is not found[0]:
+            # Given, but not first: first for this loop (review: the
+            # callbacks before it saw each rank's own values).
+            call = _first_for_the_loop(callbacks, found[0], original)
     else:
         callbacks = keras.tree.flatten(callbacks) if callbacks else []
         found = [c for c in callbacks if isinstance(c, GlobalMetrics)]

@@ -103,12 +103,14 @@ def test_global_metrics_goes_first():
     assert isinstance(seen[0][0], cb.GlobalMetrics) and seen[0][1:] == [stop]
     assert seen[0][0].model is model
     assert listed.callbacks == [stop]
-    # ... unless it has one; predict is not touched.
+    # ... unless it has one, which is moved first for the loop (review:
+    # the callbacks before it saw each rank's own values); predict is not
+    # touched.
     listed = keras.callbacks.CallbackList([stop, mine])
     call, a, k = cb.with_global_metrics(
         "fit", fit, model, (), {"callbacks": listed})
     call(model, *a, **k)
-    assert seen[1] == [stop, mine] and listed.callbacks == [stop, mine]
+    assert seen[1] == [mine, stop] and listed.callbacks == [stop, mine]
     assert cb.with_global_metrics(
         "predict", keras.Model.predict, model, (1,), {"callbacks": [stop]}
     ) == (keras.Model.predict, (1,), {"callbacks": [stop]})
@@ -257,3 +259,23 @@ def test_global_metrics_leave_one_rank_alone():
     gm.on_test_end(logs)
     assert logs == {"loss": 1.5, "mae": 0.5}
     assert cb.global_logs(None, logs, "k") is logs
+
+
+def test_learning_rates_are_compared_nan_included(monkeypatch):
+    """The same rate on every rank passes, a nan or inf one included
+    (review: nan was taken for a difference); another rate raises."""
+    model = _model()
+    monkeypatch.setattr(cb.world, "num_ranks", lambda: 2)
+    monkeypatch.setattr(cb.world, "rank", lambda: 0)
+    for rate in (0.01, float("nan"), float("inf")):
+        model.optimizer.learning_rate = rate
+        monkeypatch.setattr(cb, "_all_reduce_sum",
+                            lambda values, key: np.full(2, values[0][0]))
+        cb.check_learning_rates(model, "after epoch 1")
+        monkeypatch.setattr(cb, "_all_reduce_sum",
+                            lambda values, key: np.array([values[0][0], 0.5]))
+        with pytest.raises(RuntimeError, match=(
+                rf"after epoch 1, the learning rate of the model's optimizer "
+                rf"SGD differs between the ranks \(rank 0: {rate:g}, "
+                rf"rank 1: 0.5\)")):
+            cb.check_learning_rates(model, "after epoch 1")
