@@ -765,10 +765,14 @@ def _earlier_layout(store, variables):
     n = len(variables)
     if len(store.keys()) != n + 2:
         return False
-    shapes = [tuple(getattr(store[str(i)], "shape", np.shape(store[str(i)])))
-              for i in range(n + 2)]
-    return shapes[:2] == [(), ()] and all(
-        shapes[i + 2] == tuple(v.shape) for i, v in enumerate(variables))
+
+    def shape(i):  # (Keras' H5 store reads the entry whole: once)
+        value = store[str(i)]
+        return tuple(value.shape if hasattr(value, "shape") else
+                     np.shape(value))
+
+    return shape(0) == () and shape(1) == () and all(
+        shape(i + 2) == tuple(v.shape) for i, v in enumerate(variables))
 
 
 def _inner_option(name):
