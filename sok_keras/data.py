@@ -133,6 +133,22 @@ def _function_nondeterminism(wrapper, values_only):
     return None
 
 
+def _stages(dataset):
+    """Yields each dataset of `dataset`'s pipeline once, from the last
+    stage back (a fixed order: the same pipeline gives the same order)."""
+    seen, todo = set(), [dataset]
+    while todo:
+        ds = todo.pop()
+        if id(ds) in seen or not isinstance(ds, tf.data.Dataset):
+            continue
+        seen.add(id(ds))
+        yield ds
+        try:
+            todo.extend(ds._inputs())
+        except Exception:  # noqa: BLE001 - a dataset kind without inputs
+            pass
+
+
 def _nondeterminism(dataset):
     """What in `dataset`'s pipeline makes each process read other batches
     (an unseeded `shuffle`, `Dataset.random()` or random op, a
@@ -140,12 +156,7 @@ def _nondeterminism(dataset):
     (Seeds count when given to the op or set globally when it was made.)"""
     if dataset.options().deterministic is False:
         return "`tf.data.Options().deterministic = False`"
-    seen, todo = set(), [dataset]
-    while todo:
-        ds = todo.pop()
-        if id(ds) in seen:
-            continue
-        seen.add(id(ds))
+    for ds in _stages(dataset):
         kind = type(ds).__name__
         if kind in _WHAT and _unseeded(
                 (getattr(ds, "_seed", None), getattr(ds, "_seed2", None))):
@@ -162,10 +173,6 @@ def _nondeterminism(dataset):
                 wrapper, values_only=kind in _VALUE_MAPS)
             if found:
                 return found
-        try:
-            todo.extend(ds._inputs())
-        except Exception:  # noqa: BLE001 - a dataset kind without inputs
-            pass
     return None
 
 
@@ -233,19 +240,11 @@ def _check_seeded(dataset, n):
 def _seeds(dataset):
     """The `(seed, seed2)` of the pipeline's `shuffle` and
     `Dataset.random()` stages, in a fixed order (None where not static)."""
-    found, seen, todo = [], set(), [dataset]
-    while todo:
-        ds = todo.pop()
-        if id(ds) in seen:
-            continue
-        seen.add(id(ds))
+    found = []
+    for ds in _stages(dataset):
         if type(ds).__name__ in _WHAT:
             values = [_static(getattr(ds, a, None)) for a in ("_seed", "_seed2")]
             found.append(tuple(None if v is None else int(v) for v in values))
-        try:
-            todo.extend(ds._inputs())
-        except Exception:  # noqa: BLE001 - a dataset kind without inputs
-            pass
     return found
 
 
@@ -255,19 +254,10 @@ def shard_seeds(dataset):
     `shard_batches` returned), as JSON text; None where there is none.
     `model.fit` compares them across the ranks
     (`consistency.check_fit_batches`)."""
-    seen, todo = set(), [dataset]
-    while todo:
-        ds = todo.pop()
-        if id(ds) in seen or not isinstance(ds, tf.data.Dataset):
-            continue
-        seen.add(id(ds))
+    for ds in _stages(dataset):
         found = getattr(ds, "_sok_shard_seeds", None)
         if found is not None:
             return found
-        try:
-            todo.extend(ds._inputs())
-        except Exception:  # noqa: BLE001 - a dataset kind without inputs
-            pass
     return None
 
 
