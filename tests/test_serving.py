@@ -512,3 +512,51 @@ def _assert_same_16_bit(got, want, dtype):
     assert np.mean(got != want) < 0.01, np.mean(got != want)
     ulp = 2.0 ** (-10 if dtype == "float16" else -7)
     np.testing.assert_allclose(got, want, rtol=ulp, atol=1e-6)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class WithSpareLayers(keras.Model):
+    """Holds sok layers its `call` never uses (an optional feature): they
+    stay unbuilt, with no table."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.used = sok.layers.DistributedEmbedding(
+            50, 4, combiner="mean", name="used")
+        self.spare = sok.layers.DistributedEmbedding(50, 4, name="spare")
+        self.spare_col = sok.layers.EmbeddingCollection(
+            tables={"t": {"vocabulary_size": 9, "embedding_dim": 2}},
+            features={"f": {"table": "t"}}, name="spare_col")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, ids):
+        return self.head(self.used(ids))
+
+
+def test_unbuilt_sok_layers_save_load_and_export(tmp_path):
+    """As Keras' own layers: a sok layer never called saves nothing and
+    loads as it was, and the export leaves it out (QA: AttributeError
+    'embeddings' in model.save, save_weights and the export)."""
+    keras.utils.set_random_seed(4)
+    model = WithSpareLayers()
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (16, 3))
+    model.fit(x, np.ones((16, 1), np.float32), verbose=0)
+    assert not model.spare.built and not model.spare_col.built
+    expected = model.predict(x, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
+    assert not loaded.spare.built
+    weights = str(tmp_path / "m.weights.h5")
+    model.save_weights(weights)
+    other = WithSpareLayers()
+    other(x)
+    other.load_weights(weights)
+    np.testing.assert_array_equal(other.predict(x, verbose=0), expected)
+    serving = str(tmp_path / "serving")
+    sok.export_for_serving(model, serving)
+    np.testing.assert_allclose(serve_without_sok(serving, {"": x}, tmp_path),
+                               expected, rtol=1e-6, atol=1e-6)

@@ -622,10 +622,17 @@ class BaseEmbedding(keras.layers.Layer):
     # streamed in bounded chunks (no rank holds a whole table) and loading
     # reads only this rank's rows (sok_keras/variable.py, _keras_h5.py).
     def save_own_variables(self, store):
+        if not self.built:
+            # Never called (a layer a subclassed model holds but does not
+            # use, or a model saved before its first call): no table yet,
+            # nothing saved, as Keras' own layers (QA: AttributeError).
+            return
         save_table(store, "embeddings", "slot.", self.embeddings)
 
     @first_load_error
     def load_own_variables(self, store):
+        if not self.built and not list(store.keys()):
+            return  # saved unbuilt: stays unbuilt, as Keras' layers
         if not self.built:
             # A subclassed model whose `build()` does not build its layers
             # (Keras loads weights into layers it never called).

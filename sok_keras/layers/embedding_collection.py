@@ -653,12 +653,16 @@ class EmbeddingCollection(keras.layers.Layer):
     # -- saving: each table (and its slots) whole, in global row order,
     # streamed in bounded chunks; loading reads only this rank's rows.
     def save_own_variables(self, store):
+        if not self.built:  # as BaseEmbedding.save_own_variables
+            return
         for t in sorted(self.embeddings):
             save_table(store, f"table.{t}", f"table.{t}.slot.",
                        self.embeddings[t])
 
     @first_load_error
     def load_own_variables(self, store):
+        if not self.built and not list(store.keys()):
+            return  # as BaseEmbedding.load_own_variables
         if not self.built:  # as BaseEmbedding.load_own_variables
             self.build()
         keys = list(store.keys())
