@@ -335,7 +335,10 @@ def test_a_learning_rate_set_on_rank_0_only_is_refused():
     assert job.returncode == 0, detail
     for r in (0, 1):
         error = job.results[r]["error"] or ""
-        assert job.results[r]["type"] == "RuntimeError", detail
+        # Each rank raises it; one that hears of its peer's first raises
+        # the RankDivergedError quoting it.
+        assert job.results[r]["type"] in (
+            "RuntimeError", "RankDivergedError"), detail
         assert ("after epoch 1, the learning rate of the model's optimizer "
                 "OptimizerWrapper differs between the ranks (rank 0: 0.01, "
                 "rank 1: 0.1)") in error, detail
