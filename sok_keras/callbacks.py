@@ -575,45 +575,23 @@ def _folder_made_when_saving(checkpoint):
 
 def joining(callback_list, extra, loop):
     """`loop` (Keras' `fit` / `evaluate` / `predict`, called as
-    `loop(model, ...)`) run with the callbacks `extra` put into a
-    `keras.callbacks.CallbackList` for that run only: after those of sok's
-    that must come first (`sok_first`), before the caller's. Keras runs a
-    given `CallbackList` as it is, without setting its model and
-    parameters, so `extra` gets them here."""
-
-    @functools.wraps(loop)
-    def run(model, *args, **kwargs):
-        first = 0
-        for c in callback_list.callbacks:
-            if not getattr(c, "sok_first", False):
-                break
-            first += 1
-        for c in extra:
-            c.set_model(model)
-            c.set_params(dict(callback_list.params or {}))
-        callback_list.callbacks[first:first] = list(extra)
-        try:
-            return loop(model, *args, **kwargs)
-        finally:
-            callback_list.callbacks[:] = [
-                c for c in callback_list.callbacks
-                if not any(c is e for e in extra)]
-
-    return run
-
-
-def _first_for_the_loop(callback_list, callback, loop):
-    """`loop` run with `callback` moved to the front of `callback_list`
-    (after sok's `sok_first` ones), then put back where it was."""
+    `loop(model, ...)`) run with the callbacks `extra` first in a
+    `keras.callbacks.CallbackList` (after those of sok's that must come
+    first, `sok_first`; moved there if the list holds them), then the list
+    as it was. Keras runs a given `CallbackList` as it is, without setting
+    its model and parameters, so `extra` gets them here."""
 
     @functools.wraps(loop)
     def run(model, *args, **kwargs):
         before = list(callback_list.callbacks)
-        rest = [c for c in before if c is not callback]
+        rest = [c for c in before if not any(c is e for e in extra)]
         first = 0
         while first < len(rest) and getattr(rest[first], "sok_first", False):
             first += 1
-        callback_list.callbacks[:] = rest[:first] + [callback] + rest[first:]
+        for c in extra:
+            c.set_model(model)
+            c.set_params(dict(callback_list.params or {}))
+        callback_list.callbacks[:] = rest[:first] + list(extra) + rest[first:]
         try:
             return loop(model, *args, **kwargs)
         finally:
@@ -645,13 +623,11 @@ def with_global_metrics(kind, original, model, args, kwargs):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         found = [c for c in callbacks.callbacks
                  if isinstance(c, GlobalMetrics)]
-        if enabled and not found:
-            found = [GlobalMetrics()]
-            call = joining(callbacks, found, original)
-        elif found and callbacks.callbacks[0] is not found[0]:
-            # Given, but not first: first for this loop (review: the
+        if enabled or found:
+            # A given one is moved first for this loop too (review: the
             # callbacks before it saw each rank's own values).
-            call = _first_for_the_loop(callbacks, found[0], original)
+            found = found[:1] or [GlobalMetrics()]
+            call = joining(callbacks, found, original)
     else:
         callbacks = keras.tree.flatten(callbacks) if callbacks else []
         found = [c for c in callbacks if isinstance(c, GlobalMetrics)]

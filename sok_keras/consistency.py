@@ -437,8 +437,7 @@ def check_fit_batches(model, x, batch_size):
         return
     from sok_keras import data
 
-    mine = [fit_batch_size(x, batch_size),
-            data.shard_seeds(x) if isinstance(x, tf.data.Dataset) else None]
+    mine = [fit_batch_size(x, batch_size), data.shard_seeds(x)]
     gathered = [json.loads(t) for t in _gather_texts(json.dumps(mine),
                                                      "consistency/fit_batch")]
     sizes = [g[0] for g in gathered]

@@ -251,7 +251,8 @@ def _seeds(dataset):
 def shard_seeds(dataset):
     """The seeds of the random stages before `shard_batches` in the
     pipeline of `dataset` (a `tf.data.Dataset` made from one that
-    `shard_batches` returned), as JSON text; None where there is none.
+    `shard_batches` returned), as JSON text; None where there is none (or
+    `dataset` is no `tf.data.Dataset`).
     `model.fit` compares them across the ranks
     (`consistency.check_fit_batches`)."""
     for ds in _stages(dataset):
