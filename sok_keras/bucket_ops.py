@@ -4,9 +4,11 @@ A ragged all-to-all between N ranks (rank i sends `C[i, j]` rows to rank j,
 `C` identical on every rank) travels as a dense all-to-all of N blocks of
 `bucket = 2**exponent` rows, the next power of two `>= max(C)` (>= 1):
 
->>> padded, e = bucket_pad(x, C, rank=r)       # [N * 2**e, ...]
->>> got = <all-to-all of padded>
->>> y = bucket_unpad(got, C, e, rank=r)        # [sum(C[:, r]), ...]
+```python
+padded, e = bucket_pad(x, C, rank=r)       # [N * 2**e, ...]
+got = <all-to-all of padded>
+y = bucket_unpad(got, C, e, rank=r)        # [sum(C[:, r]), ...]
+```
 
 Both ops run on the host (CPU kernels), carry any plain-old-data dtype and
 trailing shape (rows are copied as bytes) and are pure, so TensorFlow does

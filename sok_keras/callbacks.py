@@ -441,9 +441,11 @@ class GlobalMetrics(keras.callbacks.Callback):
 
     Example:
 
-    >>> model.fit(ds, epochs=2, verbose=1 if sok.rank() == 0 else 0)
-    >>> # or, explicitly (with sok.init(global_metrics=False)):
-    >>> model.fit(ds, epochs=2, callbacks=[sok.callbacks.GlobalMetrics()])
+    ```python
+    model.fit(ds, epochs=2, verbose=1 if sok.rank() == 0 else 0)
+    # or, explicitly (with sok.init(global_metrics=False)):
+    model.fit(ds, epochs=2, callbacks=[sok.callbacks.GlobalMetrics()])
+    ```
     """
 
     def __init__(self):
@@ -693,10 +695,12 @@ class ShardedCheckpoint(keras.callbacks.Callback):
 
     Example:
 
-    >>> ckpt = sok.callbacks.ShardedCheckpoint("/shared/run1",
-    ...                                        every_n_steps=1000, keep=2)
-    >>> meta = ckpt.restore_latest(model)  # None on a fresh start
-    >>> model.fit(ds, callbacks=[ckpt])
+    ```python
+    ckpt = sok.callbacks.ShardedCheckpoint("/shared/run1",
+                                           every_n_steps=1000, keep=2)
+    meta = ckpt.restore_latest(model)  # None on a fresh start
+    model.fit(ds, callbacks=[ckpt])
+    ```
     """
 
     def __init__(self, directory, every_n_steps=None, every_n_epochs=None,

@@ -551,8 +551,10 @@ def dump(path, model_or_variables, optimizer=None, metadata=None):
 
     Example:
 
-    >>> sok.dump("/ckpt/step_1000", model)   # on every rank
-    >>> sok.load("/ckpt/step_1000", model)   # at any number of ranks
+    ```python
+    sok.dump("/ckpt/step_1000", model)   # on every rank
+    sok.load("/ckpt/step_1000", model)   # at any number of ranks
+    ```
     """
     path = checked_path(path, "sok_keras.dump")
     if _is_variable(model_or_variables):  # SOK: "a single or a list"
@@ -1298,8 +1300,10 @@ def load(path, model_or_variables, optimizer=None):
 
     Example:
 
-    >>> sok.dump("/ckpt/step_1000", model)   # e.g. on 2 ranks
-    >>> sok.load("/ckpt/step_1000", model)   # e.g. on 3 ranks
+    ```python
+    sok.dump("/ckpt/step_1000", model)   # e.g. on 2 ranks
+    sok.load("/ckpt/step_1000", model)   # e.g. on 3 ranks
+    ```
     """
     import keras
 

@@ -192,7 +192,9 @@ class Communicator:
 
         Example:
 
-        >>> total = comm.all_reduce(loss, "train/loss", op="mean")
+        ```python
+        total = comm.all_reduce(loss, "train/loss", op="mean")
+        ```
         """
         raise NotImplementedError
 
@@ -208,7 +210,9 @@ class Communicator:
 
         Example:
 
-        >>> counts = comm.all_gather(tf.reshape(my_counts, [1, -1]), "cnt")
+        ```python
+        counts = comm.all_gather(tf.reshape(my_counts, [1, -1]), "cnt")
+        ```
         """
         raise NotImplementedError
 
@@ -316,9 +320,11 @@ class Communicator:
 
         Example:
 
-        >>> send = tf.constant([2, 1], tf.int64)   # on rank 0 of 2
-        >>> C = comm.all_gather(send[tf.newaxis], "ids/counts")
-        >>> ids_in = comm.exchange(ids_by_owner, C, "ids")
+        ```python
+        send = tf.constant([2, 1], tf.int64)   # on rank 0 of 2
+        C = comm.all_gather(send[tf.newaxis], "ids/counts")
+        ids_in = comm.exchange(ids_by_owner, C, "ids")
+        ```
         """
         c = self._check_counts(counts_matrix)
         return self._ragged(x, c, f"exchange:{key}", transpose=False)
@@ -342,8 +348,10 @@ class Communicator:
 
         Example:
 
-        >>> rows = lookup(comm.exchange(ids, C, "ids"))
-        >>> mine = comm.exchange_back(rows, C, "rows")
+        ```python
+        rows = lookup(comm.exchange(ids, C, "ids"))
+        mine = comm.exchange_back(rows, C, "rows")
+        ```
         """
         c = self._check_counts(counts_matrix)
         return self._ragged(y, c, f"exchange_back:{key}", transpose=True)
@@ -783,8 +791,10 @@ class ReplicaCommunicator(Communicator):
 
     Example:
 
-    >>> comm = ReplicaCommunicator(strategy.num_replicas_in_sync)
-    >>> strategy.run(lambda: comm.all_reduce(tf.ones([2]), "ones"))
+    ```python
+    comm = ReplicaCommunicator(strategy.num_replicas_in_sync)
+    strategy.run(lambda: comm.all_reduce(tf.ones([2]), "ones"))
+    ```
     """
 
     def __init__(self, num_replicas):

@@ -64,8 +64,10 @@ class NcclCommunicator(Communicator):
 
     Example:
 
-    >>> comm = NcclCommunicator(0, 1, NcclCommunicator.new_unique_id())
-    >>> comm.all_reduce(tf.ones([4]), "k")
+    ```python
+    comm = NcclCommunicator(0, 1, NcclCommunicator.new_unique_id())
+    comm.all_reduce(tf.ones([4]), "k")
+    ```
     """
 
     def __init__(self, rank, num_ranks, unique_id, timeout=600.0,

@@ -167,16 +167,36 @@ def _describe(value):
     return f"'{value}'" if isinstance(value, str) else str(value)
 
 
+def _unnumbered(name):
+    """`name` without Keras' automatic numbering of its path's parts
+    ('distributed_embedding_2/embeddings' -> 'distributed_embedding/
+    embeddings')."""
+    return "/".join(re.sub(r"_\d+$", "", part) for part in name.split("/"))
+
+
+_NUMBERING_HINT = (
+    "; the names differ only in Keras' automatic numbering: a rank made "
+    "more layers of that kind before this model (a model built on some "
+    "ranks only, or a build that failed on one rank and was caught), so "
+    "the ranks may be at different steps of the program. Build the model "
+    "on every rank after `keras.utils.clear_session()`, or give its "
+    "layers names (`name=`)")
+
+
 def _table_differences(a, b, ra, rb):
     """The first difference between two ranks' table lists, or None."""
     names_a = [t["name"] for t in a]
     names_b = [t["name"] for t in b]
     if names_a != names_b:
+        hint = (_NUMBERING_HINT
+                if len(names_a) == len(names_b) and sorted(
+                    map(_unnumbered, names_a)) == sorted(
+                        map(_unnumbered, names_b)) else "")
         for i, (x, y) in enumerate(zip(names_a, names_b)):
             if x != y:
                 return (f"table {i + 1} is '{x}' on rank {ra} and '{y}' on "
                         f"rank {rb} (tables: {names_a} on rank {ra}, "
-                        f"{names_b} on rank {rb})")
+                        f"{names_b} on rank {rb}){hint}")
         return (f"rank {ra} has {len(a)} tables {names_a} and rank {rb} has "
                 f"{len(b)} {names_b}")
     for x, y in zip(a, b):

@@ -335,11 +335,13 @@ def shard_batches(dataset, global_batch_size=None):
 
     Example:
 
-    >>> import sok_keras as sok
-    >>> ds = tf.data.Dataset.from_tensor_slices(({"ids": ids}, labels))
-    >>> ds = ds.shuffle(10_000, seed=42).batch(4096, drop_remainder=True)
-    >>> ds = sok.data.shard_batches(ds)  # 4096 / N rows per rank
-    >>> model.fit(ds, epochs=3)
+    ```python
+    import sok_keras as sok
+    ds = tf.data.Dataset.from_tensor_slices(({"ids": ids}, labels))
+    ds = ds.shuffle(10_000, seed=42).batch(4096, drop_remainder=True)
+    ds = sok.data.shard_batches(ds)  # 4096 / N rows per rank
+    model.fit(ds, epochs=3)
+    ```
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(

@@ -7,6 +7,7 @@ names, so a ported script changes only the package name.
 
 Example:
 
+>>> import sok_keras
 >>> from sok_keras import experiment as sok
 >>> sok.lookup_sparse is sok_keras.lookup_sparse
 True

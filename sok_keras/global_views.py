@@ -140,11 +140,13 @@ def gather_predictions(predictions, batch_size=None, strided=False):
 
     Example:
 
-    >>> y = sok.gather_predictions(model.predict(x_of_this_rank))
-    >>> y = sok.gather_predictions(model.predict(sok.shard_batches(ds)),
-    ...                            batch_size=global_batch // sok.num_ranks())
-    >>> r, n = sok.rank(), sok.num_ranks()
-    >>> y = sok.gather_predictions(model.predict(x[r::n]), strided=True)
+    ```python
+    y = sok.gather_predictions(model.predict(x_of_this_rank))
+    y = sok.gather_predictions(model.predict(sok.shard_batches(ds)),
+                               batch_size=global_batch // sok.num_ranks())
+    r, n = sok.rank(), sok.num_ranks()
+    y = sok.gather_predictions(model.predict(x[r::n]), strided=True)
+    ```
     """
     if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int)

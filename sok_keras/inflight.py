@@ -28,8 +28,10 @@ def begin(x, key):
 
     Example:
 
-    >>> y, token = begin(x, "lookup/ids")
-    >>> z = end(collective(y), token)
+    ```python
+    y, token = begin(x, "lookup/ids")
+    z = end(collective(y), token)
+    ```
     """
     # Inside a graph, a failing step must not leave its entry behind: the
     # kernel then registers a clean-up on the step's cancellation manager.

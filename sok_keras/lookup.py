@@ -24,6 +24,8 @@ With one rank there is no exchange at all.
 """
 
 import collections
+import os
+import sys
 import threading
 
 import numpy as np
@@ -282,6 +284,12 @@ def normalize_ids(ids, weights=None, name="lookup"):
     return feat
 
 
+def _ragged_2d(ids):
+    """Whether RaggedTensor ids are `[batch, None]`: ragged_rank 1 over a
+    vector of ids (not `[batch, None, k]`, whose values are a matrix)."""
+    return ids.ragged_rank == 1 and ids.flat_values.shape.rank in (1, None)
+
+
 def _normalize_ids(ids, weights, name):
     if weights is not None:
         _check_weights_dtype(
@@ -329,10 +337,11 @@ def _normalize_ids(ids, weights, name):
                     _first_problem(checks))
     if isinstance(ids, tf.RaggedTensor):
         _check_int(ids.flat_values, name)
-        if ids.ragged_rank != 1:
+        if not _ragged_2d(ids):
             raise ValueError(
                 f"{name}: RaggedTensor ids must be 2-D [batch, None]. "
-                f"Received: ragged_rank={ids.ragged_rank}."
+                f"Received: ragged_rank={ids.ragged_rank}, shape "
+                f"{ids.shape}."
             )
         values = tf.cast(ids.values, tf.int64)
         segs = _row_ids(ids.row_splits, values)
@@ -457,10 +466,53 @@ def _check_no_local_replicas(name):
         "docs/recipes.md.")
 
 
+def _parallel_input_stage():
+    """`num_parallel_calls` of the tf.data stage whose function is being
+    traced, where it runs that function on several elements at once
+    (`map(f, num_parallel_calls=4)`, a parallel `interleave`,
+    `map_and_batch`), else None.
+
+    tf.data traces a stage's function in the stage's constructor, whose
+    frame holds `num_parallel_calls` (None, or 1, runs one at a time).
+    """
+    if not tf.inside_function():
+        return None
+    data_dir = os.sep + os.path.join("tensorflow", "python", "data") + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        if data_dir in frame.f_code.co_filename:
+            n = frame.f_locals.get("num_parallel_calls")
+            if n is not None:
+                value = tf.get_static_value(n) if tf.is_tensor(n) else n
+                if value is None or int(value) != 1:
+                    return "AUTOTUNE" if value == tf.data.AUTOTUNE else (
+                        value if value is not None else n)
+        frame = frame.f_back
+    return None
+
+
+def _check_not_in_parallel_input_stage(name, num_ranks):
+    """Refuses a lookup on several ranks traced in a tf.data stage that
+    runs its function on several elements at once: the lookup's
+    collectives would then run concurrently under the same keys, which
+    TensorFlow aborts, leaving the process's collectives unusable."""
+    n = _parallel_input_stage()
+    if n is not None:
+        raise ValueError(
+            f"Table '{name}' is looked up on {num_ranks} ranks inside a "
+            f"tf.data stage with num_parallel_calls={n}: its lookups would "
+            "run concurrently, and their exchanges between the ranks would "
+            "meet the wrong partners. Look the table up in the model, or "
+            "give the stage num_parallel_calls=None (one element at a "
+            "time; a `.prefetch` after it still overlaps the lookups with "
+            "training).")
+
+
 def _exchange_comm(param, name):
     """The communicator of a lookup of `param` (several ranks), or None
     where a table sharded over a strategy's replicas is looked up outside
     `strategy.run` (its shards are then read directly)."""
+    _check_not_in_parallel_input_stage(name, param.num_ranks)
     if param._sok_shards:
         if replicas.replica_id(param.num_ranks) is None:
             if replicas.in_replica_context():
@@ -475,12 +527,13 @@ def _exchange_comm(param, name):
     return world.communicator()
 
 
-def _rows_from_every_replica(param, ids, name):
+def _rows_from_every_replica(param, ids, name, padding=True):
     """`gather_rows` of a replica-sharded table outside `strategy.run`:
     each distinct id's row read from its replica's shard."""
     d = lookup_ops.dedup_bucketize(
         ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name, raise_on_error=True)
+        owner=param.target_rank, table_name=name, raise_on_error=True,
+        padding=padding)
     parts = tf.split(d.local_rows, d.counts, num=param.num_ranks)
     rows = tf.concat([tf.gather(shard, part) for shard, part in
                       zip(param._sok_shards, parts)], 0)
@@ -499,7 +552,7 @@ def _check_world(param, name):
             f"the world now has {world.num_ranks()}.")
 
 
-def _owned_rows(param, received_ids, name):
+def _owned_rows(param, received_ids, name, padding=True):
     """On the owner: each distinct received id's row, gathered once.
 
     Returns `(owned, inverse)` with `owned[inverse[i]]` the row of
@@ -509,7 +562,7 @@ def _owned_rows(param, received_ids, name):
     _, local_rows, inverse, _, _ = lookup_ops.dedup_bucketize(
         received_ids, num_ranks=param.num_ranks,
         vocab_size=param.vocabulary_size, owner=param.target_rank,
-        table_name=name, raise_on_error=True)
+        table_name=name, raise_on_error=True, padding=padding)
     return tf.gather(param.value, local_rows), inverse
 
 
@@ -539,7 +592,7 @@ def _owned_rows(param, received_ids, name):
 # control dependency is not enough, grappler drops it).
 
 
-def _dedup(tables, ids_list):
+def _dedup(tables, ids_list, padding=True):
     """Stage 1: each table's ids deduplicated and bucketed by owner rank.
 
     Invalid ids are reported (in `error`), not raised: `_agree_counts`
@@ -548,6 +601,8 @@ def _dedup(tables, ids_list):
     Args:
         tables: a list of `(param, name)`.
         ids_list: one int64 `[nnz_t]` id vector per table.
+        padding: whether the callers' ids take `-1` as padding (for the
+            error message).
 
     Returns:
         One `dedup_bucketize` result per table.
@@ -555,7 +610,8 @@ def _dedup(tables, ids_list):
     return [
         lookup_ops.dedup_bucketize(
             ids, num_ranks=p.num_ranks, vocab_size=p.vocabulary_size,
-            owner=p.target_rank, table_name=name, raise_on_error=False)
+            owner=p.target_rank, table_name=name, raise_on_error=False,
+            padding=padding)
         for (p, name), ids in zip(tables, ids_list)
     ]
 
@@ -583,7 +639,8 @@ def _check_problems(codes, names):
     return _assert(tf.logical_not(tf.reduce_any(bad)), message)
 
 
-def _agree_counts(comm, tables, deduped, key, extra=None, problems=None):
+def _agree_counts(comm, tables, deduped, key, extra=None, problems=None,
+                  padding=True):
     """Stage 2: every rank's counts and errors, checked on every rank.
 
     One all-gather carries, per table, this rank's distinct-id count per
@@ -601,6 +658,8 @@ def _agree_counts(comm, tables, deduped, key, extra=None, problems=None):
         extra: an optional int64 vector appended to this rank's header.
         problems: optional, per table, this rank's `_Ids.problem` (an int64
             scalar, or None for none).
+        padding: whether the callers' ids take `-1` as padding (for the
+            error message).
 
     Returns:
         `(counts, gathered)`: `counts[t]` the checked int64 `[N, N]` matrix
@@ -630,7 +689,8 @@ def _agree_counts(comm, tables, deduped, key, extra=None, problems=None):
     width = n + 2
     counts = [
         lookup_ops.check_exchange(
-            gathered[:, t * width:(t + 1) * width], p.vocabulary_size, name)
+            gathered[:, t * width:(t + 1) * width], p.vocabulary_size, name,
+            padding=padding)
         for t, (p, name) in enumerate(tables)
     ]
     return counts, gathered
@@ -732,7 +792,8 @@ def _rows_home(comm, tables, deduped, counts, key):
                       key)
 
 
-def _exchange_rows(comm, params, ids_list, names, problems=None):
+def _exchange_rows(comm, params, ids_list, names, problems=None,
+                   padding=True):
     """The rows of K >= 1 tables' ids from their owners, on several ranks:
     3 collectives forward (counts, ids, rows per dtype). Returns a list of
     `(rows, inverse)` as `gather_rows`."""
@@ -740,14 +801,15 @@ def _exchange_rows(comm, params, ids_list, names, problems=None):
     for p, name in tables:
         _check_world(p, name)
     key = _call_site_key("+".join(_table_key(p) for p in params))
-    deduped = _dedup(tables, ids_list)
-    counts, _ = _agree_counts(comm, tables, deduped, key, problems=problems)
+    deduped = _dedup(tables, ids_list, padding=padding)
+    counts, _ = _agree_counts(comm, tables, deduped, key, problems=problems,
+                              padding=padding)
     rows = _rows_home(comm, tables, deduped, counts, key)
     return [(r, d.inverse) for r, d in zip(rows, deduped)]
 
 
 @shard_reads.reading(lambda param, *_, **__: param)
-def gather_rows(param, ids, table_name=None, problem=None):
+def gather_rows(param, ids, table_name=None, problem=None, padding=True):
     """Looks up the rows of `ids` in a sharded table, deduplicated.
 
     Args:
@@ -757,6 +819,8 @@ def gather_rows(param, ids, table_name=None, problem=None):
         problem: optional `_Ids.problem` of the input the ids come from,
             raised on every rank (several ranks; one rank raised it in
             `normalize_ids`).
+        padding: whether the caller's ids take `-1` as padding (removed
+            before this call); only an out-of-range error says so.
 
     Returns:
         `(rows, inverse)`: `rows` `[U, dim]` holds each distinct id's row once
@@ -767,11 +831,12 @@ def gather_rows(param, ids, table_name=None, problem=None):
     if param.num_ranks == 1:
         # One rank: the owner is here; dedup and gather, no exchange.
         _check_no_local_replicas(name)
-        return _owned_rows(param, ids, name)
+        return _owned_rows(param, ids, name, padding=padding)
     comm = _exchange_comm(param, name)
     if comm is None:
-        return _rows_from_every_replica(param, ids, name)
-    return _exchange_rows(comm, [param], [ids], [name], [problem])[0]
+        return _rows_from_every_replica(param, ids, name, padding=padding)
+    return _exchange_rows(comm, [param], [ids], [name], [problem],
+                          padding=padding)[0]
 
 
 @shard_reads.reading(lambda params, *_, **__: params)
@@ -1084,7 +1149,7 @@ def _bags(ids, weights, name):
             return None  # normalize_ids checks and takes its values
     if isinstance(ids, tf.RaggedTensor):
         _check_int(ids.flat_values, name)
-        if ids.ragged_rank != 1:
+        if not _ragged_2d(ids):
             return None  # normalize_ids raises the error
         w = None
         if weights is not None:
@@ -1637,7 +1702,7 @@ def all2all_dense_embedding(param, indices):
     indices = _float_ids(tf.convert_to_tensor(indices))
     _check_int(indices, name)
     flat = tf.reshape(tf.cast(indices, tf.int64), [-1])
-    rows, inverse = gather_rows(param, flat, table_name=name)
+    rows, inverse = gather_rows(param, flat, table_name=name, padding=False)
     out = _per_id_rows(rows, inverse, None)
     shape = tf.concat(
         [tf.shape(indices, out_type=tf.int64),

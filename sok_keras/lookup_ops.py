@@ -22,7 +22,8 @@ _COMBINERS = ("sum", "mean", "sqrtn")
 
 
 def dedup_bucketize(
-    ids, num_ranks, vocab_size, owner=-1, table_name="", raise_on_error=True
+    ids, num_ranks, vocab_size, owner=-1, table_name="", raise_on_error=True,
+    padding=True,
 ):
     """Deduplicates ids and groups the distinct ids by owner rank.
 
@@ -44,6 +45,8 @@ def dedup_bucketize(
             it returns no unique ids, a zero `inverse` and zero `counts`, and
             reports the first invalid id in `error`, so that the caller can
             raise collectively (see `check_exchange`).
+        padding: whether the caller's ids take `-1` as padding (removed
+            before this op); only the error message says so.
 
     Returns:
         A namedtuple `(unique_ids, local_rows, inverse, counts, error)`:
@@ -66,10 +69,11 @@ def dedup_bucketize(
         vocab_size=int(vocab_size),
         table_name=str(table_name),
         raise_on_error=bool(raise_on_error),
+        padding=bool(padding),
     )
 
 
-def check_exchange(gathered, vocab_size, table_name):
+def check_exchange(gathered, vocab_size, table_name, padding=True):
     """Checks the per-rank lookup summaries gathered from every rank.
 
     Args:
@@ -77,6 +81,8 @@ def check_exchange(gathered, vocab_size, table_name):
             is rank `r`'s `concat([counts, error])` from `dedup_bucketize`.
         vocab_size: the number of rows of the whole table (for messages).
         table_name: the table's name (for messages).
+        padding: whether the caller's ids take `-1` as padding (for
+            messages).
 
     Returns:
         int64 tensor `[num_ranks, num_ranks]`: row `r` holds how many unique
@@ -89,7 +95,8 @@ def check_exchange(gathered, vocab_size, table_name):
     """
     gathered = tf.cast(tf.convert_to_tensor(gathered), tf.int64)
     return ops().sok_check_exchange(
-        gathered=gathered, table_name=str(table_name), vocab_size=int(vocab_size)
+        gathered=gathered, table_name=str(table_name),
+        vocab_size=int(vocab_size), padding=bool(padding),
     )
 
 

@@ -392,9 +392,11 @@ def export_for_serving(model, path, verbose=False, input_signature=None,
 
     Example:
 
-    >>> sok.export_for_serving(model, "/models/ranker/1")
-    >>> served = tf.saved_model.load("/models/ranker/1")  # no sok_keras
-    >>> scores = served.serve(ids)
+    ```python
+    sok.export_for_serving(model, "/models/ranker/1")
+    served = tf.saved_model.load("/models/ranker/1")  # no sok_keras
+    scores = served.serve(ids)
+    ```
     """
     from sok_keras._terminate import on_sigterm_clean_up
 

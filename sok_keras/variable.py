@@ -942,7 +942,9 @@ def filter_variables(variables):
 
     Example:
 
-    >>> sok_vars, dense_vars = sok.filter_variables(model.trainable_variables)
+    ```python
+    sok_vars, dense_vars = sok.filter_variables(model.trainable_variables)
+    ```
     """
     if isinstance(variables, (tf.Variable, keras.Variable)):
         variables = [variables]  # (iterating one would give its rows)

@@ -176,9 +176,10 @@ def _with_id(kind, bad, value, dtype=tf.int64):
     return tf.constant(ids, dtype), None
 
 
-def _bad_id(value, dtype=tf.int64):
+def _bad_id(value, dtype=tf.int64, words=()):
     return (lambda kind, bad: _with_id(kind, bad, value, dtype),
-            ("raise", (IAE,), ["{name}", str(value), "(-1 is padding)"]), False)
+            ("raise", (IAE,), ["{name}", str(value), "(-1 is padding)",
+                               *words]), False)
 
 
 def _float_ids(value):
@@ -213,7 +214,11 @@ INPUTS = {
     # int32 overflow: 2^32 + 1 must not wrap to row 1, nor 2^31 - 1 to -1.
     "id_int64_above_2_32": _bad_id(2 ** 32 + 1),
     "id_int32_max": _bad_id(2 ** 31 - 1, tf.int32),
-    "id_int64_min": _bad_id(-2 ** 63),
+    # (also what the layers make of a float id that is no integer: the
+    # message says it may be either)
+    "id_int64_min": _bad_id(-2 ** 63, words=["int64's minimum"]),
+    # -1 where no id is padding (the entry points that take no padding).
+    "id_minus_one_without_padding": _bad_id(-1),
     # wrong dtype
     "ids_float": (
         lambda kind, bad: (tf.cast(_good(kind), tf.float32), None),
@@ -273,6 +278,14 @@ INPUTS = {
         lambda kind, bad: (tf.ragged.constant([[[1], [2]], [[3]]], tf.int64),
                            None),
         ("raise", (ValueError,), ["{name}", "ragged_rank"]), True),
+    # ragged_rank 1 over 2-D values: [batch, None, 2] (not a low-level
+    # op's shape error)
+    "ragged_ids_2d_values": (
+        lambda kind, bad: (tf.RaggedTensor.from_row_splits(
+            tf.constant([[1, 2], [3, 4], [5, 6]], tf.int64), [0, 2, 3]),
+            None),
+        ("raise", (ValueError,), ["{name}", "2-D [batch, None]",
+                                  "shape (2, None, 2)"]), True),
     "sparse_ids_3d": (
         lambda kind, bad: (tf.SparseTensor(
             [[0, 0, 0]], tf.constant([1], tf.int64), [2, 2, 2]), None),
@@ -333,7 +346,8 @@ _NO_INTEGER = {"ids_float_fraction", "ids_float_negative_fraction",
 # Inputs made of padded, ragged or sparse ids, or weights: not for the
 # entry points that take dense ids without padding or weights.
 _PADDED_ONLY = {
-    "padding_only", "ragged_ids_ragged_rank_2", "sparse_ids_3d",
+    "padding_only", "ragged_ids_ragged_rank_2", "ragged_ids_2d_values",
+    "sparse_ids_3d",
     "sparse_index_outside_dense_shape", "empty_ragged_batch",
     "ragged_weights_other_splits", "dense_weights_other_shape",
     "sparse_weights_other_indices", "weights_string",
@@ -341,6 +355,9 @@ _PADDED_ONLY = {
 }
 # Pooled outputs only (an unpooled ragged output has another structure).
 _POOLED_ONLY = {"empty_ragged_batch"}
+# The entry points that take no padding, and the inputs only for them.
+_NO_PADDING = ("rows_nopad", "a2a")
+_NO_PADDING_ONLY = {"id_minus_one_without_padding"}
 
 
 # The Keras layers, which take float32 ids as `keras.layers.Embedding` does
@@ -360,6 +377,12 @@ def expectation(input_name, entry):
             kind, _good(kind).numpy()))
     if input_name in _NO_INTEGER and entry in LAYERS:
         return ("raise", (IAE,), ["{name}", "no integer"])
+    if kind in _NO_PADDING and exp[0] == "raise" and "(-1 is padding)" in (
+            exp[2]):
+        # Where -1 is no padding the message must not call it padding
+        # (the 4th entry: words the message must not hold).
+        return ("raise", exp[1], [w for w in exp[2] if w != "(-1 is padding)"]
+                + ["out of range [0, "], ["padding"])
     if kind == "rows_nopad" and input_name in ("ids_scalar", "ids_3d"):
         # all2all_dense_embedding takes ids of any shape.
         return ("works", lambda kind, entry, bad=True: reference(
@@ -397,7 +420,9 @@ def cells():
     out = []
     for i in INPUTS:
         for e, (_, _, kind) in ENTRIES.items():
-            if i in _PADDED_ONLY and kind in ("rows_nopad", "a2a"):
+            if i in _PADDED_ONLY and kind in _NO_PADDING:
+                continue
+            if i in _NO_PADDING_ONLY and kind not in _NO_PADDING:
                 continue
             if i in _POOLED_ONLY and kind != "pooled":
                 continue
@@ -480,6 +505,10 @@ def check_cell(result, input_name, entry, rank, num_ranks, bad_rank):
         missing = [w for w in words if w not in result["message"]]
         if missing:
             wrong.append(f"message lacks {missing}: {result['message']}")
+        unwanted = [w for w in (exp[3] if len(exp) > 3 else ())
+                    if w in result["message"]]
+        if unwanted:
+            wrong.append(f"message holds {unwanted}: {result['message']}")
         return wrong
     if result["error"] is not None:
         wrong.append(f"raised {result['error']}: {result['message'][:400]}")

@@ -256,6 +256,26 @@ def test_table_differences_name_the_field_and_both_values():
         consistency._table_differences([_sig()], [_sig(), _sig("u")], 0, 1))
 
 
+def test_names_that_differ_in_keras_numbering_only_say_so():
+    """QA: rank 0 alone built (and dropped) a model to look at it; the
+    real model's layers were then numbered `_2` there, and the error said
+    the ranks built different models. It now names the numbering."""
+    from sok_keras import consistency
+
+    a = [_sig("distributed_embedding_2/embeddings"), _sig("emb/embeddings")]
+    b = [_sig("distributed_embedding/embeddings"), _sig("emb/embeddings")]
+    text = consistency._table_differences(a, b, 0, 1)
+    assert text.startswith(
+        "table 1 is 'distributed_embedding_2/embeddings' on rank 0 and "
+        "'distributed_embedding/embeddings' on rank 1"), text
+    assert "differ only in Keras' automatic numbering" in text, text
+    assert "keras.utils.clear_session()" in text, text
+    # Other names: no such hint.
+    other = consistency._table_differences(
+        [_sig("user/embeddings")], [_sig("item/embeddings")], 0, 1)
+    assert "numbering" not in other, other
+
+
 def test_lookup_differences():
     from sok_keras import consistency
 

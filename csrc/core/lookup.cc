@@ -809,8 +809,8 @@ template void PooledGradCombine<double>(const double*, int64_t, int64_t,
 std::string IdText(int64_t id) {
   if (id == std::numeric_limits<int64_t>::min()) {
     return std::to_string(id) +
-           " (a float id that is no integer: a fraction, nan, inf or beyond "
-           "int64)";
+           " (int64's minimum, or a float id that is no integer: a "
+           "fraction, nan, inf or beyond int64)";
   }
   return std::to_string(id);
 }

@@ -38,7 +38,7 @@ struct IdError {
 
 // An id as an error message shows it. The most negative int64 is what the
 // Python layers make of a float id that is no integer (1.5, nan, inf), so
-// that every rank refuses it alike; its text says so.
+// that every rank refuses it alike; its text says it is either.
 std::string IdText(int64_t id);
 
 // Returns the first id (by position) that is < 0 or >= vocab_size.

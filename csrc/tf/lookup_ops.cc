@@ -67,6 +67,7 @@ REGISTER_OP("SokDedupBucketize")
     .Attr("vocab_size: int >= 0")
     .Attr("table_name: string = ''")
     .Attr("raise_on_error: bool = true")
+    .Attr("padding: bool = true")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ids;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &ids));
@@ -97,6 +98,8 @@ vocab_size: The number of rows of the whole table.
 table_name: The table's name, for error messages.
 raise_on_error: Whether an invalid id fails the op. If false, the op returns
   no unique ids, a zero inverse and zero counts, and reports the id in error.
+padding: Whether the caller's ids take -1 as padding (removed before this op);
+  only the error message says so.
 )doc");
 
 // The attrs, input checks and output writers shared by the CPU and GPU
@@ -109,6 +112,7 @@ class SokDedupBucketizeBase : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_size", &vocab_size_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("raise_on_error", &raise_on_error_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("padding", &padding_));
     OP_REQUIRES(ctx, owner_ < num_ranks_,
                 errors::InvalidArgument(
                     "sok_keras: table '", table_name_, "': owner (", owner_,
@@ -142,7 +146,7 @@ class SokDedupBucketizeBase : public OpKernel {
         "sok_keras: table '", table_name_, "': id ",
         lookup::IdText(error.value),
         " at position ", error.position, " is out of range [0, ", vocab_size_,
-        ") (-1 is padding).");
+        padding_ ? ") (-1 is padding)." : ").");
   }
 
   // Allocates output `index` ([size] int64) and copies `size` values into
@@ -170,6 +174,7 @@ class SokDedupBucketizeBase : public OpKernel {
   int64_t vocab_size_ = 0;
   std::string table_name_;
   bool raise_on_error_ = true;
+  bool padding_ = true;
 };
 
 template <typename Tids>
@@ -313,6 +318,7 @@ REGISTER_OP("SokCheckExchange")
     .Output("counts_matrix: int64")
     .Attr("table_name: string")
     .Attr("vocab_size: int >= 0")
+    .Attr("padding: bool = true")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle gathered;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &gathered));
@@ -334,6 +340,7 @@ gathered: [num_ranks, num_ranks + 2]; row r is rank r's concat(counts, error)
 counts_matrix: [num_ranks, num_ranks], the counts of every rank.
 table_name: The table's name, for error messages.
 vocab_size: The number of rows of the whole table, for error messages.
+padding: Whether the caller's ids take -1 as padding, for error messages.
 )doc");
 
 class SokCheckExchangeOp : public OpKernel {
@@ -341,6 +348,7 @@ class SokCheckExchangeOp : public OpKernel {
   explicit SokCheckExchangeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_size", &vocab_size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("padding", &padding_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -365,7 +373,7 @@ class SokCheckExchangeOp : public OpKernel {
                     " looked up id ", lookup::IdText(error.value),
                     " (position ",
                     error.position, "), out of range [0, ", vocab_size_,
-                    ") (-1 is padding)."));
+                    padding_ ? ") (-1 is padding)." : ")."));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({num_ranks, num_ranks}), &out));
@@ -379,6 +387,7 @@ class SokCheckExchangeOp : public OpKernel {
  private:
   std::string table_name_;
   int64_t vocab_size_ = 0;
+  bool padding_ = true;
 };
 
 REGISTER_KERNEL_BUILDER(Name("SokCheckExchange").Device(DEVICE_CPU),

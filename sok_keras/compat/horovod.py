@@ -330,7 +330,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
     Example:
 
-    >>> grads = [hvd.allreduce(g) for g in grads]
+    ```python
+    grads = [hvd.allreduce(g) for g in grads]
+    ```
     """
     del device_dense, device_sparse, compression, ignore_name_scope
     _no_process_set(process_set, "allreduce")
@@ -506,7 +508,9 @@ def broadcast_variables(variables, root_rank, process_set=None,
 
     Example:
 
-    >>> hvd.broadcast_variables(model.variables, root_rank=0)
+    ```python
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    ```
     """
     del inplace
     _no_process_set(process_set, "broadcast_variables")
@@ -559,10 +563,12 @@ class DistributedGradientTape:
 
     Example:
 
-    >>> with tf.GradientTape() as tape:
-    ...     loss = ...
-    >>> tape = hvd.DistributedGradientTape(tape)
-    >>> grads = tape.gradient(loss, model.trainable_variables)
+    ```python
+    with tf.GradientTape() as tape:
+        loss = ...
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    ```
     """
 
     _DEFAULTS = {"gradient_predivide_factor": 1.0, "num_groups": 0,

@@ -27,9 +27,11 @@ class OptimizerScope:
 
     Example:
 
-    >>> with sok.OptimizerScope(emb_vars):
-    ...     emb_opt = tf.keras.optimizers.Adam(learning_rate=0.1)
-    >>> emb_opt.apply_gradients(zip(emb_grads, emb_vars))
+    ```python
+    with sok.OptimizerScope(emb_vars):
+        emb_opt = tf.keras.optimizers.Adam(learning_rate=0.1)
+    emb_opt.apply_gradients(zip(emb_grads, emb_vars))
+    ```
     """
 
     def __init__(self, variables):

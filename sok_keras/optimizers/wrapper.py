@@ -877,10 +877,12 @@ class OptimizerWrapper(tf_slots.TableSlots, keras.optimizers.Optimizer):
 
     Example:
 
-    >>> model.compile(
-    ...     optimizer=sok.optimizers.OptimizerWrapper(
-    ...         keras.optimizers.Adam(1e-3)),
-    ...     loss="binary_crossentropy")
+    ```python
+    model.compile(
+        optimizer=sok.optimizers.OptimizerWrapper(
+            keras.optimizers.Adam(1e-3)),
+        loss="binary_crossentropy")
+    ```
     """
 
     def __init__(self, inner_optimizer, name=None, skip_nonfinite=False,
