@@ -168,19 +168,19 @@ def _describe(value):
 
 
 def _unnumbered(name):
-    """`name` without Keras' automatic numbering of its path's parts
-    ('distributed_embedding_2/embeddings' -> 'distributed_embedding/
-    embeddings')."""
+    """`name` without a trailing `_<number>` on its path's parts, as Keras
+    numbers layers made without a name ('distributed_embedding_2/
+    embeddings' -> 'distributed_embedding/embeddings')."""
     return "/".join(re.sub(r"_\d+$", "", part) for part in name.split("/"))
 
 
 _NUMBERING_HINT = (
-    "; the names differ only in Keras' automatic numbering: a rank made "
-    "more layers of that kind before this model (a model built on some "
-    "ranks only, or a build that failed on one rank and was caught), so "
-    "the ranks may be at different steps of the program. Build the model "
-    "on every rank after `keras.utils.clear_session()`, or give its "
-    "layers names (`name=`)")
+    "; the names differ only in a trailing number: if Keras numbered "
+    "them (layers made without `name=`), a rank made more layers of that "
+    "kind before this model (a model built on some ranks only, or a build "
+    "that failed on one rank and was caught), and the ranks may be at "
+    "different points of the program. Build the model on every rank after "
+    "`keras.utils.clear_session()`, or give its layers names")
 
 
 def _table_differences(a, b, ra, rb):

@@ -466,53 +466,44 @@ def _check_no_local_replicas(name):
         "docs/recipes.md.")
 
 
-def _parallel_input_stage():
-    """`num_parallel_calls` of the tf.data stage whose function is being
-    traced, where it runs that function on several elements at once
-    (`map(f, num_parallel_calls=4)`, a parallel `interleave`,
-    `map_and_batch`), else None.
-
-    tf.data traces a stage's function in the stage's constructor, whose
-    frame holds `num_parallel_calls` (None, or 1, runs one at a time).
-    """
+def _in_input_pipeline():
+    """Whether the function being traced is a tf.data stage's (`map`,
+    `interleave`, `filter`, ...): tf.data traces it in its
+    `StructuredFunctionWrapper`."""
     if not tf.inside_function():
-        return None
-    data_dir = os.sep + os.path.join("tensorflow", "python", "data") + os.sep
+        return False
+    wrapper = os.path.join("tensorflow", "python", "data", "ops",
+                           "structured_function.py")
     frame = sys._getframe(1)
     while frame is not None:
-        if data_dir in frame.f_code.co_filename:
-            n = frame.f_locals.get("num_parallel_calls")
-            if n is not None:
-                value = tf.get_static_value(n) if tf.is_tensor(n) else n
-                if value is None or int(value) != 1:
-                    return "AUTOTUNE" if value == tf.data.AUTOTUNE else (
-                        value if value is not None else n)
+        if frame.f_code.co_filename.endswith(wrapper):
+            return True
         frame = frame.f_back
-    return None
+    return False
 
 
-def _check_not_in_parallel_input_stage(name, num_ranks):
-    """Refuses a lookup on several ranks traced in a tf.data stage that
-    runs its function on several elements at once: the lookup's
-    collectives would then run concurrently under the same keys, which
-    TensorFlow aborts, leaving the process's collectives unusable."""
-    n = _parallel_input_stage()
-    if n is not None:
+def _check_not_in_input_pipeline(name, num_ranks):
+    """Refuses a lookup on several ranks traced in a tf.data stage. The
+    stage's function runs in tf.data's threads: several elements at once
+    (`num_parallel_calls`, a parallel `interleave`), or ahead of training
+    (`prefetch`) while the model looks the same table up. Its exchanges
+    then run concurrently under the same keys, which TensorFlow aborts
+    (and no collective of the process works again) or pairs with the
+    wrong peer (wrong rows, no error)."""
+    if _in_input_pipeline():
         raise ValueError(
             f"Table '{name}' is looked up on {num_ranks} ranks inside a "
-            f"tf.data stage with num_parallel_calls={n}: its lookups would "
-            "run concurrently, and their exchanges between the ranks would "
-            "meet the wrong partners. Look the table up in the model, or "
-            "give the stage num_parallel_calls=None (one element at a "
-            "time; a `.prefetch` after it still overlaps the lookups with "
-            "training).")
+            "tf.data stage (`map`, `interleave`, ...): tf.data runs it in "
+            "its own threads, concurrently with other lookups of the table, "
+            "and the exchanges between the ranks would meet the wrong "
+            "partners. Look the table up in the model (call the layer in "
+            "it); the dataset gives the ids.")
 
 
 def _exchange_comm(param, name):
     """The communicator of a lookup of `param` (several ranks), or None
     where a table sharded over a strategy's replicas is looked up outside
     `strategy.run` (its shards are then read directly)."""
-    _check_not_in_parallel_input_stage(name, param.num_ranks)
     if param._sok_shards:
         if replicas.replica_id(param.num_ranks) is None:
             if replicas.in_replica_context():
@@ -522,8 +513,10 @@ def _exchange_comm(param, name):
                     f"{tf.distribute.get_replica_context().num_replicas_in_sync}"
                     " replicas.")
             return None
+        _check_not_in_input_pipeline(name, param.num_ranks)
         return replicas.communicator(param.num_ranks)
     _check_no_local_replicas(name)
+    _check_not_in_input_pipeline(name, param.num_ranks)
     return world.communicator()
 
 

@@ -291,21 +291,21 @@ def test_seeds_that_differ_between_ranks_are_refused_by_fit():
             assert why in r["error"], (case, r)
 
 
-def test_lookups_in_a_parallel_input_stage_are_refused_on_several_ranks():
+def test_lookups_in_an_input_pipeline_are_refused_on_several_ranks():
     """A lookup on N ranks inside `map(..., num_parallel_calls=4)` ran its
     exchanges concurrently under one key: TensorFlow aborted them with
     "BufRendezvous::ProvideBuf already called", naming no table, and no
-    lookup of the process worked again (QA). It is refused while tracing;
-    one element at a time works, as on one rank."""
+    lookup of the process worked again (QA). One element at a time is no
+    better: with a `prefetch` the stage runs while the model looks the
+    same table up, and a rank got another's rows without an error
+    (review). Every stage is refused while tracing, on every rank."""
     ranks = run_workers(worker_path("lookup_in_dataset"), 2, timeout=150)
     for results in ranks:
-        for case, n in (("parallel", "4"), ("autotune", "AUTOTUNE"),
-                        ("interleave", "2")):
+        cases = ("parallel", "autotune", "sequential", "one", "interleave",
+                 "experimental_interleave", "inner")
+        for case in cases:
             r = results[case]
             assert r["error"] is not None and (
-                "Table 'emb' is looked up on 2 ranks inside a tf.data stage "
-                f"with num_parallel_calls={n}") in r["error"], (case, r)
+                "Table 'emb' is looked up on 2 ranks inside a tf.data stage"
+            ) in r["error"], (case, r)
             assert r["after"], (case, r)
-        for case in ("sequential", "one"):
-            assert results[case] == {
-                "error": None, "same": True, "after": True}, (case, results)
