@@ -466,18 +466,43 @@ def _check_no_local_replicas(name):
         "docs/recipes.md.")
 
 
+# What traces a tf.data function that runs in the consumer's own thread, one
+# element at a time: `Dataset.reduce`, and the scan autograph makes of a
+# `for x in dataset:` loop in a `tf.function` (a custom training loop).
+_IN_STEP = {("dataset_ops.py", "reduce"),
+            ("dataset_autograph.py", "_general_purpose_scan")}
+
+
 def _in_input_pipeline():
     """Whether the function being traced is a tf.data stage's (`map`,
-    `interleave`, `filter`, ...): tf.data traces it in its
-    `StructuredFunctionWrapper`."""
+    `interleave`, `filter`, ...), which tf.data runs in its own threads.
+
+    tf.data traces every dataset function in a `StructuredFunctionWrapper`;
+    the frames just outside it say what made it. `Dataset.reduce` and
+    autograph's `for x in dataset:` loop run theirs in the caller's step,
+    so a lookup there is a lookup of the step (also when the loop's
+    dataset is itself made of stages that do no lookup).
+    """
     if not tf.inside_function():
         return False
-    wrapper = os.path.join("tensorflow", "python", "data", "ops",
-                           "structured_function.py")
+    data_dir = os.path.join("tensorflow", "python", "data", "")
+    wrapper = os.path.join(data_dir, "ops", "structured_function.py")
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.endswith(wrapper):
-            return True
+        if (frame.f_code.co_name == "__init__"
+                and frame.f_code.co_filename.endswith(wrapper)):
+            maker, synchronous = frame.f_back, False
+            for _ in range(4):
+                if maker is None:
+                    break
+                where = maker.f_code.co_filename
+                if data_dir in where and (os.path.basename(where),
+                                          maker.f_code.co_name) in _IN_STEP:
+                    synchronous = True
+                    break
+                maker = maker.f_back
+            if not synchronous:
+                return True
         frame = frame.f_back
     return False
 

@@ -298,7 +298,9 @@ def test_lookups_in_an_input_pipeline_are_refused_on_several_ranks():
     lookup of the process worked again (QA). One element at a time is no
     better: with a `prefetch` the stage runs while the model looks the
     same table up, and a rank got another's rows without an error
-    (review). Every stage is refused while tracing, on every rank."""
+    (review). Every stage is refused while tracing, on every rank; a
+    `for x in ds:` loop of a `tf.function` and `ds.reduce` run their
+    function in the step itself, and work."""
     ranks = run_workers(worker_path("lookup_in_dataset"), 2, timeout=150)
     for results in ranks:
         cases = ("parallel", "autotune", "sequential", "one", "interleave",
@@ -309,3 +311,8 @@ def test_lookups_in_an_input_pipeline_are_refused_on_several_ranks():
                 "Table 'emb' is looked up on 2 ranks inside a tf.data stage"
             ) in r["error"], (case, r)
             assert r["after"], (case, r)
+        # A step's own loop over a dataset (autograph's scan and reduce,
+        # `ds.reduce`) runs in the step: not refused (QA: it was).
+        sums = results["sums"]
+        for name in ("for_loop", "for_break", "reduce"):
+            assert np.isclose(sums[name], sums["direct"], rtol=1e-5), sums

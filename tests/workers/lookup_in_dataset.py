@@ -6,7 +6,13 @@ whose datasets look up), "experimental_interleave"
 (`tf.data.experimental.parallel_interleave`) and "inner" (a sequential
 `map` made outside, read by a parallel `interleave`). Each rank writes,
 per case, the error raised (or None) and whether a direct lookup
-afterwards gives the rows it gave before."""
+afterwards gives the rows it gave before.
+
+Then the lookups of a step that tf.data traces but runs in the step
+itself, which work: "for_loop" (`for x in ds:` in a `tf.function`, which
+autograph makes a scan and a reduce; with a `break`: "for_break") and
+"reduce" (`ds.reduce`); each writes its rows' sum and the direct
+lookup's ("sums")."""
 
 import sok_keras as sok
 
@@ -54,4 +60,39 @@ for case in ("parallel", "autotune", "sequential", "one", "interleave",
         result["error"] = str(e)
     result["after"] = bool(np.array_equal(layer(X).numpy(), expected))
     results[case] = result
+
+
+# The step's own loops over a dataset (a custom training loop).
+ids = tf.data.Dataset.from_tensor_slices(X).batch(8).prefetch(2)
+
+
+@tf.function
+def for_loop():
+    total = tf.constant(0.0)
+    for x in ids:
+        total += tf.reduce_sum(layer(x))
+    return total
+
+
+@tf.function
+def for_break():
+    total = tf.constant(0.0)
+    for x in ids:
+        if tf.reduce_sum(x) < 0:  # never: the loop has a take_while
+            break
+        total += tf.reduce_sum(layer(x))
+    return total
+
+
+@tf.function
+def reduce():
+    return ids.reduce(tf.constant(0.0),
+                      lambda total, x: total + tf.reduce_sum(layer(x)))
+
+
+sums = {"direct": float(np.sum(expected, dtype=np.float32))}
+for name, fn in (("for_loop", for_loop), ("for_break", for_break),
+                 ("reduce", reduce)):
+    sums[name] = float(fn())
+results["sums"] = sums
 write_result(results)
