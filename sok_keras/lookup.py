@@ -482,14 +482,21 @@ def _in_input_pipeline():
     autograph's `for x in dataset:` loop run theirs in the caller's step,
     so a lookup there is a lookup of the step (also when the loop's
     dataset is itself made of stages that do no lookup).
+
+    A `Dataset.from_generator` generator runs eagerly, in tf.data's
+    threads too: a lookup below its `generator_py_func` is one of a stage.
+    (Not found: eager code in a stage's `tf.py_function`, which looks as
+    one in the step's.)
     """
-    if not tf.inside_function():
-        return False
     data_dir = os.path.join("tensorflow", "python", "data", "")
+    generator = os.path.join(data_dir, "ops", "from_generator_op.py")
     wrapper = os.path.join(data_dir, "ops", "structured_function.py")
+    traced = tf.inside_function()
     frame = sys._getframe(1)
     while frame is not None:
-        if (frame.f_code.co_name == "__init__"
+        if frame.f_code.co_filename.endswith(generator):
+            return True
+        if (traced and frame.f_code.co_name == "__init__"
                 and frame.f_code.co_filename.endswith(wrapper)):
             maker, synchronous = frame.f_back, False
             for _ in range(4):
@@ -522,7 +529,9 @@ def _check_not_in_input_pipeline(name, num_ranks):
             "its own threads, concurrently with other lookups of the table, "
             "and the exchanges between the ranks would meet the wrong "
             "partners. Look the table up in the model (call the layer in "
-            "it); the dataset gives the ids.")
+            "it), or in a custom loop's step (the body of a `for x in ds:` "
+            "loop of a `tf.function`, a `ds.reduce` function); the dataset "
+            "gives the ids.")
 
 
 def _exchange_comm(param, name):

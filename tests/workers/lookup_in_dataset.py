@@ -3,8 +3,11 @@ other in one process: "parallel" (`map(layer, num_parallel_calls=4)`),
 "autotune" (`AUTOTUNE`), "sequential" (`map(layer)` then `prefetch`),
 "one" (`num_parallel_calls=1`), "interleave" (a parallel `interleave`
 whose datasets look up), "experimental_interleave"
-(`tf.data.experimental.parallel_interleave`) and "inner" (a sequential
-`map` made outside, read by a parallel `interleave`). Each rank writes,
+(`tf.data.experimental.parallel_interleave`), "inner" (a sequential
+`map` made outside, read by a parallel `interleave`), "scan" (a stage,
+unlike autograph's scan of a loop), "filter" and "generator" (a
+`from_generator` generator, eager in tf.data's threads: the error comes
+while iterating, wrapped in an `InvalidArgumentError`). Each rank writes,
 per case, the error raised (or None) and whether a direct lookup
 afterwards gives the rows it gave before.
 
@@ -40,6 +43,17 @@ def dataset(case):
     if case == "experimental_interleave":
         return tf.data.Dataset.range(8).apply(
             tf.data.experimental.parallel_interleave(lookups, cycle_length=2))
+    if case == "scan":
+        return batches.scan(
+            tf.constant(0.0),
+            lambda s, x: (s, s + tf.reduce_sum(layer(x)))).prefetch(4)
+    if case == "filter":
+        return batches.filter(
+            lambda x: tf.reduce_sum(layer(x)) > -1.0).prefetch(4)
+    if case == "generator":
+        return tf.data.Dataset.from_generator(
+            lambda: (layer(x).numpy() for x in X.reshape(8, 8, 3)),
+            output_signature=tf.TensorSpec([8, 3], tf.float32)).prefetch(4)
     if case == "inner":
         inner = batches.map(layer)
         return tf.data.Dataset.range(2).interleave(
@@ -51,12 +65,13 @@ def dataset(case):
 
 results = {}
 for case in ("parallel", "autotune", "sequential", "one", "interleave",
-             "experimental_interleave", "inner"):
+             "experimental_interleave", "inner", "scan", "filter",
+             "generator"):
     result = {"error": None}
     try:
         for _ in dataset(case):
             pass
-    except ValueError as e:
+    except (ValueError, tf.errors.InvalidArgumentError) as e:
         result["error"] = str(e)
     result["after"] = bool(np.array_equal(layer(X).numpy(), expected))
     results[case] = result
