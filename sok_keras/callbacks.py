@@ -46,6 +46,9 @@ def set_global_metrics(enabled):
     Example:
 
     >>> sok.callbacks.set_global_metrics(False)
+    >>> sok.callbacks.global_metrics_enabled()
+    False
+    >>> sok.callbacks.set_global_metrics(None)  # the environment decides
     """
     global _SETTING
     if enabled is not None and not isinstance(enabled, bool):

@@ -188,12 +188,12 @@ def _table_differences(a, b, ra, rb):
     names_a = [t["name"] for t in a]
     names_b = [t["name"] for t in b]
     if names_a != names_b:
-        hint = (_NUMBERING_HINT
-                if len(names_a) == len(names_b) and sorted(
-                    map(_unnumbered, names_a)) == sorted(
-                        map(_unnumbered, names_b)) else "")
+        same = len(names_a) == len(names_b) and sorted(
+            map(_unnumbered, names_a)) == sorted(map(_unnumbered, names_b))
         for i, (x, y) in enumerate(zip(names_a, names_b)):
             if x != y:
+                hint = (_NUMBERING_HINT if same
+                        and _unnumbered(x) == _unnumbered(y) else "")
                 return (f"table {i + 1} is '{x}' on rank {ra} and '{y}' on "
                         f"rank {rb} (tables: {names_a} on rank {ra}, "
                         f"{names_b} on rank {rb}){hint}")

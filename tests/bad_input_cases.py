@@ -286,6 +286,13 @@ INPUTS = {
             None),
         ("raise", (ValueError,), ["{name}", "2-D [batch, None]",
                                   "shape (2, None, 2)"]), True),
+    # the same in float32, which the Keras layers take as ids
+    "ragged_float_ids_2d_values": (
+        lambda kind, bad: (tf.RaggedTensor.from_row_splits(
+            tf.constant([[1, 2], [3, 4], [5, 6]], tf.float32), [0, 2, 3]),
+            None),
+        ("raise", (ValueError,), ["{name}", "2-D [batch, None]",
+                                  "shape (2, None, 2)"]), True),
     "sparse_ids_3d": (
         lambda kind, bad: (tf.SparseTensor(
             [[0, 0, 0]], tf.constant([1], tf.int64), [2, 2, 2]), None),
@@ -347,6 +354,7 @@ _NO_INTEGER = {"ids_float_fraction", "ids_float_negative_fraction",
 # entry points that take dense ids without padding or weights.
 _PADDED_ONLY = {
     "padding_only", "ragged_ids_ragged_rank_2", "ragged_ids_2d_values",
+    "ragged_float_ids_2d_values",
     "sparse_ids_3d",
     "sparse_index_outside_dense_shape", "empty_ragged_batch",
     "ragged_weights_other_splits", "dense_weights_other_shape",
@@ -377,6 +385,8 @@ def expectation(input_name, entry):
             kind, _good(kind).numpy()))
     if input_name in _NO_INTEGER and entry in LAYERS:
         return ("raise", (IAE,), ["{name}", "no integer"])
+    if input_name == "ragged_float_ids_2d_values" and entry not in LAYERS:
+        return INPUTS["ids_float"][1]  # the functions refuse float ids
     if kind in _NO_PADDING and exp[0] == "raise" and "(-1 is padding)" in (
             exp[2]):
         # Where -1 is no padding the message must not call it padding

@@ -274,7 +274,14 @@ def test_names_that_differ_in_keras_numbering_only_say_so():
     # Other names: no such hint.
     other = consistency._table_differences(
         [_sig("user/embeddings")], [_sig("item/embeddings")], 0, 1)
-    assert "numbering" not in other, other
+    assert "trailing number" not in other, other
+    # Nor where the pair named differs by more than a number (review).
+    mixed = consistency._table_differences(
+        [_sig("a/embeddings"), _sig("b_1/embeddings")],
+        [_sig("b/embeddings"), _sig("a_1/embeddings")], 0, 1)
+    assert mixed.startswith(
+        "table 1 is 'a/embeddings' on rank 0 and 'b/embeddings'"), mixed
+    assert "trailing number" not in mixed, mixed
 
 
 def test_lookup_differences():

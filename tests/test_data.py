@@ -304,7 +304,7 @@ def test_lookups_in_an_input_pipeline_are_refused_on_several_ranks():
     ranks = run_workers(worker_path("lookup_in_dataset"), 2, timeout=150)
     for results in ranks:
         cases = ("parallel", "autotune", "sequential", "one", "interleave",
-                 "experimental_interleave", "inner", "scan", "filter",
+                 "experimental_interleave", "scan", "filter",
                  "generator")
         for case in cases:
             r = results[case]

@@ -391,7 +391,8 @@ def _whole_ids(t, name, local):
     from sok_keras.lookup import _assert
 
     if isinstance(t, tf.RaggedTensor):
-        values = t.flat_values
+        # (flat: `[batch, None, k]` ids reach normalize_ids' error)
+        values = tf.reshape(t.flat_values, [-1])
     elif isinstance(t, tf.SparseTensor):
         values = t.values
     else:
@@ -424,7 +425,7 @@ def _whole_ids(t, name, local):
             with tf.control_dependencies([check]):
                 ints = tf.identity(ints)
     if isinstance(t, tf.RaggedTensor):
-        return t.with_flat_values(ints)
+        return t.with_flat_values(tf.reshape(ints, tf.shape(t.flat_values)))
     if isinstance(t, tf.SparseTensor):
         return tf.SparseTensor(t.indices, ints, t.dense_shape)
     return tf.reshape(ints, tf.shape(t))

@@ -3,8 +3,7 @@ other in one process: "parallel" (`map(layer, num_parallel_calls=4)`),
 "autotune" (`AUTOTUNE`), "sequential" (`map(layer)` then `prefetch`),
 "one" (`num_parallel_calls=1`), "interleave" (a parallel `interleave`
 whose datasets look up), "experimental_interleave"
-(`tf.data.experimental.parallel_interleave`), "inner" (a sequential
-`map` made outside, read by a parallel `interleave`), "scan" (a stage,
+(`tf.data.experimental.parallel_interleave`), "scan" (a stage,
 unlike autograph's scan of a loop), "filter" and "generator" (a
 `from_generator` generator, eager in tf.data's threads: the error comes
 while iterating, wrapped in an `InvalidArgumentError`). Each rank writes,
@@ -54,10 +53,6 @@ def dataset(case):
         return tf.data.Dataset.from_generator(
             lambda: (layer(x).numpy() for x in X.reshape(8, 8, 3)),
             output_signature=tf.TensorSpec([8, 3], tf.float32)).prefetch(4)
-    if case == "inner":
-        inner = batches.map(layer)
-        return tf.data.Dataset.range(2).interleave(
-            lambda i: inner.shard(2, i), cycle_length=2, num_parallel_calls=2)
     calls = {"parallel": 4, "autotune": tf.data.AUTOTUNE, "one": 1,
              "sequential": None}[case]
     return batches.map(layer, num_parallel_calls=calls).prefetch(4)
@@ -65,7 +60,7 @@ def dataset(case):
 
 results = {}
 for case in ("parallel", "autotune", "sequential", "one", "interleave",
-             "experimental_interleave", "inner", "scan", "filter",
+             "experimental_interleave", "scan", "filter",
              "generator"):
     result = {"error": None}
     try:
