@@ -195,6 +195,15 @@ def _float_ids(value):
     return (make, ("raise", (TypeError,), ["{name}", "float32"]), False)
 
 
+def _ragged_2d_values(dtype):
+    """Ragged ids `[2, None, 2]`: ragged_rank 1 over a matrix of ids."""
+    return (lambda kind, bad: (tf.RaggedTensor.from_row_splits(
+                tf.constant([[1, 2], [3, 4], [5, 6]], dtype), [0, 2, 3]),
+                None),
+            ("raise", (ValueError,), ["{name}", "2-D [batch, None]",
+                                      "shape (2, None, 2)"]), True)
+
+
 def _empty(kind, bad):
     shape = {"a2a": [0, 2, 1], "rows": [0, 2], "rows_nopad": [0, 2]}
     return tf.zeros(shape.get(kind, [0, 2]), tf.int64), None
@@ -279,20 +288,9 @@ INPUTS = {
                            None),
         ("raise", (ValueError,), ["{name}", "ragged_rank"]), True),
     # ragged_rank 1 over 2-D values: [batch, None, 2] (not a low-level
-    # op's shape error)
-    "ragged_ids_2d_values": (
-        lambda kind, bad: (tf.RaggedTensor.from_row_splits(
-            tf.constant([[1, 2], [3, 4], [5, 6]], tf.int64), [0, 2, 3]),
-            None),
-        ("raise", (ValueError,), ["{name}", "2-D [batch, None]",
-                                  "shape (2, None, 2)"]), True),
-    # the same in float32, which the Keras layers take as ids
-    "ragged_float_ids_2d_values": (
-        lambda kind, bad: (tf.RaggedTensor.from_row_splits(
-            tf.constant([[1, 2], [3, 4], [5, 6]], tf.float32), [0, 2, 3]),
-            None),
-        ("raise", (ValueError,), ["{name}", "2-D [batch, None]",
-                                  "shape (2, None, 2)"]), True),
+    # op's shape error); also in float32, which the Keras layers take
+    "ragged_ids_2d_values": _ragged_2d_values(tf.int64),
+    "ragged_float_ids_2d_values": _ragged_2d_values(tf.float32),
     "sparse_ids_3d": (
         lambda kind, bad: (tf.SparseTensor(
             [[0, 0, 0]], tf.constant([1], tf.int64), [2, 2, 2]), None),
