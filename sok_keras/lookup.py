@@ -471,6 +471,9 @@ def _check_no_local_replicas(name):
 # `for x in dataset:` loop in a `tf.function` (a custom training loop).
 _IN_STEP = {("dataset_ops.py", "reduce"),
             ("dataset_autograph.py", "_general_purpose_scan")}
+_DATA_DIR = os.path.join("tensorflow", "python", "data", "")
+_GENERATOR = os.path.join(_DATA_DIR, "ops", "from_generator_op.py")
+_WRAPPER = os.path.join(_DATA_DIR, "ops", "structured_function.py")
 
 
 def _in_input_pipeline():
@@ -488,22 +491,19 @@ def _in_input_pipeline():
     (Not found: eager code in a stage's `tf.py_function`, which looks as
     one in the step's.)
     """
-    data_dir = os.path.join("tensorflow", "python", "data", "")
-    generator = os.path.join(data_dir, "ops", "from_generator_op.py")
-    wrapper = os.path.join(data_dir, "ops", "structured_function.py")
     traced = tf.inside_function()
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.endswith(generator):
+        if frame.f_code.co_filename.endswith(_GENERATOR):
             return True
         if (traced and frame.f_code.co_name == "__init__"
-                and frame.f_code.co_filename.endswith(wrapper)):
+                and frame.f_code.co_filename.endswith(_WRAPPER)):
             maker, synchronous = frame.f_back, False
             for _ in range(4):
                 if maker is None:
                     break
                 where = maker.f_code.co_filename
-                if data_dir in where and (os.path.basename(where),
+                if _DATA_DIR in where and (os.path.basename(where),
                                           maker.f_code.co_name) in _IN_STEP:
                     synchronous = True
                     break
