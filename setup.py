@@ -80,6 +80,18 @@ def _gencode_flags(nvcc):
     return flags
 
 
+def _sources_digest():
+    """`sok_keras/_sources.py`'s digest of csrc/ (loaded by path: importing
+    the package would load the library being built)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_sok_sources", os.path.join(HERE, "sok_keras", "_sources.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.digest(HERE)
+
+
 def _csrc_files():
     """Every file of csrc/ a build reads: the extension depends on them
     all (headers, CUDA sources), not only on its C++ sources."""
@@ -246,6 +258,7 @@ class BuildTfOps(build_ext):
                 f"TF_VERSION = {tf.__version__!r}\n"
                 f"TF_CXX11_ABI = {tf.sysconfig.CXX11_ABI_FLAG!r}\n"
                 f"WITH_CUDA = {nvcc is not None!r}\n"
+                f"SOURCES_SHA256 = {_sources_digest()!r}\n"
             )
         os.replace(info + ".tmp", info)
         if not self.inplace:

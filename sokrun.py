@@ -4,7 +4,7 @@ Usage:
 
 ```
 sokrun -np N [--timeout S] [--grace S] program [args...]
-python -m sokrun -np 2 python train.py --epochs 3   # or -m sok_keras.launch
+python -m sokrun -np 2 python train.py --epochs 3
 sokrun -np 2 train.py --epochs 3     # a .py file runs with this Python
 ```
 
@@ -95,7 +95,6 @@ def _free_ports(n):
 def bind_guard_library():
     """The path of sok_keras's bind guard (`_sok_bind_guard*.so`), found
     without importing sok_keras (nor TensorFlow); None if not built."""
-    import glob
     import importlib.util
 
     try:
@@ -105,9 +104,16 @@ def bind_guard_library():
     if spec is None or not spec.submodule_search_locations:
         return None
     for folder in spec.submodule_search_locations:
-        found = sorted(glob.glob(os.path.join(folder, "_sok_bind_guard*.so")))
+        sources = os.path.join(folder, "_sources.py")
+        if not os.path.exists(sources):
+            continue
+        # (By path: importing `sok_keras._sources` would import sok_keras.)
+        spec = importlib.util.spec_from_file_location("_sok_sources", sources)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        found = module.built_library(folder, "_sok_bind_guard")
         if found:
-            return found[0]
+            return found
     return None
 
 

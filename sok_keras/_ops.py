@@ -6,7 +6,6 @@ gradients with `register_gradient_once` so that re-importing a module
 never raises TensorFlow's "gradient registered twice" KeyError.
 """
 
-import glob
 import os
 import threading
 
@@ -19,9 +18,11 @@ _GRADIENTS = set()
 
 
 def library_path():
-    """Returns the path of the compiled op library, or None."""
-    found = sorted(glob.glob(os.path.join(_HERE, "_sok_ops*.so")))
-    return found[0] if found else None
+    """Returns the path of the compiled op library, or None: the one built
+    for this Python (`_sources.built_library`)."""
+    from sok_keras import _sources
+
+    return _sources.built_library(_HERE, "_sok_ops")
 
 
 def _minor_release(version):
@@ -55,6 +56,7 @@ def _check_versions():
         from sok_keras import _build_info
     except ImportError:
         return  # built by hand; the load below still reports symbols
+    _check_sources(getattr(_build_info, "SOURCES_SHA256", None))
     if (_minor_release(_build_info.TF_VERSION)
             != _minor_release(tf.__version__)):
         raise ImportError(
@@ -64,6 +66,45 @@ def _check_versions():
             f"{_build_info.TF_VERSION} (`pip install "
             f"{_tensorflow_distribution()}=={_build_info.TF_VERSION}`)."
         )
+
+
+def _check_sources(built):
+    """In a source checkout, the library must be built from its csrc/ as
+    it is now (`built`: the digest the build recorded; None from a build
+    before it did). (QA: after a `git pull` over an editable install, the
+    old library loaded, and the first step failed on a missing op.)"""
+    root = os.path.dirname(_HERE)
+    if built is None or not (os.path.isdir(os.path.join(root, "csrc"))
+                             and os.path.exists(os.path.join(root, "setup.py"))):
+        return
+    from sok_keras import _sources
+
+    if _sources.digest(root) != built:
+        raise ImportError(
+            "sok_keras's op library was built from other sources than this "
+            f"checkout's csrc/ ({root}): they changed since it was built (a "
+            "`git pull`, or an edit). Rebuild it: `make build`, or `pip "
+            "install --no-build-isolation --no-deps -e .` again.")
+
+
+class _Library:
+    """The loaded op library: its ops as attributes, and an op it lacks
+    named as what it is, a library built from other sources (instead of
+    TensorFlow's "module '1bfc...' has no attribute")."""
+
+    def __init__(self, module, path):
+        self._module, self._path = module, path
+
+    def __getattr__(self, name):
+        try:
+            value = getattr(self._module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"sok_keras's op library at {self._path} has no op "
+                f"'{name}': it was built from other sources than this "
+                f"sok_keras. {_rebuild_advice()}.") from None
+        setattr(self, name, value)  # found once; then a plain attribute
+        return value
 
 
 def _missing_library_message():
@@ -94,7 +135,7 @@ def ops():
             raise ImportError(_missing_library_message())
         _check_versions()
         try:
-            _LIB = tf.load_op_library(path)
+            _LIB = _Library(tf.load_op_library(path), path)
         except (tf.errors.NotFoundError, OSError) as e:
             try:
                 from sok_keras import _build_info

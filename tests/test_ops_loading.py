@@ -53,9 +53,56 @@ def test_a_missing_library_says_where_it_looked(monkeypatch, tmp_path):
 
 def test_matching_build_info_passes():
     from sok_keras import _build_info
+    from sok_keras import _sources
 
     assert _build_info.TF_VERSION == tf.__version__
+    # The build recorded the digest of the sources it was built from.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(_ops.__file__)))
+    assert _build_info.SOURCES_SHA256 == _sources.digest(root)
     _ops._check_versions()
+
+
+def test_a_library_built_from_other_sources_gives_clear_import_error(
+        monkeypatch, tmp_path):
+    """QA: after a `git pull` over an editable install, the old library
+    loaded and the first training step failed on "module '1bfc...' has no
+    attribute 'sok_sparse_apply_nadam'". A checkout whose csrc/ changed
+    since the build is named at import; an op the library lacks is named
+    as one."""
+    fake = types.ModuleType("sok_keras._build_info")
+    fake.TF_VERSION = tf.__version__
+    fake.SOURCES_SHA256 = "0" * 64
+    monkeypatch.setitem(sys.modules, "sok_keras._build_info", fake)
+    monkeypatch.setattr(sys.modules["sok_keras"], "_build_info", fake,
+                        raising=False)
+    with pytest.raises(ImportError, match=r"built from other sources than "
+                       r"this checkout's csrc/.*make build"):
+        _ops._check_versions()
+    # An installed package (no csrc/ beside it) has nothing to compare.
+    monkeypatch.setattr(_ops, "_HERE", str(tmp_path / "site" / "sok_keras"))
+    _ops._check_versions()
+    with pytest.raises(AttributeError, match=r"has no op 'sok_no_such_op': "
+                       r"it was built from other sources.*Rebuild"):
+        _ops.ops().sok_no_such_op
+    assert _ops.ops().sok_build_info is _ops.ops().sok_build_info
+
+
+def test_the_library_built_for_this_python_is_loaded(tmp_path):
+    """QA: a checkout built for two Pythons loaded the first name in order
+    (cpython-310's under 3.11); sokrun's bind guard likewise."""
+    import importlib.machinery
+
+    from sok_keras import _sources
+
+    ours = tmp_path / ("_sok_ops" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    other = tmp_path / "_sok_ops.cpython-300-x86_64-linux-gnu.so"
+    assert _sources.built_library(str(tmp_path), "_sok_ops") is None
+    other.write_text("")
+    assert _sources.built_library(str(tmp_path), "_sok_ops") == str(other)
+    ours.write_text("")
+    assert _sources.built_library(str(tmp_path), "_sok_ops") == str(ours)
+    assert _ops.library_path().endswith(
+        importlib.machinery.EXTENSION_SUFFIXES[0])
 
 
 def test_reimporting_wrappers_does_not_register_gradients_twice():

@@ -59,6 +59,12 @@ def test_the_source_distribution_holds_every_file_the_build_reads(
     docs = {f for f in _tracked_files() if f.startswith("docs/")}
     assert "docs/install.md" in docs and not docs - names, sorted(
         docs - names)
+    assert {"bench/RESULTS.md", "Makefile"} <= names
+    # The README's `make test` runs from the archive: every test file
+    # (QA: setuptools 84 put in tests/test_*.py without conftest.py).
+    tests = {f for f in _tracked_files() if f.startswith("tests/")}
+    assert "tests/conftest.py" in tests and not tests - names, sorted(
+        tests - names)
     assert not [n for n in names
                 if n.endswith((".so", ".o", "_build_info.py"))], names
 

@@ -15,6 +15,8 @@ from sok_keras.variable import save_entry
 from sok_keras.variable import saved_array
 from sok_keras.variable import table_entries
 from sok_keras._ops import not_converted as _not_converted
+from keras.src.backend.common import global_state
+from keras.src.saving import serialization_lib
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 
@@ -94,10 +96,19 @@ def get_table_optimizer(optimizer, layer):
         return None
     from sok_keras.optimizers import sparse_rules
 
+    shared = None
     if isinstance(optimizer, dict):
         # Keras' deserialization edits the config it is given: never let it
         # touch the caller's (e.g. a layer config being round-tripped).
         optimizer = copy.deepcopy(optimizer)
+        # One optimizer that several tables shared when saved (a mark
+        # `serialize_table_optimizer` made, which `keras.optimizers.get`
+        # drops): made once while Keras loads the model.
+        shared = optimizer.pop("shared_object_id", None)
+        if shared is not None:
+            opt = serialization_lib.get_shared_object(shared)
+            if opt is not None:
+                return opt
     try:
         opt = keras.optimizers.get(optimizer)
         # (Raises, listing the supported ones.) The state Keras makes in
@@ -113,7 +124,28 @@ def get_table_optimizer(optimizer, layer):
                 "clipping and the other step-wide options come from the "
                 f"model's optimizer. Received: {arg}={getattr(opt, arg)!r}."
             )
+    if shared is not None:
+        serialization_lib.record_object_after_deserialization(opt, shared)
     return opt
+
+
+def serialize_table_optimizer(opt):
+    """The config of a table's own optimizer (None: None).
+
+    Inside a Keras save (its `ObjectSharingScope`), the config carries
+    Keras' `shared_object_id`, so that tables that shared one optimizer
+    instance share one again when the model is loaded: the save writes
+    that optimizer's state (its step count) once, under the first table
+    that holds it. (Keras marks a shared object itself, but only in the
+    config it sees second: the first layer's config is copied before
+    then, so it loaded two optimizers, one of them restored.)"""
+    if opt is None:
+        return None
+    config = keras.saving.serialize_keras_object(opt)
+    if global_state.get_global_attribute(
+            "shared_objects/id_to_config_map") is not None:
+        config["shared_object_id"] = id(opt)
+    return config
 
 
 def check_combiner(combiner, layer):
@@ -546,10 +578,32 @@ class BaseEmbedding(keras.layers.Layer):
         """SOK 1's name for `embeddings`: the table, a `sok.Variable`
         (made when the layer is built)."""
         if not self.built:
-            raise AttributeError(
-                f"Layer '{self.name}' has no table yet: it is made when "
-                "the layer is built (called on ids, or `layer.build()`).")
+            raise AttributeError(self._no_table_yet())
         return self.embeddings
+
+    def _no_table_yet(self):
+        return (f"Layer '{vars(self).get('name')}' has no table yet: it is "
+                "made when the layer is built (called on ids, or "
+                "`layer.build()`).")
+
+    def __getattr__(self, name):
+        # Only reached when the attribute is not there: `embeddings` before
+        # the layer is built (QA: a bare AttributeError, where Keras'
+        # Embedding says to build the layer first). A property that raises
+        # AttributeError (`embedding_variable`) ends here too.
+        if name in ("embeddings", "embedding_variable"):
+            raise AttributeError(self._no_table_yet())
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def enable_lora(self, rank, *args, **kwargs):
+        """`keras.layers.Embedding.enable_lora`: refused, with the reason
+        (a sok table is trained by sparse row updates, not low-rank
+        factors)."""
+        raise ValueError(
+            f"{layer_name(type(self).__name__, self.name)} has no "
+            "`enable_lora` (a method of keras.layers.Embedding): "
+            f"{_KERAS_ONLY['lora_rank']}. Received: rank={rank!r}.")
 
     def build(self, input_shape=None):
         if self.built:
@@ -652,9 +706,8 @@ class BaseEmbedding(keras.layers.Layer):
                 "pooling": self.pooling,
                 "embeddings_initializer": keras.initializers.serialize(
                     self.embeddings_initializer),
-                "optimizer": None if self.table_optimizer is None else (
-                    keras.saving.serialize_keras_object(
-                        self.table_optimizer)),
+                "optimizer": serialize_table_optimizer(
+                    self.table_optimizer),
             }
         )
         return config

@@ -15,6 +15,7 @@ from sok_keras.layers.base_embedding import check_positive_int
 from sok_keras.layers.base_embedding import check_pooled_rank
 from sok_keras.layers.base_embedding import get_initializer
 from sok_keras.layers.base_embedding import get_table_optimizer
+from sok_keras.layers.base_embedding import serialize_table_optimizer
 from sok_keras.layers.base_embedding import init_keras_layer
 from sok_keras.layers.base_embedding import layer_name
 from sok_keras.layers.base_embedding import load_table
@@ -702,7 +703,7 @@ class EmbeddingCollection(keras.layers.Layer):
             spec = dict(spec)
             opt = self._table_optimizers[t]
             if opt is not None:
-                spec["optimizer"] = keras.saving.serialize_keras_object(opt)
+                spec["optimizer"] = serialize_table_optimizer(opt)
             tables[t] = spec
         return {**super().get_config(), "tables": tables,
                 "features": {f: dict(s) for f, s in self.features.items()}}

@@ -69,7 +69,9 @@ class LocalizedEmbedding(BaseEmbedding):
             which must be an `OptimizerWrapper` or a `sok.optimizers` class.
             Callbacks that set the model's learning rate
             (`ReduceLROnPlateau`, `LearningRateScheduler`) leave this
-            one's alone: give it a schedule.
+            one's alone: give it a schedule. One instance may serve
+            several tables (one step count); `model.save` keeps them
+            sharing it.
             Defaults to `None` (the model's optimizer rules the table).
         **kwargs: base layer arguments (`name`, `dtype`, ...), and
             `keras.layers.Embedding`'s `weights`: the whole initial table

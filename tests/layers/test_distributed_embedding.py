@@ -228,6 +228,26 @@ def test_keras_embedding_argument_names():
         sok.layers.DistributedEmbedding(30, 4, quantization_config="int8")
 
 
+def test_keras_embedding_attributes_of_an_unbuilt_layer_and_lora():
+    """(QA) `.embeddings` before the layer is built, and Keras'
+    `enable_lora`, say what is wrong (before: bare AttributeErrors)."""
+    for cls in (sok.layers.DistributedEmbedding,
+                sok.layers.LocalizedEmbedding):
+        layer = cls(30, 4, name="user_emb")
+        with pytest.raises(AttributeError,
+                           match="'user_emb' has no table yet.*built"):
+            layer.embeddings
+        assert not hasattr(layer, "embeddings")
+        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+            layer.nothing
+        with pytest.raises(ValueError, match=r"'user_emb' has no "
+                           r"`enable_lora`.*LoRA is not supported.*"
+                           r"Received: rank=4"):
+            layer.enable_lora(4)
+        layer.build()
+        assert layer.embeddings.shape == (30, 4)
+
+
 def test_a_keras_embedding_config_makes_a_sok_layer():
     """The config of a `keras.layers.Embedding` (every key Keras 3 writes,
     `quantization_config` included) makes a sok layer of the same table

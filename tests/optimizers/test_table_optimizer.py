@@ -83,6 +83,75 @@ def test_config_and_save_round_trip(tmp_path):
                                layer.embeddings.numpy(), rtol=1e-6)
 
 
+def _shared_optimizer_model(form, opt):
+    """Two tables trained by one optimizer instance: two layers, or two
+    tables of one EmbeddingCollection."""
+    ids = keras.Input(shape=(3,), dtype="int64")
+    init = keras.initializers.RandomNormal(seed=1)
+    if form == "layers":
+        a, b = (sok.layers.DistributedEmbedding(
+            40, 4, name=n, optimizer=opt, embeddings_initializer=init)
+            for n in ("ea", "eb"))
+        x = keras.layers.Add()([a(ids), b(ids)])
+    else:
+        coll = sok.layers.EmbeddingCollection(
+            tables={t: {"vocabulary_size": 40, "embedding_dim": 4,
+                        "optimizer": opt} for t in ("ta", "tb")},
+            features={"fa": {"table": "ta"}, "fb": {"table": "tb"}},
+            name="coll")
+        out = coll({"fa": ids, "fb": ids})
+        x = keras.layers.Add()([out["fa"], out["fb"]])
+    head = keras.layers.Dense(
+        1, name="head", kernel_initializer=keras.initializers.GlorotUniform(
+            seed=2))
+    return keras.Model(ids, head(x))
+
+
+def _table_optimizers(model, form):
+    if form == "layers":
+        return [model.get_layer(n).table_optimizer for n in ("ea", "eb")]
+    coll = model.get_layer("coll")
+    return [coll._table_optimizers[t] for t in ("ta", "tb")]
+
+
+@pytest.mark.parametrize("form", ["layers", "collection"])
+def test_tables_sharing_one_optimizer_share_it_again_when_loaded(
+        tmp_path, form):
+    """(QA) One optimizer instance given to two tables counts one step per
+    step; `model.save` writes its state once. The loaded tables shared two
+    optimizers, only one of them restored (the other's step count back at
+    0, Adam's bias correction restarted, with only Keras' 'Skipping
+    variable loading' warning): now they share one again."""
+    x, y = _data(2)
+    model = _shared_optimizer_model(form, keras.optimizers.Adam(0.05))
+    model.compile(optimizer=sok.optimizers.OptimizerWrapper(
+        keras.optimizers.SGD(0.05)), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    opts = _table_optimizers(model, form)
+    assert opts[0] is opts[1] and int(opts[0].iterations.numpy()) == 4
+    path = os.path.join(str(tmp_path), "m.keras")
+    model.save(path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Skipping variable loading"
+        loaded = keras.models.load_model(path)
+    lopts = _table_optimizers(loaded, form)
+    assert lopts[0] is lopts[1]
+    assert int(lopts[0].iterations.numpy()) == 4
+    saved = model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    again = loaded.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    np.testing.assert_allclose(again.history["loss"],
+                               saved.history["loss"], rtol=1e-6)
+    # Outside a save, a config stays a plain config (no sharing marks),
+    # and a layer made from it has an optimizer of its own.
+    if form == "layers":
+        config = model.get_layer("ea").get_config()
+        assert "shared_object_id" not in config["optimizer"]
+        clone = sok.layers.DistributedEmbedding.from_config(config)
+        assert clone.table_optimizer is not opts[0]
+
+
 def test_a_table_nadam_keeps_its_schedule_and_saves_it(tmp_path):
     """Nadam's momentum schedule (`_u_product`, which Keras makes in
     `build` and advances in `apply`) is kept by a table's own Nadam, which
