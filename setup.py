@@ -251,21 +251,32 @@ class BuildTfOps(build_ext):
             if flag in self.compiler.compiler_so:
                 self.compiler.compiler_so.remove(flag)
         super().build_extensions()
-        info = os.path.join(HERE, "sok_keras", "_build_info.py")
-        with open(info + ".tmp", "w") as f:
-            f.write(
-                "# Written by setup.py when the op library was built.\n"
+        library = os.path.basename(self.get_ext_filename("sok_keras._sok_ops"))
+        text = ("# Written by setup.py when the op library was built.\n"
                 f"TF_VERSION = {tf.__version__!r}\n"
                 f"TF_CXX11_ABI = {tf.sysconfig.CXX11_ABI_FLAG!r}\n"
                 f"WITH_CUDA = {nvcc is not None!r}\n"
                 f"SOURCES_SHA256 = {_sources_digest()!r}\n"
-            )
-        os.replace(info + ".tmp", info)
-        if not self.inplace:
-            target = os.path.join(self.build_lib, "sok_keras", "_build_info.py")
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(info) as src, open(target, "w") as dst:
-                dst.write(src.read())
+                f"LIBRARY = {library!r}\n")
+        # Beside the library it describes: the build's, and the checkout's
+        # only for a build in place (an editable install, `--inplace`), not
+        # for a wheel or a build elsewhere (QA: they rewrote the info of
+        # the checkout's own library).
+        folders = [os.path.join(self.build_lib, "sok_keras")]
+        if self._sok_in_place:
+            folders.append(os.path.join(HERE, "sok_keras"))
+        for folder in folders:
+            os.makedirs(folder, exist_ok=True)
+            info = os.path.join(folder, "_build_info.py")
+            with open(info + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(info + ".tmp", info)
+
+    def run(self):
+        # (setuptools' `run` clears `inplace` while it builds, and copies
+        # the library into the checkout afterwards.)
+        self._sok_in_place = bool(self.inplace)
+        super().run()
 
     def get_export_symbols(self, ext):
         return []  # a TF op library, not a Python extension module

@@ -56,7 +56,8 @@ def _check_versions():
         from sok_keras import _build_info
     except ImportError:
         return  # built by hand; the load below still reports symbols
-    _check_sources(getattr(_build_info, "SOURCES_SHA256", None))
+    _check_sources(getattr(_build_info, "SOURCES_SHA256", None),
+                   getattr(_build_info, "LIBRARY", None))
     if (_minor_release(_build_info.TF_VERSION)
             != _minor_release(tf.__version__)):
         raise ImportError(
@@ -68,18 +69,28 @@ def _check_versions():
         )
 
 
-def _check_sources(built):
+def _check_sources(built, library):
     """In a source checkout, the library must be built from its csrc/ as
-    it is now (`built`: the digest the build recorded; None from a build
-    before it did). (QA: after a `git pull` over an editable install, the
-    old library loaded, and the first step failed on a missing op.)"""
+    it is now (`built`: the digest the build recorded, for `library`; None
+    from a build before it did). (QA: after a `git pull` over an editable
+    install, the old library loaded, and the first step failed on a
+    missing op.) Where the info describes another library (another
+    Python's build in the same checkout) or csrc/ cannot be read, there
+    is nothing to compare: `_Library` still names a missing op."""
     root = os.path.dirname(_HERE)
-    if built is None or not (os.path.isdir(os.path.join(root, "csrc"))
-                             and os.path.exists(os.path.join(root, "setup.py"))):
+    path = library_path()
+    if (built is None or path is None
+            or (library is not None and os.path.basename(path) != library)
+            or not (os.path.isdir(os.path.join(root, "csrc"))
+                    and os.path.exists(os.path.join(root, "setup.py")))):
         return
     from sok_keras import _sources
 
-    if _sources.digest(root) != built:
+    try:
+        now = _sources.digest(root)
+    except OSError:
+        return
+    if now != built:
         raise ImportError(
             "sok_keras's op library was built from other sources than this "
             f"checkout's csrc/ ({root}): they changed since it was built (a "
@@ -96,8 +107,11 @@ class _Library:
         self._module, self._path = module, path
 
     def __getattr__(self, name):
+        module = vars(self).get("_module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(name)  # (copy, pickle: no such protocol)
         try:
-            value = getattr(self._module, name)
+            value = getattr(module, name)
         except AttributeError:
             raise AttributeError(
                 f"sok_keras's op library at {self._path} has no op "

@@ -23,11 +23,14 @@ def digest(root):
     (relative to `root`) and contents, in a fixed order."""
     h = hashlib.sha256()
     for folder, dirs, files in os.walk(os.path.join(root, "csrc")):
-        dirs.sort()
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
-            if not name.endswith(SUFFIXES):
-                continue
             path = os.path.join(folder, name)
+            # As setup.py's glob: no hidden files (an editor's lock file,
+            # `.#lookup.cc`, a dangling link), only files it can read.
+            if (name.startswith(".") or not name.endswith(SUFFIXES)
+                    or not os.path.isfile(path)):
+                continue
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             h.update(rel.encode() + b"\0")
             with open(path, "rb") as f:

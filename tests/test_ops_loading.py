@@ -85,6 +85,32 @@ def test_a_library_built_from_other_sources_gives_clear_import_error(
                        r"it was built from other sources.*Rebuild"):
         _ops.ops().sok_no_such_op
     assert _ops.ops().sok_build_info is _ops.ops().sok_build_info
+    import copy
+
+    copy.copy(_ops.ops())  # (review: a RecursionError)
+
+
+def test_the_sources_digest_skips_what_the_build_does_not_read(
+        tmp_path, monkeypatch):
+    """Review: an editor's lock file in csrc/ (`.#lookup.cc`, a dangling
+    link) made `import sok_keras` fail with a FileNotFoundError. The
+    digest reads what setup.py's build reads; info that describes another
+    Python's library is not compared."""
+    from sok_keras import _sources
+
+    core = tmp_path / "csrc" / "core"
+    core.mkdir(parents=True)
+    (core / "lookup.cc").write_text("int x;\n")
+    before = _sources.digest(str(tmp_path))
+    os.symlink(str(tmp_path / "nowhere"), str(core / ".#lookup.cc"))
+    (core / "notes.txt").write_text("")
+    assert _sources.digest(str(tmp_path)) == before
+    (core / "lookup.cc").write_text("int y;\n")
+    assert _sources.digest(str(tmp_path)) != before
+    # Another Python's library is described: nothing to compare.
+    _ops._check_sources("0" * 64, "_sok_ops.cpython-300-x86_64-linux-gnu.so")
+    with pytest.raises(ImportError, match="other sources"):
+        _ops._check_sources("0" * 64, os.path.basename(_ops.library_path()))
 
 
 def test_the_library_built_for_this_python_is_loaded(tmp_path):

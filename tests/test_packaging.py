@@ -97,3 +97,10 @@ def test_a_rebuild_for_another_tensorflow_compiles_again(tmp_path):
     later = time.time() + 5
     os.utime(os.path.join(tree, "csrc", "core", "status.h"), (later, later))
     assert len(compiled()) > 10  # a header
+    # The build info goes beside the library it describes, naming it: a
+    # build elsewhere leaves the checkout's alone (QA: a wheel's or
+    # another Python's build rewrote it).
+    assert not os.path.exists(os.path.join(tree, "sok_keras",
+                                           "_build_info.py"))
+    info = (tmp_path / "lib" / "sok_keras" / "_build_info.py").read_text()
+    assert "SOURCES_SHA256 = '" in info and "LIBRARY = '_sok_ops." in info

@@ -593,8 +593,9 @@ class BaseEmbedding(keras.layers.Layer):
         # AttributeError (`embedding_variable`) ends here too.
         if name in ("embeddings", "embedding_variable"):
             raise AttributeError(self._no_table_yet())
-        raise AttributeError(
-            f"'{type(self).__name__}' object has no attribute '{name}'")
+        # Anything else: the error Python would give without this method
+        # (a property's own, e.g. Keras' `input` of a layer never called).
+        return object.__getattribute__(self, name)
 
     def enable_lora(self, rank, *args, **kwargs):
         """`keras.layers.Embedding.enable_lora`: refused, with the reason
