@@ -219,8 +219,10 @@ def world_from_env(env=None):
     for source, rank_var, size_var in _SOURCES:
         if rank_var in env and size_var in env:
             break
+        # (A launcher above the one whose pair is set: half of its pair is
+        # an error too, e.g. `SOK_RANK=1` beside torchrun's pair. Review.)
+        _check_no_half_world(env, [(source, rank_var, size_var)])
     else:
-        _check_no_half_world(env)
         if env.get("TF_CONFIG"):
             return _world_from_tf_config(env["TF_CONFIG"])
         return World(0, 1)
@@ -241,23 +243,17 @@ def world_from_env(env=None):
                     f"rank ({size} from {size_var}), got "
                     f"{env['SOK_WORKER_ADDRS']!r}."
                 )
-            for a in addrs:
-                port = a.rsplit(":", 1)[1]
-                if not (port.isdigit() and 0 < int(port) <= 65535):
-                    raise RuntimeError(
-                        f"sok_keras: SOK_WORKER_ADDRS: {a!r} has no port "
-                        "in 1..65535 (TensorFlow would listen on another). "
-                        f"Received: SOK_WORKER_ADDRS="
-                        f"{env['SOK_WORKER_ADDRS']!r}.")
-            twice = sorted({a for a in addrs if addrs.count(a) > 1})
-            if twice:
-                raise RuntimeError(
-                    f"sok_keras: SOK_WORKER_ADDRS names {twice} for more "
-                    "than one rank: each rank listens on an address of its "
-                    "own. Received: SOK_WORKER_ADDRS="
-                    f"{env['SOK_WORKER_ADDRS']!r}.")
+            _check_worker_addrs(
+                addrs, "SOK_WORKER_ADDRS",
+                f"SOK_WORKER_ADDRS={env['SOK_WORKER_ADDRS']!r}")
         elif "MASTER_PORT" in env:
             host = env.get("MASTER_ADDR") or "127.0.0.1"
+            if ":" in host or host.startswith("["):
+                raise RuntimeError(
+                    "sok_keras: MASTER_ADDR must be an IPv4 address or a "
+                    "host name: IPv6 addresses are not supported (the "
+                    "ranks' hub listens on IPv4). Received: MASTER_ADDR="
+                    f"{host!r}.")
             port = _int_env("MASTER_PORT", env)
             if not 0 < port or port + size > 65535:
                 raise RuntimeError(
@@ -276,14 +272,46 @@ def world_from_env(env=None):
     return World(rank, size, addrs, source)
 
 
-def _check_no_half_world(env):
+# (QA: an IPv6 MASTER_ADDR hung until the timeout, `[::1]` failed in the
+# hub with a raw OSError.)
+def _check_worker_addrs(addrs, what, received):
+    """Refuses rank addresses (from `what`) TensorFlow would not listen on
+    as given: a port outside 1..65535, an IPv6 host, one address for two
+    ranks."""
+    for a in addrs:
+        host, _, port = a.rpartition(":")
+        if not (port.isascii() and port.isdigit()
+                and 0 < int(port) <= 65535):
+            raise RuntimeError(
+                f"sok_keras: {what}: {a!r} has no port in 1..65535 "
+                f"(TensorFlow would listen on another). Received: "
+                f"{received}.")
+        if not host or ":" in host or host.startswith("["):
+            raise RuntimeError(
+                f"sok_keras: {what}: {a!r} has no IPv4 host or host name: "
+                "IPv6 addresses are not supported (the ranks' hub listens "
+                f"on IPv4). Received: {received}.")
+    twice = sorted({a for a in addrs if addrs.count(a) > 1})
+    if twice:
+        raise RuntimeError(
+            f"sok_keras: {what} names {twice} for more than one rank: each "
+            "rank listens on an address of its own. Received: "
+            f"{received}.")
+
+
+def _check_no_half_world(env, sources=_SOURCES):
     """Refuses half of a launcher's pair of variables where the half says
     there are other ranks: a number of ranks (> 1) without the rank
     (`WORLD_SIZE=4` without `RANK`), or a rank (> 0) without the number of
     ranks (`RANK=1` without `WORLD_SIZE`). Each process would otherwise train
     alone, as a world of one, and nothing would say so. A lone rank 0 is a
     world of one."""
-    for source, rank_var, size_var in _SOURCES:
+    for source, rank_var, size_var in sources:
+        for name in (rank_var, size_var):
+            if name in env and (rank_var in env) != (size_var in env):
+                # A half that is no number says nothing either way: an
+                # error, not a world of one (QA: `WORLD_SIZE=4x`).
+                _int_env(name, env)
         try:
             size = int(env.get(size_var, ""))
         except ValueError:
@@ -313,9 +341,16 @@ def _world_from_tf_config(text):
 
     try:
         config = json.loads(text)
-        workers = list(config["cluster"]["worker"])
+        workers = config["cluster"]["worker"]
         task = config.get("task", {})
-        kind, index = task.get("type", "worker"), int(task.get("index", 0))
+        kind, index = task.get("type", "worker"), task.get("index", 0)
+        # (QA: a string was split into one worker per character, and an
+        # index of 1.9 taken as 1.)
+        if not isinstance(workers, list) or not all(
+                isinstance(w, str) for w in workers):
+            raise TypeError("cluster.worker is no list of host:port strings")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError("task.index is no integer")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise RuntimeError(
             "sok_keras: TF_CONFIG must be JSON with cluster.worker (a list "
@@ -331,6 +366,8 @@ def _world_from_tf_config(text):
         raise RuntimeError(
             f"sok_keras: TF_CONFIG task index {index} is not a worker of "
             f"the cluster's {len(workers)}.")
+    if len(workers) > 1:
+        _check_worker_addrs(workers, "TF_CONFIG", f"TF_CONFIG={text!r}")
     return World(index, len(workers), workers if len(workers) > 1 else (),
                  "TF_CONFIG")
 
@@ -673,7 +710,7 @@ def _local_rank(env):
             # (`LOCAL_RANK=-1` means "not distributed" to some tools, e.g.
             # Hugging Face scripts: as unset. Review.)
             continue
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             raise RuntimeError(
                 f"sok_keras: environment variable {name} must be this "
                 f"rank's local rank (0, 1, ...), got {env[name]!r}.")
@@ -913,10 +950,6 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
         timeout = None
         if isinstance(heartbeat_timeout, bool):
             heartbeat_timeout = None  # use_legacy_optimizer: ignored
-    if global_metrics is not None:
-        from sok_keras import callbacks
-
-        callbacks.set_global_metrics(global_metrics)
     for name, value in kwargs.items():
         if name == "comm_tool":
             # SOK's default is "horovod": a ported script keeps it, and its
@@ -947,15 +980,23 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
                 f"`{arg}` must be a positive number of seconds, at most "
                 f"{MAX_SECONDS:g} (a year), got {value!r}")
     given = f"backend={backend!r}"
-    explicit_backend = bool(backend or os.environ.get("SOK_BACKEND"))
-    if not backend and os.environ.get("SOK_BACKEND"):
+    explicit_backend = (backend is not None
+                        or bool(os.environ.get("SOK_BACKEND")))
+    if backend is None and os.environ.get("SOK_BACKEND"):
         backend = os.environ["SOK_BACKEND"]
         given = f"SOK_BACKEND={backend!r} (environment)"
-    backend = backend or "auto"
-    if backend not in _BACKENDS:
+    # (QA: "", 0 and False were taken as "auto".)
+    backend = "auto" if backend is None else backend
+    if not isinstance(backend, str) or backend not in _BACKENDS:
         raise ValueError(
             f"`backend` must be one of {_BACKENDS}. Received: {given}.")
     _check_later_variables(global_metrics)
+    if global_metrics is not None:
+        # (After the arguments' checks: QA, a refused `init` had changed
+        # the setting.)
+        from sok_keras import callbacks
+
+        callbacks.set_global_metrics(global_metrics)
     with _LOCK:
         if _WORLD is not None:
             first = {"backend": getattr(_WORLD, "requested_backend", None),
@@ -1000,6 +1041,16 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
                 "SOK_HEARTBEAT_TIMEOUT", _DEFAULT_HEARTBEAT, os.environ
             )
         )
+        if world.heartbeat_timeout < 0.001:
+            # TensorFlow counts whole milliseconds, and takes 0 for its
+            # default (QA: 1e-4 s was accepted as 0 ms).
+            raise ValueError(
+                "sok_keras.init(): the heartbeat timeout must be at least "
+                "0.001 s (TensorFlow counts whole milliseconds). Received: "
+                + (f"heartbeat_timeout={heartbeat_timeout!r}."
+                   if heartbeat_timeout is not None else
+                   "SOK_HEARTBEAT_TIMEOUT="
+                   f"{os.environ.get('SOK_HEARTBEAT_TIMEOUT')!r}."))
         _local_rank(os.environ)  # a bad value is an error here, GPU or not
         hvd = _horovod_world()
         if hvd is not None and hvd != (world.rank, world.num_ranks):

@@ -231,3 +231,21 @@ def test_horovod_names_it_lacks_say_what_it_has(name, hint):
                      "broadcast_variables", "docs/recipes.md"):
         assert provided in message
     assert not hasattr(hvd, "__no_such_dunder__")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2"])
+def test_a_local_size_that_is_no_number_of_ranks_names_the_variable(
+        monkeypatch, value):
+    """QA: `LOCAL_WORLD_SIZE=abc` was passed over (local_size() 1), and 0
+    returned as is."""
+    import sok_keras.compat.horovod as hvd
+
+    for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE",
+                 "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(RuntimeError, match="LOCAL_WORLD_SIZE must be the "
+                       f"number of ranks on this host.*got '{value}'"):
+        hvd.local_size()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert hvd.local_size() == 3

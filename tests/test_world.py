@@ -88,6 +88,29 @@ def test_world_from_env(env, want):
         ({"SOK_RANK": "0", "SOK_NUM_RANKS": "3",
           "SOK_WORKER_ADDRS": "h:1,g:1,h:1"},
          r"names \['h:1'\] for more than one rank"),
+        # QA: a half pair that is no number was a world of one, silently;
+        # so was a half pair above a launcher whose pair is set.
+        ({"WORLD_SIZE": "4x"}, "WORLD_SIZE must be an integer, got '4x'"),
+        ({"RANK": "abc"}, "RANK must be an integer, got 'abc'"),
+        ({"SOK_RANK": "1", "RANK": "0", "WORLD_SIZE": "1"},
+         "SOK_RANK=1 is set .* but SOK_NUM_RANKS is not"),
+        # QA: TF_CONFIG's workers as a string (one per character), an
+        # index that is no integer, one address twice (rank 1 waited the
+        # whole timeout), an IPv6 host (hung, or a raw OSError).
+        ({"TF_CONFIG": '{"cluster": {"worker": "10.0.0.1:2222"}}'},
+         "cluster.worker is no list"),
+        ({"TF_CONFIG": '{"cluster": {"worker": ["h:1", "g:1"]}, '
+                       '"task": {"index": 1.9}}'}, "task.index is no integer"),
+        ({"TF_CONFIG": '{"cluster": {"worker": ["h:1", "h:1"]}}'},
+         r"TF_CONFIG names \['h:1'\] for more than one rank"),
+        ({"TF_CONFIG": '{"cluster": {"worker": ["h:1", "g"]}}'},
+         "TF_CONFIG: 'g' has no port"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "2000",
+          "MASTER_ADDR": "::1"}, "MASTER_ADDR must be an IPv4 address .*"
+         "Received: MASTER_ADDR='::1'"),
+        ({"SOK_RANK": "0", "SOK_NUM_RANKS": "2",
+          "SOK_WORKER_ADDRS": "[::1]:1,[::1]:2"},
+         "'\\[::1\\]:1' has no IPv4 host or host name"),
     ],
 )
 def test_world_from_env_errors(env, match):
@@ -163,6 +186,23 @@ def test_init_arguments(monkeypatch):
         world.init(timeout="x")
     with pytest.raises(TypeError, match="`heartbeat_timeout` must be"):
         world.init(heartbeat_timeout=True)
+    # QA: "", 0 and False were taken as "auto"; a refused init had set the
+    # global-metrics setting; a heartbeat under a millisecond became 0 ms
+    # (TensorFlow's default).
+    from sok_keras import callbacks
+
+    before = callbacks.global_metrics_enabled()
+    for bad in ("", 0, False):
+        with pytest.raises(ValueError, match=f"Received: backend={bad!r}"):
+            world.init(backend=bad, global_metrics=not before)
+    assert callbacks.global_metrics_enabled() == before
+    with pytest.raises(ValueError, match="at least 0.001 s.*"
+                       r"heartbeat_timeout=0.0001"):
+        world.init(heartbeat_timeout=0.0001)
+    monkeypatch.setenv("SOK_LOCAL_RANK", "\u00b2")  # a digit, not ASCII
+    with pytest.raises(RuntimeError, match="SOK_LOCAL_RANK must be this "
+                       "rank's local rank"):
+        world.init()
 
 
 def test_init_after_tf_ran_is_an_error():

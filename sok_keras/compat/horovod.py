@@ -221,8 +221,16 @@ def local_size():
 
     for name in ("OMPI_COMM_WORLD_LOCAL_SIZE", "HOROVOD_LOCAL_SIZE",
                  "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"):
-        if os.environ.get(name, "").strip().isdigit():
-            return int(os.environ[name])
+        value = os.environ.get(name, "").strip()
+        if not value:
+            continue
+        if not (value.isascii() and value.isdigit() and int(value) > 0):
+            # (QA: passed over silently, and 0 returned as is.)
+            raise RuntimeError(
+                f"sok_keras: environment variable {name} must be the "
+                f"number of ranks on this host (1, 2, ...), got "
+                f"{os.environ[name]!r}.")
+        return int(value)
     hosts = _hosts()
     return hosts.count(hosts[rank()])
 
