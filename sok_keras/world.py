@@ -17,8 +17,9 @@ print(sok.rank(), sok.num_ranks())
 2. `HOROVOD_RANK`, `HOROVOD_SIZE` (`horovodrun` with Gloo);
 3. `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE` (Open MPI's `mpirun`);
 4. `PMI_RANK`, `PMI_SIZE` (MPICH / Intel MPI);
-5. `SLURM_PROCID`, `SLURM_NTASKS` (`srun`);
-6. `RANK`, `WORLD_SIZE` with `MASTER_ADDR`, `MASTER_PORT` (torchrun style);
+5. `RANK`, `WORLD_SIZE` with `MASTER_ADDR`, `MASTER_PORT` (torchrun style);
+6. `SLURM_PROCID`, `SLURM_NTASKS` (`srun`; last, as Slurm's variables
+   reach the processes of any launcher `srun` started);
 7. `TF_CONFIG` (MultiWorkerMirroredStrategy's): rank = the worker's task
    index, addresses = its cluster's workers.
 
@@ -107,8 +108,12 @@ _SOURCES = (
     ("horovodrun (Gloo)", "HOROVOD_RANK", "HOROVOD_SIZE"),
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
     ("PMI (MPICH / Intel MPI)", "PMI_RANK", "PMI_SIZE"),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"),
     ("torchrun-style RANK/WORLD_SIZE", "RANK", "WORLD_SIZE"),
+    # Last: Slurm's variables reach every process of the allocation, also
+    # those of a launcher that `srun` started (torchrun, accelerate), whose
+    # own pair describes them. (Review: Slurm's pair came first, and every
+    # process of `srun --ntasks-per-node=1 torchrun ...` took a node's rank.)
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS"),
 )
 
 
@@ -216,13 +221,18 @@ def world_from_env(env=None):
             the variables and the values received.
     """
     env = os.environ if env is None else env
-    for source, rank_var, size_var in _SOURCES:
+    for i, (source, rank_var, size_var) in enumerate(_SOURCES):
         if rank_var in env and size_var in env:
+            # A launcher above the one whose pair is set: a rank > 0
+            # without its number of ranks is an error too (`SOK_RANK=1`
+            # beside torchrun's pair; QA). A number of ranks alone is not:
+            # `salloc -n 4` exports SLURM_NTASKS to a shell that starts
+            # torchrun (review).
+            for above in _SOURCES[:i]:
+                _check_no_rank_alone(env, *above)
             break
-        # (A launcher above the one whose pair is set: half of its pair is
-        # an error too, e.g. `SOK_RANK=1` beside torchrun's pair. Review.)
-        _check_no_half_world(env, [(source, rank_var, size_var)])
     else:
+        _check_no_half_world(env)
         if env.get("TF_CONFIG"):
             return _world_from_tf_config(env["TF_CONFIG"])
         return World(0, 1)
@@ -299,6 +309,17 @@ def _check_worker_addrs(addrs, what, received):
             f"{received}.")
 
 
+def _check_no_rank_alone(env, source, rank_var, size_var):
+    if size_var in env or not env.get(rank_var, "").strip().isdigit():
+        return
+    rank = int(env[rank_var])
+    if rank > 0:
+        raise RuntimeError(
+            f"sok_keras: {rank_var}={rank} is set ({source}) but {size_var} "
+            "is not, so this process does not know how many ranks the job "
+            f"has. Set {size_var} on every rank, or unset {rank_var}.")
+
+
 def _check_no_half_world(env, sources=_SOURCES):
     """Refuses half of a launcher's pair of variables where the half says
     there are other ranks: a number of ranks (> 1) without the rank
@@ -349,6 +370,9 @@ def _world_from_tf_config(text):
         if not isinstance(workers, list) or not all(
                 isinstance(w, str) for w in workers):
             raise TypeError("cluster.worker is no list of host:port strings")
+        # (TensorFlow's resolver takes `int(index)`: "1" too.)
+        if isinstance(index, str) and index.strip().isdigit():
+            index = int(index)
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError("task.index is no integer")
     except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -848,6 +872,8 @@ def _check_later_variables(global_metrics):
     global_views.enter_timeout()  # SOK_SAVE_TIMEOUT
     if global_metrics is None:
         callbacks.global_metrics_enabled()  # SOK_GLOBAL_METRICS
+    elif not isinstance(global_metrics, bool):
+        callbacks.set_global_metrics(global_metrics)  # raises, naming it
     _bind_guard_off()  # SOK_BIND_GUARD
     _bind_host()  # SOK_BIND_HOST
 
@@ -991,12 +1017,6 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
         raise ValueError(
             f"`backend` must be one of {_BACKENDS}. Received: {given}.")
     _check_later_variables(global_metrics)
-    if global_metrics is not None:
-        # (After the arguments' checks: QA, a refused `init` had changed
-        # the setting.)
-        from sok_keras import callbacks
-
-        callbacks.set_global_metrics(global_metrics)
     with _LOCK:
         if _WORLD is not None:
             first = {"backend": getattr(_WORLD, "requested_backend", None),
@@ -1022,6 +1042,7 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
                     "first call (only `timeout` may change later). "
                     "Received: " + ", ".join(
                         f"{k}={v!r}" for k, v in changed.items()) + ".")
+            _set_global_metrics(global_metrics)
             if timeout is not None:
                 _WORLD.timeout = float(timeout)
                 _WORLD.communicator.timeout = float(timeout)
@@ -1102,10 +1123,19 @@ def init(timeout=None, heartbeat_timeout=None, backend=None,
             # comparison of the tables (sok_keras.divergence, .consistency).
             divergence.start(world)
             auto_wrap.install_loop_hooks()
+        _set_global_metrics(global_metrics)
         world.initialized = True
         _WORLD = world
         logging.getLogger("sok_keras").info("sok_keras initialized: %r", world)
         return world
+
+
+def _set_global_metrics(enabled):
+    # Once `init` succeeds (QA: a refused `init` had changed the setting).
+    if enabled is not None:
+        from sok_keras import callbacks
+
+        callbacks.set_global_metrics(enabled)
 
 
 def is_initialized():

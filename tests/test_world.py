@@ -45,6 +45,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             (0, 2, ["127.0.0.1:101", "127.0.0.1:102"],
              "torchrun-style RANK/WORLD_SIZE"),
         ),
+        # Review: torchrun (or accelerate) inside a Slurm allocation: its
+        # pair describes its processes, Slurm's (or `salloc`'s lone
+        # SLURM_NTASKS) does not.
+        (
+            {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "RANK": "5",
+             "WORLD_SIZE": "8", "MASTER_PORT": "100"},
+            (5, 8, [f"127.0.0.1:{101 + i}" for i in range(8)],
+             "torchrun-style RANK/WORLD_SIZE"),
+        ),
+        (
+            {"SLURM_NTASKS": "4", "RANK": "1", "WORLD_SIZE": "2",
+             "MASTER_PORT": "100"},
+            (1, 2, ["127.0.0.1:101", "127.0.0.1:102"],
+             "torchrun-style RANK/WORLD_SIZE"),
+        ),
+        # TensorFlow's resolver takes a task index given as a string.
+        (
+            {"TF_CONFIG": '{"cluster": {"worker": ["h:1", "g:1"]}, '
+                          '"task": {"type": "worker", "index": "1"}}'},
+            (1, 2, ["h:1", "g:1"], "TF_CONFIG"),
+        ),
     ],
 )
 def test_world_from_env(env, want):
@@ -94,6 +115,8 @@ def test_world_from_env(env, want):
         ({"RANK": "abc"}, "RANK must be an integer, got 'abc'"),
         ({"SOK_RANK": "1", "RANK": "0", "WORLD_SIZE": "1"},
          "SOK_RANK=1 is set .* but SOK_NUM_RANKS is not"),
+        ({"SLURM_NTASKS": "4"}, "SLURM_NTASKS=4 is set .* but SLURM_PROCID "
+         "is not"),
         # QA: TF_CONFIG's workers as a string (one per character), an
         # index that is no integer, one address twice (rank 1 waited the
         # whole timeout), an IPv6 host (hung, or a raw OSError).
@@ -198,7 +221,14 @@ def test_init_arguments(monkeypatch):
     assert callbacks.global_metrics_enabled() == before
     with pytest.raises(ValueError, match="at least 0.001 s.*"
                        r"heartbeat_timeout=0.0001"):
-        world.init(heartbeat_timeout=0.0001)
+        world.init(heartbeat_timeout=0.0001, global_metrics=not before)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # refused by the world's checks
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=4 is set"):
+        world.init(global_metrics=not before)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert callbacks.global_metrics_enabled() == before
+    with pytest.raises(TypeError, match="global_metrics='no'"):
+        world.init(global_metrics="no")
     monkeypatch.setenv("SOK_LOCAL_RANK", "\u00b2")  # a digit, not ASCII
     with pytest.raises(RuntimeError, match="SOK_LOCAL_RANK must be this "
                        "rank's local rank"):
