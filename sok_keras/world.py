@@ -320,16 +320,17 @@ def _check_no_rank_alone(env, source, rank_var, size_var):
             f"has. Set {size_var} on every rank, or unset {rank_var}.")
 
 
-def _check_no_half_world(env, sources=_SOURCES):
+def _check_no_half_world(env):
     """Refuses half of a launcher's pair of variables where the half says
     there are other ranks: a number of ranks (> 1) without the rank
     (`WORLD_SIZE=4` without `RANK`), or a rank (> 0) without the number of
     ranks (`RANK=1` without `WORLD_SIZE`). Each process would otherwise train
     alone, as a world of one, and nothing would say so. A lone rank 0 is a
     world of one."""
-    for source, rank_var, size_var in sources:
+    for source, rank_var, size_var in _SOURCES:
         for name in (rank_var, size_var):
-            if name in env and (rank_var in env) != (size_var in env):
+            if (env.get(name, "").strip()
+                    and (rank_var in env) != (size_var in env)):
                 # A half that is no number says nothing either way: an
                 # error, not a world of one (QA: `WORLD_SIZE=4x`).
                 _int_env(name, env)
