@@ -80,26 +80,22 @@ def _gencode_flags(nvcc):
     return flags
 
 
-def _sources_digest():
-    """`sok_keras/_sources.py`'s digest of csrc/ (loaded by path: importing
-    the package would load the library being built)."""
+def _sources_module():
+    """`sok_keras/_sources.py` (loaded by path: importing the package would
+    load the library being built)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "_sok_sources", os.path.join(HERE, "sok_keras", "_sources.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.digest(HERE)
+    return module
 
 
 def _csrc_files():
     """Every file of csrc/ a build reads: the extension depends on them
     all (headers, CUDA sources), not only on its C++ sources."""
-    files = []
-    for pattern in ("*.h", "*.cuh", "*.cc", "*.c"):
-        files += glob.glob(os.path.join("csrc", "**", pattern),
-                           recursive=True)
-    return sorted(files)
+    return sorted(_sources_module().files(HERE))
 
 
 class BuildTfOps(build_ext):
@@ -256,7 +252,7 @@ class BuildTfOps(build_ext):
                 f"TF_VERSION = {tf.__version__!r}\n"
                 f"TF_CXX11_ABI = {tf.sysconfig.CXX11_ABI_FLAG!r}\n"
                 f"WITH_CUDA = {nvcc is not None!r}\n"
-                f"SOURCES_SHA256 = {_sources_digest()!r}\n"
+                f"SOURCES_SHA256 = {_sources_module().digest(HERE)!r}\n"
                 f"LIBRARY = {library!r}\n")
         # Beside the library it describes: the build's, and the checkout's
         # only for a build in place (an editable install, `--inplace`), not

@@ -14,28 +14,35 @@ import hashlib
 import importlib.machinery
 import os
 
-# The files of csrc/ a build reads (setup.py's `_csrc_files`).
+# The files of csrc/ a build reads.
 SUFFIXES = (".h", ".cuh", ".cc", ".c")
 
 
-def digest(root):
-    """The SHA-256 of every source file under `root/csrc`: their paths
-    (relative to `root`) and contents, in a fixed order."""
-    h = hashlib.sha256()
-    for folder, dirs, files in os.walk(os.path.join(root, "csrc")):
+def files(root):
+    """The paths (relative to `root`, with "/") of the source files under
+    `root/csrc` a build reads, in a fixed order. As setup.py's glob: no
+    hidden files (an editor's lock file, `.#lookup.cc`, a dangling link),
+    only files that exist."""
+    found = []
+    for folder, dirs, names in os.walk(os.path.join(root, "csrc")):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
+        for name in sorted(names):
             path = os.path.join(folder, name)
-            # As setup.py's glob: no hidden files (an editor's lock file,
-            # `.#lookup.cc`, a dangling link), only files it can read.
-            if (name.startswith(".") or not name.endswith(SUFFIXES)
-                    or not os.path.isfile(path)):
-                continue
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            h.update(rel.encode() + b"\0")
-            with open(path, "rb") as f:
-                h.update(f.read())
-            h.update(b"\0")
+            if (not name.startswith(".") and name.endswith(SUFFIXES)
+                    and os.path.isfile(path)):
+                found.append(os.path.relpath(path, root).replace(os.sep, "/"))
+    return found
+
+
+def digest(root):
+    """The SHA-256 of every source file under `root/csrc` (`files`): their
+    paths and contents, in a fixed order."""
+    h = hashlib.sha256()
+    for rel in files(root):
+        h.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(f.read())
+        h.update(b"\0")
     return h.hexdigest()
 
 

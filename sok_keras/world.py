@@ -310,14 +310,20 @@ def _check_worker_addrs(addrs, what, received):
 
 
 def _check_no_rank_alone(env, source, rank_var, size_var):
-    if size_var in env or not env.get(rank_var, "").strip().isdigit():
+    """Refuses a rank (> 0) without the number of ranks (`RANK=1` without
+    `WORLD_SIZE`): the process would train as a world of one."""
+    if size_var in env:
         return
-    rank = int(env[rank_var])
+    try:
+        rank = int(env.get(rank_var, ""))
+    except ValueError:
+        return
     if rank > 0:
         raise RuntimeError(
             f"sok_keras: {rank_var}={rank} is set ({source}) but {size_var} "
             "is not, so this process does not know how many ranks the job "
-            f"has. Set {size_var} on every rank, or unset {rank_var}.")
+            f"has. Set {size_var} on every rank, or unset {rank_var} to run "
+            "as one process.")
 
 
 def _check_no_half_world(env):
@@ -344,16 +350,7 @@ def _check_no_half_world(env):
                 f"{rank_var} is not, so this process does not know its "
                 f"rank. Set {rank_var} on every rank (0..{size - 1}), or "
                 f"unset {size_var} to run as one process.")
-        try:
-            rank = int(env.get(rank_var, ""))
-        except ValueError:
-            continue
-        if rank > 0 and size_var not in env:
-            raise RuntimeError(
-                f"sok_keras: {rank_var}={rank} is set ({source}) but "
-                f"{size_var} is not, so this process does not know how many "
-                f"ranks the job has. Set {size_var} on every rank, or unset "
-                f"{rank_var} to run as one process.")
+        _check_no_rank_alone(env, source, rank_var, size_var)
 
 
 def _world_from_tf_config(text):
