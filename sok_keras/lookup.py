@@ -201,8 +201,10 @@ _PROBLEMS = (
     "the weights do not match the ids (one weight per id, with the ids' "
     "shape, row splits or sparse indices)",
     "an index of the SparseTensor ids lies outside its dense_shape",
+    "the RaggedTensor ids' row_splits are inconsistent (they must rise from "
+    "0 to the number of ids)",
 )
-_RAGGED_SPLITS, _WEIGHTS_MISMATCH, _SPARSE_INDEX = 1, 2, 3
+_RAGGED_SPLITS, _WEIGHTS_MISMATCH, _SPARSE_INDEX, _BAD_SPLITS = 1, 2, 3, 4
 
 
 def _same(a, b):
@@ -344,9 +346,16 @@ def _normalize_ids(ids, weights, name):
                 f"{ids.shape}."
             )
         values = tf.cast(ids.values, tf.int64)
-        segs = _row_ids(ids.row_splits, values)
         nnz = tf.size(values, out_type=tf.int64)
-        checks = []
+        splits = tf.cast(ids.row_splits, tf.int64)
+        # (QA: splits of a RaggedTensor made with validate=False were taken
+        # as they were, and ids pooled into the wrong samples, silently.)
+        checks = [(_splits_are_consistent(splits, nnz), _BAD_SPLITS)]
+        nrows = tf.maximum(tf.size(splits, out_type=tf.int64) - 1, 0)
+        # Rows outside the batch would be pooled into no sample (or another
+        # rank's): clamp them; the check above refuses the input.
+        segs = tf.clip_by_value(_row_ids(splits, values), 0,
+                                tf.maximum(nrows - 1, 0))
         w = None
         if weights is not None:
             if isinstance(weights, tf.RaggedTensor):
@@ -369,8 +378,8 @@ def _normalize_ids(ids, weights, name):
         # The output keeps every position of the ids: a zero row for -1,
         # as dense and sparse ids have (rows line up with parallel ragged
         # features, positions, timestamps).
-        layout = ("ragged", kept, tf.cast(ids.row_splits, tf.int64))
-        return _Ids(values_k, segs_k, ids.nrows(), w, layout,
+        layout = ("ragged", kept, splits)
+        return _Ids(values_k, segs_k, nrows, w, layout,
                     _first_problem(checks))
     ids = tf.convert_to_tensor(ids)
     _check_int(ids, name)
@@ -428,6 +437,17 @@ def _kept(values, keep=None):
     if keep is None:
         keep = tf.not_equal(values, -1)
     return tf.reshape(tf.where(keep), [-1])
+
+
+def _splits_are_consistent(splits, nnz):
+    """Whether int64 row splits rise from 0 to `nnz` (what
+    `tf.RaggedTensor.from_row_splits` validates unless told not to), as a
+    bool scalar tensor that never fails."""
+    return tf.logical_and(
+        tf.reduce_all(tf.equal(splits[:1], 0))
+        & tf.reduce_all(tf.equal(splits[-1:], nnz))
+        & tf.greater(tf.size(splits), 0),
+        tf.reduce_all(splits[1:] >= splits[:-1]))
 
 
 def _row_ids(row_splits, values):

@@ -300,6 +300,14 @@ INPUTS = {
             [[0, 0], [5 if bad else 1, 0]], tf.constant([1, 2], tf.int64),
             [2, 2]), None),
         ("raise", (IAE,), ["{name}", "dense_shape"]), False),
+    # (QA: splits made with validate=False were taken as they were on the
+    # paths that dedup first, and ids pooled into the wrong samples)
+    "ragged_splits_inconsistent": (
+        lambda kind, bad: (tf.RaggedTensor.from_row_splits(
+            tf.constant([1, 2, 3], tf.int64),
+            tf.constant([0, 4, 3] if bad else [0, 2, 3], tf.int64),
+            validate=False), None),
+        ("raise", (IAE,), ["{name}", "row_splits are inconsistent"]), False),
     "empty_ragged_batch": (
         lambda kind, bad: (tf.RaggedTensor.from_row_splits(
             tf.zeros([0], tf.int64), tf.zeros([1], tf.int64)), None),
@@ -355,6 +363,7 @@ _PADDED_ONLY = {
     "ragged_float_ids_2d_values",
     "sparse_ids_3d",
     "sparse_index_outside_dense_shape", "empty_ragged_batch",
+    "ragged_splits_inconsistent",
     "ragged_weights_other_splits", "dense_weights_other_shape",
     "sparse_weights_other_indices", "weights_string",
     "weights_float64_for_float32_table", "weights_nan_inf",
