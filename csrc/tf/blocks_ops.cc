@@ -17,6 +17,7 @@
 
 #include "core/blocks.h"
 #include "tf/cpu_parallel.h"
+#include "tf/shapes.h"
 #include "tf/gpu_device.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -163,17 +164,14 @@ class BlocksOpBase : public OpKernel {
       ctx->CtxFailure(errors::InvalidArgument(Where(), status.message()));
       return false;
     }
-    int64_t row_elems = 1;
-    for (int d = 1; d < rows.dims(); ++d) row_elems *= rows.dim_size(d);
-    row_bytes = row_elems * elem_bytes_;
+    row_bytes = RowBytes(rows.shape(), elem_bytes_);
+    if (row_bytes < 0) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "the rows of shape ", rows.shape().DebugString(),
+          " are too wide: their bytes overflow int64"));
+      return false;
+    }
     return true;
-  }
-
-  // [rows] + like.shape[1:].
-  static TensorShape RowsShape(const Tensor& like, int64_t rows) {
-    TensorShape shape = like.shape();
-    shape.set_dim(0, rows);
-    return shape;
   }
 
   std::string site_;
@@ -196,9 +194,11 @@ class SokGatherBlocksOp : public BlocksOpBase {
                   /*disjoint=*/false)) {
       return;
     }
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedRowsShape(Where(), values.shape(), total,
+                                         &shape));
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(values, total),
-                                             &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     const char* src = static_cast<const char*>(values.data());
     char* dst = static_cast<char*>(out->data());
     Status status;
@@ -240,9 +240,11 @@ class SokScatterBlocksOp : public BlocksOpBase {
                 errors::InvalidArgument(
                     Where(), "grad must have sum(lengths) = ", total,
                     " rows, got shape ", grad.shape().DebugString()));
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedRowsShape(Where(), grad.shape(), num_rows,
+                                         &shape));
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RowsShape(grad, num_rows),
-                                             &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     const char* src = static_cast<const char*>(grad.data());
     char* dst = static_cast<char*>(out->data());
     Status status;

@@ -16,6 +16,7 @@
 
 #include "core/bucket_pad.h"
 #include "tf/cpu_parallel.h"
+#include "tf/shapes.h"
 #include "tf/gpu_device.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -169,9 +170,13 @@ class BucketOpBase : public OpKernel {
           rows.shape().DebugString()));
       return false;
     }
-    int64_t row_elems = 1;
-    for (int d = 1; d < rows.dims(); ++d) row_elems *= rows.dim_size(d);
-    row_bytes = row_elems * elem_bytes_;
+    row_bytes = RowBytes(rows.shape(), elem_bytes_);
+    if (row_bytes < 0) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          Where(), "the rows of shape ", rows.shape().DebugString(),
+          " are too wide: their bytes overflow int64"));
+      return false;
+    }
     return true;
   }
 
@@ -181,11 +186,16 @@ class BucketOpBase : public OpKernel {
     return false;
   }
 
-  // [rows] + rows_like.shape[1:].
-  static TensorShape RowsShape(const Tensor& rows_like, int64_t rows) {
-    TensorShape shape = rows_like.shape();
-    shape.set_dim(0, rows);
-    return shape;
+  // Allocates output `index`, [rows] + rows_like.shape[1:]; false (status
+  // set) where that shape cannot be made or allocated.
+  bool AllocateRows(OpKernelContext* ctx, int index, const Tensor& rows_like,
+                    int64_t rows, Tensor** out) {
+    TensorShape shape;
+    absl::Status status =
+        CheckedRowsShape(Where(), rows_like.shape(), rows, &shape);
+    if (status.ok()) status = ctx->allocate_output(index, shape, out);
+    if (!status.ok()) ctx->CtxFailure(status);
+    return status.ok();
   }
 
   int64_t rank_ = 0;
@@ -240,14 +250,9 @@ class SokBucketPadOp : public BucketOpBase {
       return false;
     const int64_t bucket = int64_t{1} << exponent;
     Tensor* padded = nullptr;
-    absl::Status status = ctx->allocate_output(
-        0, RowsShape(x, num_ranks * bucket), &padded);
-    if (!status.ok()) {
-      ctx->CtxFailure(status);
-      return false;
-    }
+    if (!AllocateRows(ctx, 0, x, num_ranks * bucket, &padded)) return false;
     Tensor* e = nullptr;
-    status = ctx->allocate_output(1, TensorShape({}), &e);
+    const absl::Status status = ctx->allocate_output(1, TensorShape({}), &e);
     if (!status.ok()) {
       ctx->CtxFailure(status);
       return false;
@@ -345,12 +350,7 @@ class SokBucketUnpadOp : public BucketOpBase {
     if (!Check(ctx, bucket::CountSum(c, num_ranks, rank_, false, &total)))
       return false;
     Tensor* y = nullptr;
-    const absl::Status status =
-        ctx->allocate_output(0, RowsShape(received, total), &y);
-    if (!status.ok()) {
-      ctx->CtxFailure(status);
-      return false;
-    }
+    if (!AllocateRows(ctx, 0, received, total, &y)) return false;
     *counts_data = c;
     *bucket_rows = bucket;
     *y_out = y;

@@ -14,6 +14,7 @@
 #include "tf/core_types.h"
 #include "tf/cpu_parallel.h"
 #include "tf/gpu_device.h"
+#include "tf/shapes.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -102,6 +103,9 @@ padding: Whether the caller's ids take -1 as padding (removed before this op);
   only the error message says so.
 )doc");
 
+// The most ranks a table is sharded over (the ops size host vectors by it).
+constexpr int64_t kMaxRanks = int64_t{1} << 20;
+
 // The attrs, input checks and output writers shared by the CPU and GPU
 // kernels of SokDedupBucketize.
 class SokDedupBucketizeBase : public OpKernel {
@@ -113,6 +117,12 @@ class SokDedupBucketizeBase : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("raise_on_error", &raise_on_error_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("padding", &padding_));
+    // (QA: a num_ranks of 2**40 sized a host vector, and the process died
+    // on the allocation's exception.)
+    OP_REQUIRES(ctx, num_ranks_ <= kMaxRanks,
+                errors::InvalidArgument(
+                    "sok_keras: table '", table_name_, "': num_ranks (",
+                    num_ranks_, ") must be at most ", kMaxRanks, "."));
     OP_REQUIRES(ctx, owner_ < num_ranks_,
                 errors::InvalidArgument(
                     "sok_keras: table '", table_name_, "': owner (", owner_,
@@ -567,8 +577,10 @@ class SokSegmentCombineOp : public OpKernel {
     const Tensor& weights = ctx->input(3);
     const int64_t dim = rows.dim_size(1);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({num_segments, dim}), &out));
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape("sok_keras: " + type_string() + ": ",
+                                     {num_segments, dim}, &shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     if (out->NumElements() == 0) return;
     lookup::SegmentCombine<CoreT<T>, Tseg>(
         CorePtr(rows.flat<T>().data()), dim, inverse.flat<int32_t>().data(),
@@ -604,8 +616,10 @@ class SokSegmentCombineGradOp : public OpKernel {
     const Tensor& weights = ctx->input(3);
     const int64_t dim = grad.dim_size(1);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({num_unique, dim}), &out));
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape("sok_keras: " + type_string() + ": ",
+                                     {num_unique, dim}, &shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     if (out->NumElements() == 0) return;
     lookup::SegmentCombineGrad<CoreT<T>, Tseg>(
         CorePtr(grad.flat<T>().data()), dim, inverse.flat<int32_t>().data(),
@@ -675,8 +689,10 @@ class SokSegmentCombineGpuOp : public OpKernel {
     const Tensor& weights = ctx->input(3);
     const int64_t dim = rows.dim_size(1);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({num_segments, dim}), &out));
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape("sok_keras: " + type_string() + ": ",
+                                     {num_segments, dim}, &shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     if (out->NumElements() == 0) return;
     const Status status = lookup::gpu::SegmentCombine<CoreT<T>, Tseg>(
         d, CorePtr(rows.flat<T>().data()), dim,
@@ -724,8 +740,10 @@ class SokSegmentCombineGradGpuOp : public OpKernel {
     const Tensor& weights = ctx->input(3);
     const int64_t dim = grad.dim_size(1);
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({num_unique, dim}), &out));
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape("sok_keras: " + type_string() + ": ",
+                                     {num_unique, dim}, &shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     if (out->NumElements() == 0) return;
     const Status status = lookup::gpu::SegmentCombineGrad<CoreT<T>, Tseg>(
         d, CorePtr(grad.flat<T>().data()), dim,

@@ -11,6 +11,7 @@
 #include "core/pooled_lookup.h"
 #include "tf/cpu_parallel.h"
 #include "tf/gpu_device.h"
+#include "tf/shapes.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -226,9 +227,10 @@ class SokPooledLookupOp : public PooledOpBase<Device> {
     const int64_t batch = splits.NumElements() - 1;
     const int64_t vocab = table.dim_size(0);
     const int64_t dim = table.dim_size(1);
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape(where, {batch, dim}, &shape));
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx,
-                   ctx->allocate_output(0, TensorShape({batch, dim}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
     lookup::PooledLookupError error;
     Status status = Run(ctx, table, vocab, dim, ids, nnz, splits, batch,
                         weights, out, &error);
@@ -440,6 +442,38 @@ lookup::PooledGradPlanAllocate<T> PlanAllocator(
   };
 }
 
+// Checks a plan given to SokPooledGradCombine on the CPU (host memory):
+// offsets rise from 0 to the number of segments, and every segment is a
+// row of the gradient's `batch`.
+absl::Status CheckGradPlan(const std::string& where, const Tensor& offsets,
+                           const Tensor& segments, int64_t batch) {
+  const auto offset = offsets.flat<int32_t>();
+  const auto segment = segments.flat<int64_t>();
+  const int64_t n = offset.size();
+  if (offset(0) != 0 || offset(n - 1) != segment.size()) {
+    return errors::InvalidArgument(
+        where, "offsets must rise from 0 to the number of segments (",
+        segment.size(), "); got ", offset(0), " .. ", offset(n - 1),
+        " (not SokPooledGradPlan's plan).");
+  }
+  for (int64_t i = 1; i < n; ++i) {
+    if (offset(i) < offset(i - 1)) {
+      return errors::InvalidArgument(
+          where, "offsets must not decrease; offsets[", i, "] = ", offset(i),
+          " < offsets[", i - 1, "] = ", offset(i - 1),
+          " (not SokPooledGradPlan's plan).");
+    }
+  }
+  for (int64_t k = 0; k < segment.size(); ++k) {
+    if (segment(k) < 0 || segment(k) >= batch) {
+      return errors::InvalidArgument(
+          where, "segments[", k, "] = ", segment(k), " is not a row of the ",
+          batch, "-row gradient (not SokPooledGradPlan's plan).");
+    }
+  }
+  return absl::OkStatus();
+}
+
 // rows_grad = the combine of `grad` over a plan's tensors.
 template <typename Device, typename T>
 absl::Status RunCombine(OpKernelContext* ctx, const Tensor& grad,
@@ -549,12 +583,19 @@ class SokPooledGradCombineOp : public OpKernel {
                     segments.shape().DebugString(), ", ",
                     weights.shape().DebugString(), ", ",
                     denominator.shape().DebugString(), "."));
+    if constexpr (std::is_same<Device, CpuDevice>::value) {
+      // The kernel reads grad[segments[k]] for k in [offsets[0],
+      // offsets[-1]): a plan that is not SokPooledGradPlan's read outside
+      // them (QA: a segfault). On the GPU they are device memory, and only
+      // the plan's own outputs are given (sok_keras/lookup.py).
+      OP_REQUIRES_OK(ctx, CheckGradPlan(where, offsets, segments,
+                                        grad.dim_size(0)));
+    }
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape(where, {offsets.NumElements() - 1,
+                                             grad.dim_size(1)}, &shape));
     Tensor* rows_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0,
-                            TensorShape({offsets.NumElements() - 1,
-                                         grad.dim_size(1)}),
-                            &rows_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &rows_grad));
     OP_REQUIRES_OK(ctx, (RunCombine<Device, T>(ctx, grad, offsets, segments,
                                                weights, denominator, where,
                                                rows_grad)));
@@ -611,12 +652,11 @@ class SokPooledLookupGradOp : public PooledOpBase<Device> {
                  &error)));
     OP_REQUIRES_OK(ctx, this->InputError(where, error, ids.NumElements(),
                                          num_rows_));
+    TensorShape shape;
+    OP_REQUIRES_OK(ctx, CheckedShape(where, {plan[1].NumElements() - 1,
+                                             grad.dim_size(1)}, &shape));
     Tensor* rows_grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0,
-                            TensorShape({plan[1].NumElements() - 1,
-                                         grad.dim_size(1)}),
-                            &rows_grad));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &rows_grad));
     OP_REQUIRES_OK(ctx, (RunCombine<Device, T>(ctx, grad, plan[1], plan[2],
                                                plan[3], plan[4], where,
                                                rows_grad)));
