@@ -235,6 +235,38 @@ def test_sharded_checkpoint_keeps_the_table_optimizers_step(tmp_path,
     np.testing.assert_array_equal(again.numpy(), t2.numpy())
 
 
+def test_a_checkpoint_without_the_table_optimizers_says_so(tmp_path):
+    """A dump written before table optimizers were saved (its manifest has
+    no `table_optimizers`) loads the tables and says that their optimizers
+    keep their state (before: silently, and Adam's bias correction
+    restarted)."""
+    import json
+
+    from sok_keras import checkpoint
+
+    x, y = _data(2)
+    model = _model(keras.optimizers.Adam(0.05))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    path = os.path.join(str(tmp_path), "old")
+    sok.dump(path, model)
+    manifest = os.path.join(path, "manifest.json")
+    with open(manifest) as f:
+        m = json.load(f)
+    del m["table_optimizers"]
+    m["manifest_crc32"] = checkpoint._manifest_crc(m)
+    with open(manifest, "w") as f:
+        json.dump(m, f)
+    loaded = _model(keras.optimizers.Adam(0.05))
+    loaded.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match="older sok_keras.*emb"):
+        sok.load(path, loaded)
+    np.testing.assert_array_equal(loaded.get_layer("emb").embeddings.numpy(),
+                                  model.get_layer("emb").embeddings.numpy())
+    assert int(loaded.get_layer("emb").table_optimizer.iterations.numpy()) \
+        == 0
+
+
 def test_bad_table_optimizers():
     with pytest.raises(ValueError, match="Supported optimizers"):
         sok.layers.DistributedEmbedding(10, 2, optimizer="adafactor")
