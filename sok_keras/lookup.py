@@ -140,8 +140,11 @@ class _Ids:
     """Ids of one feature, flattened: values, their batch row, weights."""
 
     def __init__(self, values, segment_ids, batch_size, weights, layout,
-                 problem=None):
+                 problem=None, positions=None):
         self.values = values  # int64 [nnz], padding removed
+        # int64 [nnz]: the position of each value in the flat input (with
+        # its padding), for errors that name an id's position.
+        self.positions = positions
         self.segment_ids = segment_ids  # int64 [nnz]
         self.batch_size = batch_size  # int64 scalar tensor
         self.weights = weights  # float [nnz] or None
@@ -336,7 +339,7 @@ def _normalize_ids(ids, weights, name):
         indices = tf.gather(ids.indices, kept)
         layout = ("sparse", indices, ids.dense_shape)
         return _Ids(values, segs, ids.dense_shape[0], w, layout,
-                    _first_problem(checks))
+                    _first_problem(checks), kept)
     if isinstance(ids, tf.RaggedTensor):
         _check_int(ids.flat_values, name)
         if not _ragged_2d(ids):
@@ -380,7 +383,7 @@ def _normalize_ids(ids, weights, name):
         # features, positions, timestamps).
         layout = ("ragged", kept, splits)
         return _Ids(values_k, segs_k, nrows, w, layout,
-                    _first_problem(checks))
+                    _first_problem(checks), kept)
     ids = tf.convert_to_tensor(ids)
     _check_int(ids, name)
     if ids.shape.rank == 1:
@@ -423,7 +426,7 @@ def _normalize_ids(ids, weights, name):
     layout = ("dense", keep, dense_shape)
     return _Ids(
         tf.gather(flat, kept), tf.gather(segs, kept), shape[0],
-        w, layout, _first_problem(checks),
+        w, layout, _first_problem(checks), kept,
     )
 
 
@@ -574,13 +577,11 @@ def _exchange_comm(param, name):
     return world.communicator()
 
 
-def _rows_from_every_replica(param, ids, name, padding=True):
+def _rows_from_every_replica(param, ids, name, padding=True,
+                             positions=None):
     """`gather_rows` of a replica-sharded table outside `strategy.run`:
     each distinct id's row read from its replica's shard."""
-    d = lookup_ops.dedup_bucketize(
-        ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name, raise_on_error=True,
-        padding=padding)
+    d = _checked_dedup(param, ids, name, padding, positions)
     parts = tf.split(d.local_rows, d.counts, num=param.num_ranks)
     rows = tf.concat([tf.gather(shard, part) for shard, part in
                       zip(param._sok_shards, parts)], 0)
@@ -599,18 +600,49 @@ def _check_world(param, name):
             f"the world now has {world.num_ranks()}.")
 
 
-def _owned_rows(param, received_ids, name, padding=True):
+def _owned_rows(param, received_ids, name, padding=True, positions=None):
     """On the owner: each distinct received id's row, gathered once.
 
     Returns `(owned, inverse)` with `owned[inverse[i]]` the row of
     `received_ids[i]`; the gather makes `param`'s gradient a
-    `tf.IndexedSlices` over distinct local rows.
+    `tf.IndexedSlices` over distinct local rows. `positions`: as
+    `_checked_dedup`'s.
     """
-    _, local_rows, inverse, _, _ = lookup_ops.dedup_bucketize(
-        received_ids, num_ranks=param.num_ranks,
-        vocab_size=param.vocabulary_size, owner=param.target_rank,
-        table_name=name, raise_on_error=True, padding=padding)
-    return tf.gather(param.value, local_rows), inverse
+    d = _checked_dedup(param, received_ids, name, padding, positions)
+    return tf.gather(param.value, d.local_rows), d.inverse
+
+
+def _checked_dedup(param, ids, name, padding, positions):
+    """`dedup_bucketize` of `ids` that raises an invalid id here. Given
+    `positions` (int64, each id's position in the caller's input, padding
+    included), the error names that position, as the lookup without dedup
+    does (QA: a 16-bit table named the position among the ids left after
+    the padding was removed)."""
+    d = lookup_ops.dedup_bucketize(
+        ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
+        owner=param.target_rank, table_name=name,
+        raise_on_error=positions is None, padding=padding)
+    if positions is None:
+        return d
+    # SokCheckExchange over this one rank raises the dedup's own message.
+    header = tf.concat([tf.reduce_sum(d.counts, keepdims=True),
+                        _error_at_positions(d.error, positions)], 0)
+    checked = lookup_ops.check_exchange(header[None, :],
+                                        param.vocabulary_size, name,
+                                        padding=padding)
+    # A data dependency (grappler drops a control one on this pure op): the
+    # rows to gather are the first of the checked count, all of them.
+    return d._replace(local_rows=d.local_rows[:checked[0, 0]])
+
+
+def _error_at_positions(error, positions):
+    """A dedup's `error` (position among the ids given, value) with the
+    position mapped through `positions`; `(-1, 0)` stays."""
+    at = tf.where(error[0] >= 0, error[0],
+                  tf.size(positions, out_type=tf.int64))
+    mapped = tf.gather(tf.concat([tf.cast(positions, tf.int64),
+                                  tf.constant([-1], tf.int64)], 0), at)
+    return tf.stack([mapped, error[1]])
 
 
 # -- The exchange pipeline (several ranks) ------------------------------------
@@ -639,7 +671,7 @@ def _owned_rows(param, received_ids, name, padding=True):
 # control dependency is not enough, grappler drops it).
 
 
-def _dedup(tables, ids_list, padding=True):
+def _dedup(tables, ids_list, padding=True, positions=None):
     """Stage 1: each table's ids deduplicated and bucketed by owner rank.
 
     Invalid ids are reported (in `error`), not raised: `_agree_counts`
@@ -650,17 +682,23 @@ def _dedup(tables, ids_list, padding=True):
         ids_list: one int64 `[nnz_t]` id vector per table.
         padding: whether the callers' ids take `-1` as padding (for the
             error message).
+        positions: optional, per table, the position of each id in the
+            caller's input (`_Ids.positions`, or None): the error names it.
 
     Returns:
         One `dedup_bucketize` result per table.
     """
-    return [
-        lookup_ops.dedup_bucketize(
+    positions = positions or [None] * len(tables)
+    out = []
+    for (p, name), ids, pos in zip(tables, ids_list, positions):
+        d = lookup_ops.dedup_bucketize(
             ids, num_ranks=p.num_ranks, vocab_size=p.vocabulary_size,
             owner=p.target_rank, table_name=name, raise_on_error=False,
             padding=padding)
-        for (p, name), ids in zip(tables, ids_list)
-    ]
+        if pos is not None:
+            d = d._replace(error=_error_at_positions(d.error, pos))
+        out.append(d)
+    return out
 
 
 def _check_problems(codes, names):
@@ -840,7 +878,7 @@ def _rows_home(comm, tables, deduped, counts, key):
 
 
 def _exchange_rows(comm, params, ids_list, names, problems=None,
-                   padding=True):
+                   padding=True, positions=None):
     """The rows of K >= 1 tables' ids from their owners, on several ranks:
     3 collectives forward (counts, ids, rows per dtype). Returns a list of
     `(rows, inverse)` as `gather_rows`."""
@@ -848,7 +886,7 @@ def _exchange_rows(comm, params, ids_list, names, problems=None,
     for p, name in tables:
         _check_world(p, name)
     key = _call_site_key("+".join(_table_key(p) for p in params))
-    deduped = _dedup(tables, ids_list, padding=padding)
+    deduped = _dedup(tables, ids_list, padding=padding, positions=positions)
     counts, _ = _agree_counts(comm, tables, deduped, key, problems=problems,
                               padding=padding)
     rows = _rows_home(comm, tables, deduped, counts, key)
@@ -856,7 +894,8 @@ def _exchange_rows(comm, params, ids_list, names, problems=None,
 
 
 @shard_reads.reading(lambda param, *_, **__: param)
-def gather_rows(param, ids, table_name=None, problem=None, padding=True):
+def gather_rows(param, ids, table_name=None, problem=None, padding=True,
+                positions=None):
     """Looks up the rows of `ids` in a sharded table, deduplicated.
 
     Args:
@@ -868,6 +907,9 @@ def gather_rows(param, ids, table_name=None, problem=None, padding=True):
             `normalize_ids`).
         padding: whether the caller's ids take `-1` as padding (removed
             before this call); only an out-of-range error says so.
+        positions: optional int64 `[nnz]`, each id's position in the
+            caller's input (padding included), named by an out-of-range
+            error (`_Ids.positions`); else its position in `ids`.
 
     Returns:
         `(rows, inverse)`: `rows` `[U, dim]` holds each distinct id's row once
@@ -878,16 +920,19 @@ def gather_rows(param, ids, table_name=None, problem=None, padding=True):
     if param.num_ranks == 1:
         # One rank: the owner is here; dedup and gather, no exchange.
         _check_no_local_replicas(name)
-        return _owned_rows(param, ids, name, padding=padding)
+        return _owned_rows(param, ids, name, padding=padding,
+                           positions=positions)
     comm = _exchange_comm(param, name)
     if comm is None:
-        return _rows_from_every_replica(param, ids, name, padding=padding)
+        return _rows_from_every_replica(param, ids, name, padding=padding,
+                                        positions=positions)
     return _exchange_rows(comm, [param], [ids], [name], [problem],
-                          padding=padding)[0]
+                          padding=padding, positions=[positions])[0]
 
 
 @shard_reads.reading(lambda params, *_, **__: params)
-def gather_rows_fused(params, ids_list, names, problems=None):
+def gather_rows_fused(params, ids_list, names, problems=None,
+                      positions=None):
     """`gather_rows` for several tables with one exchange per direction.
 
     Every table's distinct ids travel in one all-to-all and its rows in one
@@ -900,22 +945,27 @@ def gather_rows_fused(params, ids_list, names, problems=None):
         names: the name of each table for error messages.
         problems: optional, each table's `_Ids.problem` (see
             `gather_rows`).
+        positions: optional, each table's `_Ids.positions` (see
+            `gather_rows`).
 
     Returns:
         A list of `(rows, inverse)`, one per table, as `gather_rows`.
     """
     problems = list(problems) if problems is not None else (
         [None] * len(params))
+    positions = list(positions) if positions is not None else (
+        [None] * len(params))
     comms = [None if p.num_ranks == 1 else _exchange_comm(p, name)
              for p, name in zip(params, names)]
     if len(params) == 1 or comms[0] is None or any(
             c is not comms[0] for c in comms):
         return _mark_lookup([
-            gather_rows(p, ids, table_name=name, problem=pr)
-            for p, ids, name, pr in zip(params, ids_list, names, problems)])
+            gather_rows(p, ids, table_name=name, problem=pr, positions=pos)
+            for p, ids, name, pr, pos in zip(params, ids_list, names,
+                                             problems, positions)])
     return _mark_lookup(_exchange_rows(comms[0], list(params),
                                        list(ids_list), list(names),
-                                       problems))
+                                       problems, positions=positions))
 
 
 def pool(rows, inverse, feat, combiner):
@@ -1144,7 +1194,7 @@ def _pooled_exchange(comm, param, feat, combiner, name, pooling):
     n = comm.num_ranks
     tables = [(param, name)]
     key = _call_site_key(_table_key(param))
-    (dedup,) = _dedup(tables, [feat.values])
+    (dedup,) = _dedup(tables, [feat.values], positions=[feat.positions])
     # Occurrences per owner (the owner branch sorts them by owner), from
     # the ids themselves: nothing here may depend on the dedup counts, which
     # are zero on a rank that saw an invalid id, until every rank has
@@ -1558,7 +1608,8 @@ def _lookup_one(param, ids, weights, combiner, name, pooling):
             return _pooled_exchange(comm, param, feat, combiner, name,
                                     pooling)
     rows, inverse = gather_rows(param, feat.values, table_name=name,
-                                problem=feat.problem)
+                                problem=feat.problem,
+                                positions=feat.positions)
     if combiner is None:
         return unpooled(rows, inverse, feat)
     return pool(rows, inverse, feat, combiner)
@@ -1699,7 +1750,8 @@ def lookup_sparse(params, sp_ids, sp_weights=None, combiners=None,
     feats = [normalize_ids(ids, w, name)
              for ids, w, name in zip(sp_ids, sp_weights, names)]
     gathered = gather_rows_fused(params, [f.values for f in feats], names,
-                                 [f.problem for f in feats])
+                                 [f.problem for f in feats],
+                                 [f.positions for f in feats])
     outputs = [pool(rows, inverse, f, c)
                for (rows, inverse), f, c in zip(gathered, feats, combiners)]
     return outputs if is_list else outputs[0]

@@ -220,6 +220,12 @@ INPUTS = {
     # ids out of range (the table has 17 rows) and negative ids.
     "id_out_of_range": _bad_id(40),
     "id_negative": _bad_id(-2),
+    # The position named is the id's in the flat input, padding included
+    # (QA: the paths that dedup named it among the ids left without it).
+    "id_out_of_range_after_padding": (
+        lambda kind, bad: (tf.constant(
+            [[1, -1], [40 if bad else 3, 2]], tf.int64), None),
+        ("raise", (IAE,), ["{name}", "40", "position 2"]), False),
     # int32 overflow: 2^32 + 1 must not wrap to row 1, nor 2^31 - 1 to -1.
     "id_int64_above_2_32": _bad_id(2 ** 32 + 1),
     "id_int32_max": _bad_id(2 ** 31 - 1, tf.int32),
@@ -363,7 +369,7 @@ _PADDED_ONLY = {
     "ragged_float_ids_2d_values",
     "sparse_ids_3d",
     "sparse_index_outside_dense_shape", "empty_ragged_batch",
-    "ragged_splits_inconsistent",
+    "ragged_splits_inconsistent", "id_out_of_range_after_padding",
     "ragged_weights_other_splits", "dense_weights_other_shape",
     "sparse_weights_other_indices", "weights_string",
     "weights_float64_for_float32_table", "weights_nan_inf",

@@ -554,3 +554,23 @@ def test_a_traced_lookups_graph_is_freed_with_its_function():
         f()
         del f
     assert graphs() == before
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("form", ["dense", "ragged"])
+def test_an_invalid_id_is_named_at_its_position_in_the_input(dtype, form):
+    """Every table dtype names an invalid id's position in the flat input,
+    padding included (QA: 16-bit tables, which dedup first, named its
+    position among the ids left without the padding)."""
+    table = sok.Variable(np.ones((5, 2), np.float32), dtype=dtype,
+                         name=f"pos_{form}_{dtype}")
+    if form == "dense":
+        ids = tf.constant([[-1, -1, 2], [-1, 99, -1]], tf.int64)
+        where = "at position 4"
+    else:
+        ids = tf.ragged.constant([[2, -1], [-1, 99]], tf.int64)
+        where = "at position 3"
+    for call in (sok.lookup_sparse, tf.function(sok.lookup_sparse)):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=f"'pos_{form}_{dtype}': id 99 {where} "):
+            call(table, ids, combiners="sum")

@@ -377,6 +377,14 @@ class SokCheckExchangeOp : public OpKernel {
     const int64_t* data = gathered.flat<int64_t>().data();
     lookup::IdError error;
     const int64_t rank = lookup::FirstRankWithError(data, num_ranks, &error);
+    // One rank (a lookup that checks its ids here): SokDedupBucketize's
+    // own message, with the position the caller gave.
+    OP_REQUIRES(ctx, rank < 0 || num_ranks > 1,
+                errors::InvalidArgument(
+                    "sok_keras: table '", table_name_, "': id ",
+                    lookup::IdText(error.value), " at position ",
+                    error.position, " is out of range [0, ", vocab_size_,
+                    padding_ ? ") (-1 is padding)." : ")."));
     OP_REQUIRES(ctx, rank < 0,
                 errors::InvalidArgument(
                     "sok_keras: table '", table_name_, "': rank ", rank,

@@ -438,7 +438,7 @@ class EmbeddingCollection(keras.layers.Layer):
         rows = lookup.gather_rows_fused(
             params, [x.values for x in feats],
             [self._table_label(f) for f in names],
-            [x.problem for x in feats])
+            [x.problem for x in feats], [x.positions for x in feats])
         out = {}
         for f, feat, (r, inverse) in zip(names, feats, rows):
             combiner = self.features[f]["combiner"]
