@@ -613,36 +613,13 @@ def _owned_rows(param, received_ids, name, padding=True, positions=None):
 
 
 def _checked_dedup(param, ids, name, padding, positions):
-    """`dedup_bucketize` of `ids` that raises an invalid id here. Given
-    `positions` (int64, each id's position in the caller's input, padding
-    included), the error names that position, as the lookup without dedup
-    does (QA: a 16-bit table named the position among the ids left after
-    the padding was removed)."""
-    d = lookup_ops.dedup_bucketize(
+    """`dedup_bucketize` of `ids` that raises an invalid id here, naming its
+    position in `positions` if given (QA: 16-bit tables named the position
+    among the ids left after the padding was removed)."""
+    return lookup_ops.dedup_bucketize(
         ids, num_ranks=param.num_ranks, vocab_size=param.vocabulary_size,
-        owner=param.target_rank, table_name=name,
-        raise_on_error=positions is None, padding=padding)
-    if positions is None:
-        return d
-    # SokCheckExchange over this one rank raises the dedup's own message.
-    header = tf.concat([tf.reduce_sum(d.counts, keepdims=True),
-                        _error_at_positions(d.error, positions)], 0)
-    checked = lookup_ops.check_exchange(header[None, :],
-                                        param.vocabulary_size, name,
-                                        padding=padding)
-    # A data dependency (grappler drops a control one on this pure op): the
-    # rows to gather are the first of the checked count, all of them.
-    return d._replace(local_rows=d.local_rows[:checked[0, 0]])
-
-
-def _error_at_positions(error, positions):
-    """A dedup's `error` (position among the ids given, value) with the
-    position mapped through `positions`; `(-1, 0)` stays."""
-    at = tf.where(error[0] >= 0, error[0],
-                  tf.size(positions, out_type=tf.int64))
-    mapped = tf.gather(tf.concat([tf.cast(positions, tf.int64),
-                                  tf.constant([-1], tf.int64)], 0), at)
-    return tf.stack([mapped, error[1]])
+        owner=param.target_rank, table_name=name, raise_on_error=True,
+        padding=padding, positions=positions)
 
 
 # -- The exchange pipeline (several ranks) ------------------------------------
@@ -689,16 +666,13 @@ def _dedup(tables, ids_list, padding=True, positions=None):
         One `dedup_bucketize` result per table.
     """
     positions = positions or [None] * len(tables)
-    out = []
-    for (p, name), ids, pos in zip(tables, ids_list, positions):
-        d = lookup_ops.dedup_bucketize(
+    return [
+        lookup_ops.dedup_bucketize(
             ids, num_ranks=p.num_ranks, vocab_size=p.vocabulary_size,
             owner=p.target_rank, table_name=name, raise_on_error=False,
-            padding=padding)
-        if pos is not None:
-            d = d._replace(error=_error_at_positions(d.error, pos))
-        out.append(d)
-    return out
+            padding=padding, positions=pos)
+        for (p, name), ids, pos in zip(tables, ids_list, positions)
+    ]
 
 
 def _check_problems(codes, names):

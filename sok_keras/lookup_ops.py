@@ -23,7 +23,7 @@ _COMBINERS = ("sum", "mean", "sqrtn")
 
 def dedup_bucketize(
     ids, num_ranks, vocab_size, owner=-1, table_name="", raise_on_error=True,
-    padding=True,
+    padding=True, positions=None,
 ):
     """Deduplicates ids and groups the distinct ids by owner rank.
 
@@ -47,6 +47,9 @@ def dedup_bucketize(
             raise collectively (see `check_exchange`).
         padding: whether the caller's ids take `-1` as padding (removed
             before this op); only the error message says so.
+        positions: optional int64 `[nnz]`, each id's position in the
+            caller's input (padding included): an invalid id's error (and
+            `error`) names it; by default its position in `ids`.
 
     Returns:
         A namedtuple `(unique_ids, local_rows, inverse, counts, error)`:
@@ -62,8 +65,11 @@ def dedup_bucketize(
         raise TypeError(f"ids must be an integer tensor, got {ids.dtype.name}.")
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int64)
+    positions = (tf.zeros([0], tf.int64) if positions is None
+                 else tf.cast(positions, tf.int64))
     return ops().sok_dedup_bucketize(
         ids=ids,
+        positions=positions,
         num_ranks=int(num_ranks),
         owner=int(owner),
         vocab_size=int(vocab_size),

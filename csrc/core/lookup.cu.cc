@@ -1023,6 +1023,11 @@ Status DedupBucketize(const GpuDevice& d, const Tid* ids, int64_t nnz,
   return Status::Ok();
 }
 
+Status ReadDeviceInt64(const GpuDevice& d, const int64_t* dev,
+                       int64_t* value) {
+  return CopyToHostSync(d, value, dev, sizeof(int64_t), "read of one int64");
+}
+
 Status CopyDeviceToDevice(const GpuDevice& d, void* dst, const void* src,
                           int64_t bytes) {
   if (bytes <= 0) return Status::Ok();

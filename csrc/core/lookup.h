@@ -304,6 +304,11 @@ Status DedupBucketize(const GpuDevice& d, const Tid* ids, int64_t nnz,
 Status CopyDeviceToDevice(const GpuDevice& d, void* dst, const void* src,
                           int64_t bytes);
 
+// Reads one int64 of device memory on the host (one counted host sync; for
+// error paths).
+Status ReadDeviceInt64(const GpuDevice& d, const int64_t* dev,
+                       int64_t* value);
+
 // The result of gpu::CheckSegmentIndices.
 struct SegmentIndexCheck {
   // ok(), or the message of the CPU ValidateSegmentIndices for the same

@@ -57,6 +57,7 @@ void ParseCombinerAttr(OpKernelConstruction* ctx, lookup::Combiner* combiner) {
 
 REGISTER_OP("SokDedupBucketize")
     .Input("ids: Tids")
+    .Input("positions: int64")
     .Output("unique_ids: int64")
     .Output("local_rows: int64")
     .Output("inverse: int32")
@@ -86,6 +87,8 @@ REGISTER_OP("SokDedupBucketize")
 Deduplicates embedding ids and groups the distinct ids by owner rank.
 
 ids: The ids to look up, [nnz]; padding must have been removed.
+positions: [nnz] or [0]: each id's position in the caller's input (with its
+  padding), named by an invalid id's error; [0]: its position in ids.
 unique_ids: The distinct ids, grouped by owner rank in ascending rank order,
   ascending within a rank.
 local_rows: The row of each unique id in its owner's local table.
@@ -150,6 +153,20 @@ class SokDedupBucketizeBase : public OpKernel {
     return true;
   }
 
+  // Checks the positions input ([nnz] or [0]); false (status set) if not.
+  bool ValidatePositions(OpKernelContext* ctx, int64_t nnz) {
+    const Tensor& positions = ctx->input(1);
+    if (!TensorShapeUtils::IsVector(positions.shape()) ||
+        (positions.NumElements() != 0 && positions.NumElements() != nnz)) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          "sok_keras: table '", table_name_, "': positions must be empty or "
+          "have one entry per id (", nnz, "), got shape ",
+          positions.shape().DebugString(), "."));
+      return false;
+    }
+    return true;
+  }
+
   // The error of an invalid id when raise_on_error is set.
   absl::Status InvalidIdError(const lookup::IdError& error) const {
     return errors::InvalidArgument(
@@ -195,13 +212,17 @@ class SokDedupBucketizeOp : public SokDedupBucketizeBase {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids = ctx->input(0);
     int64_t nnz = 0;
-    if (!ValidateIds(ctx, ids, &nnz)) return;
+    if (!ValidateIds(ctx, ids, &nnz) || !ValidatePositions(ctx, nnz)) return;
     const Tids* ids_data = ids.flat<Tids>().data();
     const lookup::ParallelFor parallel_for = CpuParallelFor(ctx);
 
-    const lookup::IdError error =
+    lookup::IdError error =
         lookup::FindFirstInvalidId(ids_data, nnz, vocab_size_, parallel_for);
     if (!error.ok()) {
+      const Tensor& positions = ctx->input(1);
+      if (positions.NumElements() != 0) {
+        error.position = positions.flat<int64_t>()(error.position);
+      }
       OP_REQUIRES(ctx, !raise_on_error_, InvalidIdError(error));
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({0}), &out));
@@ -244,7 +265,7 @@ class SokDedupBucketizeGpuOp : public SokDedupBucketizeBase {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids = ctx->input(0);
     int64_t nnz = 0;
-    if (!ValidateIds(ctx, ids, &nnz)) return;
+    if (!ValidateIds(ctx, ids, &nnz) || !ValidatePositions(ctx, nnz)) return;
     GpuScratch scratch(ctx);
     const GpuDevice d = MakeGpuDevice(ctx, &scratch);
 
@@ -259,6 +280,18 @@ class SokDedupBucketizeGpuOp : public SokDedupBucketizeBase {
                                  "': SokDedupBucketize on GPU: ",
                                  status.message()));
     if (!result.error.ok()) {
+      const Tensor& positions = ctx->input(1);
+      if (positions.NumElements() != 0) {
+        // The error path's one more copy: the position in the caller's
+        // input (device memory).
+        const Status read = lookup::gpu::ReadDeviceInt64(
+            d, positions.flat<int64_t>().data() + result.error.position,
+            &result.error.position);
+        OP_REQUIRES(ctx, read.ok(),
+                    errors::Internal("sok_keras: table '", table_name_,
+                                     "': SokDedupBucketize on GPU: ",
+                                     read.message()));
+      }
       // inverse was zeroed; the same outputs as the CPU kernel.
       OP_REQUIRES(ctx, !raise_on_error_, InvalidIdError(result.error));
       Tensor* out = nullptr;
@@ -377,14 +410,6 @@ class SokCheckExchangeOp : public OpKernel {
     const int64_t* data = gathered.flat<int64_t>().data();
     lookup::IdError error;
     const int64_t rank = lookup::FirstRankWithError(data, num_ranks, &error);
-    // One rank (a lookup that checks its ids here): SokDedupBucketize's
-    // own message, with the position the caller gave.
-    OP_REQUIRES(ctx, rank < 0 || num_ranks > 1,
-                errors::InvalidArgument(
-                    "sok_keras: table '", table_name_, "': id ",
-                    lookup::IdText(error.value), " at position ",
-                    error.position, " is out of range [0, ", vocab_size_,
-                    padding_ ? ") (-1 is padding)." : ")."));
     OP_REQUIRES(ctx, rank < 0,
                 errors::InvalidArgument(
                     "sok_keras: table '", table_name_, "': rank ", rank,
