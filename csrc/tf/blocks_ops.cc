@@ -164,14 +164,10 @@ class BlocksOpBase : public OpKernel {
       ctx->CtxFailure(errors::InvalidArgument(Where(), status.message()));
       return false;
     }
-    row_bytes = RowBytes(rows.shape(), elem_bytes_);
-    if (row_bytes < 0) {
-      ctx->CtxFailure(errors::InvalidArgument(
-          Where(), "the rows of shape ", rows.shape().DebugString(),
-          " are too wide: their bytes overflow int64"));
-      return false;
-    }
-    return true;
+    const absl::Status bytes = RowBytes(Where(), rows.shape(), elem_bytes_,
+                                        &row_bytes);
+    if (!bytes.ok()) ctx->CtxFailure(bytes);
+    return bytes.ok();
   }
 
   std::string site_;

@@ -170,14 +170,10 @@ class BucketOpBase : public OpKernel {
           rows.shape().DebugString()));
       return false;
     }
-    row_bytes = RowBytes(rows.shape(), elem_bytes_);
-    if (row_bytes < 0) {
-      ctx->CtxFailure(errors::InvalidArgument(
-          Where(), "the rows of shape ", rows.shape().DebugString(),
-          " are too wide: their bytes overflow int64"));
-      return false;
-    }
-    return true;
+    const absl::Status bytes = RowBytes(Where(), rows.shape(), elem_bytes_,
+                                        &row_bytes);
+    if (!bytes.ok()) ctx->CtxFailure(bytes);
+    return bytes.ok();
   }
 
   bool Check(OpKernelContext* ctx, const bucket::Status& status) {

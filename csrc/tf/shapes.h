@@ -40,17 +40,22 @@ inline absl::Status CheckedRowsShape(const std::string& where,
 }
 
 // The bytes of one row of `shape` (the product of its dimensions after the
-// first, times `elem_bytes`), or -1 where it overflows int64 (a tensor of
-// 0 rows can have rows of any width).
-inline int64_t RowBytes(const ::tensorflow::TensorShape& shape,
-                        int64_t elem_bytes) {
-  int64_t bytes = elem_bytes;
+// first, times `elem_bytes`) in *bytes, or InvalidArgument where that
+// overflows int64 (a tensor of 0 rows can have rows of any width).
+inline absl::Status RowBytes(const std::string& where,
+                             const ::tensorflow::TensorShape& shape,
+                             int64_t elem_bytes, int64_t* bytes) {
+  *bytes = elem_bytes;
   for (int d = 1; d < shape.dims(); ++d) {
     const int64_t size = shape.dim_size(d);
-    if (size != 0 && bytes > INT64_MAX / size) return -1;
-    bytes *= size;
+    if (size != 0 && *bytes > INT64_MAX / size) {
+      return ::tensorflow::errors::InvalidArgument(
+          where, "the rows of shape ", shape.DebugString(),
+          " are too wide: their bytes overflow int64");
+    }
+    *bytes *= size;
   }
-  return bytes;
+  return absl::OkStatus();
 }
 
 }  // namespace sok
