@@ -1419,7 +1419,7 @@ def _pooled_lookup_grad(op, dy):
     rows_grad = ops().sok_pooled_grad_combine(
         grad=dy, offsets=plan.offsets, segments=plan.segments,
         sorted_weights=plan.sorted_weights, denominator=plan.denominator,
-        table_name=name)
+        table_name=name, check_plan=False)
     weights_grad = None
     if lookup_ops.needs_input_gradient(op, 3, weights):
         weights_grad = _pooled_lookup_weights_grad(op, dy, combiner)

@@ -65,8 +65,8 @@ def dedup_bucketize(
         raise TypeError(f"ids must be an integer tensor, got {ids.dtype.name}.")
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int64)
-    positions = (tf.zeros([0], tf.int64) if positions is None
-                 else tf.cast(positions, tf.int64))
+    positions = ([] if positions is None
+                 else [tf.cast(positions, tf.int64)])
     return ops().sok_dedup_bucketize(
         ids=ids,
         positions=positions,

@@ -557,20 +557,37 @@ def test_a_traced_lookups_graph_is_freed_with_its_function():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("form", ["dense", "ragged"])
-def test_an_invalid_id_is_named_at_its_position_in_the_input(dtype, form):
-    """Every table dtype names an invalid id's position in the flat input,
-    padding included (QA: 16-bit tables, which dedup first, named its
-    position among the ids left without the padding)."""
-    table = sok.Variable(np.ones((5, 2), np.float32), dtype=dtype,
-                         name=f"pos_{form}_{dtype}")
+@pytest.mark.parametrize("form", ["dense", "ragged", "sparse"])
+@pytest.mark.parametrize("combiner", ["sum", None])
+def test_an_invalid_id_is_named_at_its_position_in_the_input(dtype, form,
+                                                             combiner):
+    """Every table dtype and path names an invalid id's position in the flat
+    input, padding included (a SparseTensor's: in its values) (QA: the paths
+    that dedup first, 16-bit tables and float32 unpooled ragged or sparse
+    ids, named its position among the ids left without the padding)."""
+    name = f"pos_{form}_{dtype}_{combiner}"
+    table = sok.Variable(np.ones((5, 2), np.float32), dtype=dtype, name=name)
     if form == "dense":
         ids = tf.constant([[-1, -1, 2], [-1, 99, -1]], tf.int64)
         where = "at position 4"
-    else:
+    elif form == "ragged":
         ids = tf.ragged.constant([[2, -1], [-1, 99]], tf.int64)
+        where = "at position 3"
+    else:
+        ids = tf.SparseTensor([[0, 0], [0, 1], [1, 0], [1, 1]],
+                              tf.constant([-1, 2, -1, 99], tf.int64), [2, 2])
         where = "at position 3"
     for call in (sok.lookup_sparse, tf.function(sok.lookup_sparse)):
         with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=f"'pos_{form}_{dtype}': id 99 {where} "):
-            call(table, ids, combiners="sum")
+                           match=f"'{name}': id 99 {where} "):
+            call(table, ids, combiners=combiner)
+
+
+def test_an_invalid_id_of_a_collection_is_named_at_its_position():
+    coll = sok.layers.EmbeddingCollection(
+        tables={"t": {"vocabulary_size": 5, "embedding_dim": 2}},
+        features={"a": {"table": "t"}, "b": {"table": "t"}}, name="coll")
+    good = tf.constant([[0, -1]], tf.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="id 99 at position 2 "):
+        coll({"a": good, "b": tf.constant([[1, -1], [99, -1]], tf.int64)})

@@ -67,6 +67,16 @@ CASES = {
             _i64([1, 2]), num_ranks=2 ** 40, vocab_size=10,
             table_name="many"),
         ["'many'", "num_ranks", str(2 ** 40)]),
+    "dedup_bucketize_negative_position": (
+        lambda: lookup_ops.dedup_bucketize(
+            _i64([1, 99]), num_ranks=1, vocab_size=10, table_name="neg",
+            raise_on_error=False, positions=_i64([0, -1])),
+        ["'neg'", "positions[1] = -1 is negative", "99"]),
+    "dedup_bucketize_positions_of_another_length": (
+        lambda: lookup_ops.dedup_bucketize(
+            _i64([1, 2]), num_ranks=1, vocab_size=10, table_name="len",
+            positions=_i64([0])),
+        ["'len'", "positions", "(2)"]),
     "pooled_grad_combine_segment_outside_gradient": (
         lambda: ops().sok_pooled_grad_combine(
             grad=tf.ones([2, 4]), offsets=tf.constant([0, 2], tf.int32),
@@ -107,3 +117,27 @@ def test_a_valid_plan_still_combines():
         segments=_i64([0, 0, 1]), sorted_weights=tf.zeros([0]),
         denominator=tf.zeros([0]))
     assert out.numpy().tolist() == [[1.0, 2.0], [11.0, 22.0]]
+
+
+def test_a_graph_of_an_earlier_version_without_positions_runs():
+    """SokDedupBucketize's `positions` is a list input whose length N
+    defaults to 0: a graph (a SavedModel) written before it existed, whose
+    node has the ids alone, still imports and runs, naming the position in
+    the ids."""
+    fn = tf.function(lambda ids: lookup_ops.dedup_bucketize(
+        ids, num_ranks=1, vocab_size=10, table_name="old",
+        positions=tf.range(tf.size(ids, out_type=tf.int64)) + 5))
+    graph = fn.get_concrete_function(
+        tf.TensorSpec([None], tf.int64)).graph.as_graph_def()
+    nodes = [n for n in graph.node if n.op == "SokDedupBucketize"]
+    assert len(nodes) == 1
+    node = nodes[0]
+    del node.input[1:]  # the earlier node: ids only, no N
+    del node.attr["N"]
+    # Let the earlier node's graph run: its ids, its outputs.
+    outputs = tf.compat.v1.wrap_function(
+        lambda: tf.graph_util.import_graph_def(
+            graph, input_map={"ids:0": tf.constant([3, 99, 3], tf.int64)},
+            return_elements=[f"{node.name}:4"]), [])
+    with pytest.raises(IAE, match="'old': id 99 at position 1 "):
+        outputs()

@@ -57,13 +57,14 @@ void ParseCombinerAttr(OpKernelConstruction* ctx, lookup::Combiner* combiner) {
 
 REGISTER_OP("SokDedupBucketize")
     .Input("ids: Tids")
-    .Input("positions: int64")
+    .Input("positions: N * int64")
     .Output("unique_ids: int64")
     .Output("local_rows: int64")
     .Output("inverse: int32")
     .Output("counts: int64")
     .Output("error: int64")
     .Attr("Tids: {int32, int64}")
+    .Attr("N: int >= 0 = 0")
     .Attr("num_ranks: int >= 1")
     .Attr("owner: int >= -1 = -1")
     .Attr("vocab_size: int >= 0")
@@ -87,8 +88,9 @@ REGISTER_OP("SokDedupBucketize")
 Deduplicates embedding ids and groups the distinct ids by owner rank.
 
 ids: The ids to look up, [nnz]; padding must have been removed.
-positions: [nnz] or [0]: each id's position in the caller's input (with its
-  padding), named by an invalid id's error; [0]: its position in ids.
+positions: None (N = 0: a graph of an earlier version has none), or one
+  [nnz] vector: each id's position in the caller's input (with its
+  padding), named by an invalid id's error instead of its position in ids.
 unique_ids: The distinct ids, grouped by owner rank in ascending rank order,
   ascending within a rank.
 local_rows: The row of each unique id in its owner's local table.
@@ -153,17 +155,38 @@ class SokDedupBucketizeBase : public OpKernel {
     return true;
   }
 
-  // Checks the positions input ([nnz] or [0]); false (status set) if not.
-  bool ValidatePositions(OpKernelContext* ctx, int64_t nnz) {
-    const Tensor& positions = ctx->input(1);
-    if (!TensorShapeUtils::IsVector(positions.shape()) ||
-        (positions.NumElements() != 0 && positions.NumElements() != nnz)) {
+  // Checks the positions input (none, or one [nnz] vector); sets
+  // *positions to it or nullptr. Returns false (status set) if not.
+  bool ValidatePositions(OpKernelContext* ctx, int64_t nnz,
+                         const Tensor** positions) {
+    *positions = nullptr;
+    if (ctx->num_inputs() < 2) return true;
+    const Tensor& given = ctx->input(1);
+    if (ctx->num_inputs() > 2 || !TensorShapeUtils::IsVector(given.shape()) ||
+        given.NumElements() != nnz) {
       ctx->CtxFailure(errors::InvalidArgument(
-          "sok_keras: table '", table_name_, "': positions must be empty or "
-          "have one entry per id (", nnz, "), got shape ",
-          positions.shape().DebugString(), "."));
+          "sok_keras: table '", table_name_, "': positions must be one "
+          "vector of one entry per id (", nnz, "), got ",
+          ctx->num_inputs() - 1, " inputs, the first of shape ",
+          given.shape().DebugString(), "."));
       return false;
     }
+    *positions = &given;
+    return true;
+  }
+
+  // error with its position replaced by `mapped` (the caller's); false
+  // (status set) where that is negative, which would read as no error.
+  bool MapPosition(OpKernelContext* ctx, int64_t mapped,
+                   lookup::IdError* error) {
+    if (mapped < 0) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          "sok_keras: table '", table_name_, "': positions[",
+          error->position, "] = ", mapped, " is negative (invalid id ",
+          lookup::IdText(error->value), ")."));
+      return false;
+    }
+    error->position = mapped;
     return true;
   }
 
@@ -212,16 +235,21 @@ class SokDedupBucketizeOp : public SokDedupBucketizeBase {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids = ctx->input(0);
     int64_t nnz = 0;
-    if (!ValidateIds(ctx, ids, &nnz) || !ValidatePositions(ctx, nnz)) return;
+    const Tensor* positions = nullptr;
+    if (!ValidateIds(ctx, ids, &nnz) ||
+        !ValidatePositions(ctx, nnz, &positions)) {
+      return;
+    }
     const Tids* ids_data = ids.flat<Tids>().data();
     const lookup::ParallelFor parallel_for = CpuParallelFor(ctx);
 
     lookup::IdError error =
         lookup::FindFirstInvalidId(ids_data, nnz, vocab_size_, parallel_for);
     if (!error.ok()) {
-      const Tensor& positions = ctx->input(1);
-      if (positions.NumElements() != 0) {
-        error.position = positions.flat<int64_t>()(error.position);
+      if (positions != nullptr &&
+          !MapPosition(ctx, positions->flat<int64_t>()(error.position),
+                       &error)) {
+        return;
       }
       OP_REQUIRES(ctx, !raise_on_error_, InvalidIdError(error));
       Tensor* out = nullptr;
@@ -265,7 +293,11 @@ class SokDedupBucketizeGpuOp : public SokDedupBucketizeBase {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& ids = ctx->input(0);
     int64_t nnz = 0;
-    if (!ValidateIds(ctx, ids, &nnz) || !ValidatePositions(ctx, nnz)) return;
+    const Tensor* positions = nullptr;
+    if (!ValidateIds(ctx, ids, &nnz) ||
+        !ValidatePositions(ctx, nnz, &positions)) {
+      return;
+    }
     GpuScratch scratch(ctx);
     const GpuDevice d = MakeGpuDevice(ctx, &scratch);
 
@@ -280,17 +312,18 @@ class SokDedupBucketizeGpuOp : public SokDedupBucketizeBase {
                                  "': SokDedupBucketize on GPU: ",
                                  status.message()));
     if (!result.error.ok()) {
-      const Tensor& positions = ctx->input(1);
-      if (positions.NumElements() != 0) {
+      if (positions != nullptr) {
         // The error path's one more copy: the position in the caller's
         // input (device memory).
+        int64_t mapped = -1;
         const Status read = lookup::gpu::ReadDeviceInt64(
-            d, positions.flat<int64_t>().data() + result.error.position,
-            &result.error.position);
+            d, positions->flat<int64_t>().data() + result.error.position,
+            &mapped);
         OP_REQUIRES(ctx, read.ok(),
                     errors::Internal("sok_keras: table '", table_name_,
                                      "': SokDedupBucketize on GPU: ",
                                      read.message()));
+        if (!MapPosition(ctx, mapped, &result.error)) return;
       }
       // inverse was zeroed; the same outputs as the CPU kernel.
       OP_REQUIRES(ctx, !raise_on_error_, InvalidIdError(result.error));
