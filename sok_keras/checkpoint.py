@@ -1164,19 +1164,22 @@ def _plan(path, manifest, tables, dense, optimizer, opt_vars, other=None,
             dense_plan("optimizer", opt_vars, saved,
                        lambda path: _optimizer_key(optimizer, path))
     table_opt_vars = _table_optimizer_variables(tables)
-    if table_opt_vars and manifest.get("table_optimizers") is None:
-        # A checkpoint written before they were saved has no such list:
-        # said, not silent (QA: Adam's bias correction restarted).
-        warnings.warn(
-            f"sok_keras: the checkpoint {path} was written by an older "
-            "sok_keras and holds no state of the tables' own optimizers "
-            f"({sorted({k.split(':')[0] for k, _ in table_opt_vars})}): they "
-            "keep their current state (a new optimizer's: step 0, zero "
-            "slots).", stacklevel=3)
-    elif table_opt_vars:
+    older = table_opt_vars and manifest.get("table_optimizers") is None
+    if table_opt_vars and not older:
         dense_plan("table_optimizer", [v for _, v in table_opt_vars],
                    manifest["table_optimizers"],
                    names=[k for k, _ in table_opt_vars], subset=subset)
+    if older:
+        # A checkpoint written before they were saved has no such list:
+        # said (once the rest is checked), not silent (QA: Adam's bias
+        # correction restarted).
+        warnings.warn(
+            f"sok_keras: the checkpoint {path} was written by an older "
+            "sok_keras and holds no step count or learning rate of the "
+            "tables' own optimizers "
+            f"({sorted({k.split(':')[0] for k, _ in table_opt_vars})}): they "
+            "keep their current ones (a new optimizer's: step 0); the "
+            "tables' slots are loaded.", stacklevel=3)
     return plans, readers, root
 
 
