@@ -265,6 +265,12 @@ def test_a_checkpoint_without_the_table_optimizers_says_so(tmp_path):
                                   model.get_layer("emb").embeddings.numpy())
     assert int(loaded.get_layer("emb").table_optimizer.iterations.numpy()) \
         == 0
+    saved = model.get_layer("emb").embedding_variable.slots
+    slots = loaded.get_layer("emb").embedding_variable.slots
+    assert sorted(slots) == sorted(saved) and slots
+    for k in saved:
+        np.testing.assert_array_equal(slots[k].read_global(),
+                                      saved[k].read_global(), err_msg=k)
 
 
 def test_bad_table_optimizers():
