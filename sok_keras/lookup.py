@@ -1420,9 +1420,8 @@ def _pooled_lookup_grad(op, dy):
         grad=dy, offsets=plan.offsets, segments=plan.segments,
         sorted_weights=plan.sorted_weights, denominator=plan.denominator,
         table_name=name, check_plan=False)
-    weights_grad = None
-    if lookup_ops.needs_input_gradient(op, 3, weights):
-        weights_grad = _pooled_lookup_weights_grad(op, dy, combiner)
+    weights_grad = lookup_ops.weights_gradient_of(
+        op, 3, weights, lambda: _pooled_lookup_weights_grad(op, dy, combiner))
     indices = plan.rows
     if forward and indices.graph is not tf.compat.v1.get_default_graph():
         # The forward's plan, and this gradient traced into a backward

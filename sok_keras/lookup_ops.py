@@ -211,13 +211,20 @@ def weights_gradient(rows_per_id, dy, out, segment_ids, weights,
     return tf.cast(dw, weights.dtype)
 
 
-def needs_input_gradient(op, index, tensor):
-    """Whether a gradient function must compute input `index` (`tensor`):
-    not for an empty weights vector (unweighted), nor where the tape says
-    the input needs none (`skip_input_indices`, eagerly)."""
+def weights_gradient_of(op, index, weights, compute):
+    """A gradient function's gradient for its weights input `index`:
+    `compute()`; None where the tape says the input needs none
+    (`skip_input_indices`, eagerly); zeros for an empty weights vector
+    (unweighted, or the weights of no id). Not None there: the weights of
+    no id may come from an exchange (a rank that owns no requested row
+    receives none), whose reverse every rank must run (QA: eagerly, on 2
+    ranks, such a rank skipped it, its weights' gradient lost a term or
+    was None, and the other rank waited in the exchange)."""
     if index in (getattr(op, "skip_input_indices", None) or ()):
-        return False
-    return not (tensor.shape.rank == 1 and tensor.shape[0] == 0)
+        return None
+    if weights.shape.rank == 1 and weights.shape[0] == 0:
+        return tf.zeros_like(weights)
+    return compute()
 
 
 @register_gradient_once("SokSegmentCombine")
@@ -237,11 +244,9 @@ def _segment_combine_grad(op, grad):
         num_unique=num_unique,
         combiner=combiner,
     )
-    weights_grad = None
-    if needs_input_gradient(op, 3, weights):
-        weights_grad = weights_gradient(
-            tf.gather(rows, inverse), grad, op.outputs[0], segment_ids,
-            weights, num_segments, combiner)
+    weights_grad = weights_gradient_of(op, 3, weights, lambda: (
+        weights_gradient(tf.gather(rows, inverse), grad, op.outputs[0],
+                         segment_ids, weights, num_segments, combiner)))
     return [rows_grad, None, None, weights_grad, None]
 
 
@@ -335,4 +340,26 @@ def _no_gradient(op_type):
 
 _no_gradient("SokDedupBucketize")
 _no_gradient("SokCheckExchange")
-_no_gradient("SokSegmentCombineGrad")
+
+
+def _no_second_order(op, *grads):
+    """The gradient of the ops that make a table's gradient: refused, not
+    zero (QA: `tf.no_gradient` made a penalty on d loss / d table silently
+    lose its term, and an op without one raised a bare LookupError)."""
+    name = ""
+    try:
+        name = op.get_attr("table_name")
+        name = name.decode() if isinstance(name, bytes) else name
+    except (ValueError, tf.errors.OpError):
+        pass  # (SokSegmentCombineGrad has no table name)
+    table = f"table '{name}': " if name else ""
+    raise NotImplementedError(
+        f"sok_keras: {table}a second-order gradient through a table's "
+        f"gradient is not supported (the gradient of {op.type}, e.g. of a "
+        "penalty on d loss / d table). First-order gradients are, and so "
+        "are the gradients of d loss / d weights (the ids' weights).")
+
+
+for _op_type in ("SokSegmentCombineGrad", "SokPooledGradPlan",
+                 "SokPooledGradCombine", "SokPooledLookupGrad"):
+    register_gradient_once(_op_type)(_no_second_order)

@@ -3,6 +3,8 @@ mixed precision."""
 
 import re
 
+import numpy as np
+
 import pytest
 
 from tests.multiprocess import run_sequence
@@ -56,6 +58,14 @@ def test_padding_only_rank_empty_batch_and_mixed_precision(two_ranks):
     assert r0["grad_sums"][0] + r1["grad_sums"][0] == 6.0
     assert r1["grad_sums"][1] == 6.0
     for r in (r0, r1):
+        # Eager gradients with respect to the weights equal TensorFlow's on
+        # the whole table, also where a rank receives no id to pool (QA:
+        # a wrong gradient or None, and a hang) or has only padding.
+        assert len(r["eager_wgrads"]) == 7
+        for key, (got, want) in r["eager_wgrads"].items():
+            assert got is not None, key
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
+                                       err_msg=key)
         assert r["empty_shape"] == [0, 2]
         assert r["mixed"] == ["float16", "float32"]
         for what, error in r["plain_variable"].items():

@@ -20,6 +20,49 @@ with tf.GradientTape() as tape:
     loss = tf.reduce_sum(a) + tf.reduce_sum(b)
 grads = tape.gradient(loss, [v, w])
 empty = sok.lookup_sparse(v, tf.zeros([0, 3], tf.int64))
+
+
+def weights_gradient(table, ids, wv, pooling, combiner):
+    """Eagerly: d(sum(out^2))/d(weights) of a lookup of this rank's ids,
+    and tf.nn.embedding_lookup_sparse's on the whole table."""
+    whole = tf.constant(table.read_global())
+    grads = []
+    for lookup in ("sok", "tf"):
+        wt = tf.identity(wv)
+        with tf.GradientTape() as tape:
+            tape.watch(wt)
+            w = tf.RaggedTensor.from_row_splits(wt, ids.row_splits)
+            if lookup == "sok":
+                out = sok.lookup_sparse(table, ids, w, combiners=combiner,
+                                        pooling=pooling)
+            else:  # (without the padding, whose weights get zeros)
+                keep = tf.not_equal(ids, -1)
+                out = tf.nn.embedding_lookup_sparse(
+                    whole, tf.ragged.boolean_mask(ids, keep).to_sparse(),
+                    tf.ragged.boolean_mask(w, keep).to_sparse(),
+                    combiner=combiner)
+            loss = tf.reduce_sum(out * out)
+        g = tape.gradient(loss, wt)
+        grads.append(None if g is None else g.numpy().tolist())
+    return grads
+
+
+# Eager gradients with respect to the weights where a rank receives no id
+# (QA: pooling on the owner of a localized table, the other rank got a
+# wrong gradient or None, and the owner waited in the exchange); every
+# pooling mode, each rank its own ids.
+r = np.random.default_rng(3 + RANK)
+rows = [list(r.integers(0, 9, size=12)) for _ in range(2)]
+ragged = tf.ragged.constant(rows, tf.int64, ragged_rank=1)
+wv = tf.constant(r.uniform(0.5, 2.0, size=24), tf.float32)
+eager_wgrads = {f"{pooling}/{combiner}": weights_gradient(
+    w, ragged, wv, pooling, combiner)
+    for pooling in ("owner", "home", "auto") for combiner in ("sum", "mean")}
+# A rank whose batch is all padding: its weights' gradient is zeros.
+pad_ids = tf.ragged.constant([[1, 2], [3]] if RANK == 0 else [[-1], [-1, -1]],
+                             tf.int64)
+eager_wgrads["padding/sum"] = weights_gradient(
+    v, pad_ids, tf.constant([1.0, 2.0, 3.0]), "home", "sum")
 # A plain tf.Variable is named as such on several ranks too (it failed in
 # the cross-rank table check first, with an AttributeError).
 plain = {}
@@ -43,4 +86,5 @@ write_result({
     "empty_shape": list(empty.shape),
     "mixed": [mixed.dtype.name, layer.embeddings.dtype],
     "plain_variable": plain,
+    "eager_wgrads": eager_wgrads,
 })
