@@ -85,6 +85,37 @@ def test_dedup_bucketize_invalid_id_on_gpu():
     assert out.unique_ids.shape[0] == 0
 
 
+def test_dedup_bucketize_maps_the_position_of_an_invalid_id_on_gpu():
+    """Given the ids' positions in the caller's input (device memory), the
+    GPU kernel names the invalid id's there, as the CPU kernel, with one
+    more host sync on the error path only (none more without an error)."""
+    from sok_keras._ops import build_info
+
+    ids = tf.constant([3, 7, 9000, -4], tf.int64)
+    positions = tf.constant([1, 4, 6, 7], tf.int64)
+    good = tf.constant([3, 7, 9, 4], tf.int64)
+
+    def run(ids, raise_on_error):
+        return lookup_ops.dedup_bucketize(
+            tf.identity(ids), 2, 5000, table_name="tbl",
+            raise_on_error=raise_on_error, positions=tf.identity(positions))
+
+    with tf.device(GPU):
+        run(good, True)  # (warm-up)
+        before = build_info()["gpu_host_syncs"]
+        run(good, True)
+        assert build_info()["gpu_host_syncs"] - before == 1
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="table 'tbl'.*id 9000 at position 6 "):
+            run(ids, True)
+        before = build_info()["gpu_host_syncs"]
+        out = run(ids, False)
+        assert build_info()["gpu_host_syncs"] - before == 2
+    assert out.error.numpy().tolist() == [6, 9000]
+    with tf.device(CPU):
+        assert run(ids, False).error.numpy().tolist() == [6, 9000]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("seg_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
