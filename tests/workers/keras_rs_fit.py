@@ -19,6 +19,9 @@ from _worker import write_result  # noqa: E402
 
 import keras_rs_models as models  # noqa: E402
 
+# Plain float32 matmuls on a GPU, as in the test's reference (TF32 would
+# round the two models apart).
+tf.config.experimental.enable_tensor_float_32_execution(False)
 path, steps, global_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 saved = np.load(path)
 results = {}
