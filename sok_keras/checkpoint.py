@@ -58,6 +58,7 @@ from sok_keras.variable import Variable
 from sok_keras.variable import dense_reads
 from sok_keras.variable import parse_mode
 from sok_keras.variable import shard_rows
+from sok_keras.variable import slice_rows
 
 FORMAT = "sok_keras.checkpoint"
 FORMAT_VERSION = 1
@@ -507,7 +508,8 @@ def _write_shard_file(path, variables):
                 row_bytes = entries[name]["nbytes"] // shape[0]
                 step = _rows_per_chunk(row_bytes)
                 for a in range(0, shape[0], step):
-                    w.write(np.asarray(value[a:a + step].numpy()))
+                    w.write(np.asarray(slice_rows(
+                        value, a, min(a + step, shape[0])).numpy()))
             elif entries[name]["nbytes"]:
                 w.write(np.asarray(tf.convert_to_tensor(value).numpy()))
         record = w.close()

@@ -609,7 +609,51 @@ def _owned_rows(param, received_ids, name, padding=True, positions=None):
     `_checked_dedup`'s.
     """
     d = _checked_dedup(param, received_ids, name, padding, positions)
-    return tf.gather(param.value, d.local_rows), d.inverse
+    return gather_table_rows(param.value, d.local_rows), d.inverse
+
+
+# Local rows from which `gather_table_rows` makes the gradient itself.
+_WIDE_ROWS = 2 ** 31
+
+
+def gather_table_rows(table, rows):
+    """`tf.gather(table, rows)` for a table variable, whose gradient is a
+    `tf.IndexedSlices` over `rows`.
+
+    TensorFlow's own gradient of that gather (`ResourceGather`) writes
+    the table's shape as int32: traced, a table of 2**31 local rows or
+    more wrapped to a negative row count and the step failed while it was
+    built (QA: "Invalid value in tensor used for shape: -2147483584").
+    From that size on, the gradient is made here, with an int64 shape;
+    below it, TensorFlow's (int32 shapes, as every other gather's, which a
+    `tf.cond` branch's zero gradient must match).
+
+    Args:
+        table: a `tf.Variable` of statically known shape (the local
+            shard), or any tensor (gathered by `tf.gather`).
+        rows: int32 or int64 local rows of `table`.
+
+    Returns:
+        The rows, `[len(rows)] + table.shape[1:]`.
+    """
+    shape = table.shape
+    if (not isinstance(table, tf.Variable) or not shape.is_fully_defined()
+            or shape[0] < _WIDE_ROWS):
+        return tf.gather(table, rows)
+    dense_shape = tf.constant(shape.as_list(), tf.int64)
+
+    @tf.custom_gradient
+    def gather(rows):
+        # (The gather reads the variable the way the tape watches.)
+        def grad(dy, variables):
+            del variables  # [table]
+            # (dy is itself an IndexedSlices where the rows are gathered
+            # again, by an inverse: summed per row here, as TensorFlow's.)
+            return None, [tf.IndexedSlices(tf.convert_to_tensor(dy), rows,
+                                           dense_shape)]
+        return tf.gather(table, rows), grad
+
+    return gather(rows)
 
 
 def _checked_dedup(param, ids, name, padding, positions):

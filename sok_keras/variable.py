@@ -978,6 +978,36 @@ def rows_per_chunk(row_bytes, ranks=1):
     return max(1, CHUNK_BYTES // max(1, int(row_bytes) * int(ranks)))
 
 
+def slice_rows(value, a, b):
+    """Rows `[a, b)` of a `tf.Variable` or tensor, with int64 indices.
+
+    TensorFlow's Python slicing (`value[a:b]`) killed the process (a
+    segfault) where `a >= 2**31` (QA: `sok.dump` of a shard of 2**31 + 64
+    rows; in TF 2.21 as plain as `tf.Variable(...)[2**31:2**31 + 64]`).
+    A variable's rows are gathered, not read whole: in TensorFlow's
+    copy-on-read mode (where any sparse access leaves a variable) a whole
+    read copied all of it once per chunk of a save (a 4 GiB table's dump,
+    load and save: about 9 minutes, bench/wide_table.py). The gather
+    itself turns that mode on; `dense_reads` turns it off again, as after
+    every in-place write.
+
+    Args:
+        value: a `tf.Variable` or tensor of rank >= 1.
+        a: the first row.
+        b: one past the last row (at most the number of rows).
+
+    Returns:
+        A tensor, `[b - a] + value.shape[1:]`.
+    """
+    if isinstance(value, tf.Variable):
+        rows = tf.gather(value, tf.range(a, b, dtype=tf.int64))
+        dense_reads(value)
+        return rows
+    rank = value.shape.rank
+    return tf.slice(value, tf.constant([a] + [0] * (rank - 1), tf.int64),
+                    tf.constant([b - a] + [-1] * (rank - 1), tf.int64))
+
+
 def _np_dtype(dtype):
     name = keras.backend.standardize_dtype(dtype)
     if name == "bfloat16":
@@ -1159,7 +1189,8 @@ class SavedEntry:
             self._whole, self._source = None, self._whole.read_global()
         if isinstance(self._source, np.ndarray):
             return self._source[a:b]
-        return keras.ops.convert_to_numpy(self._source.value[a:b])
+        return keras.ops.convert_to_numpy(
+            slice_rows(self._source.value, a, b))
 
     @property
     def name(self):

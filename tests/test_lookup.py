@@ -666,3 +666,51 @@ def test_the_gradient_of_the_weights_gradient_is_tensorflows(dtype, lookup):
     np.testing.assert_allclose(
         tf.cast(tf.convert_to_tensor(got[1]), tf.float32).numpy(),
         tf.convert_to_tensor(want[1]).numpy(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,combiner,ragged", [
+    ("float16", "sum", False), ("bfloat16", None, False),
+    ("float16", "mean", True), ("float32", None, True)])
+@pytest.mark.parametrize("traced", [False, True])
+def test_tables_of_2_31_rows_or_more_make_their_own_gather_gradient(
+        monkeypatch, dtype, combiner, ragged, traced):
+    """QA: traced, TensorFlow's gradient of the gather from a table of
+    2**31 local rows or more wrote the table's shape as int32, and the
+    step failed while it was built ("Invalid value in tensor used for
+    shape: -2147483584"). Such tables take `gather_table_rows`' own
+    gradient (int64 shape); here a small table takes it with the threshold
+    lowered, and matches TensorFlow's. bench/wide_table.py runs a table of
+    2**31 + 64 rows end to end (fit, dump/load, save/load)."""
+    from sok_keras import lookup
+
+    values = np.arange(30).reshape(10, 3) / 8
+    ids = (tf.ragged.constant([[1, 2, 2], [9], []], tf.int64) if ragged
+           else tf.constant([[1, 2], [9, -1], [2, 2]], tf.int64))
+
+    def step(layer):
+        with tf.GradientTape() as tape:
+            out = layer(ids)
+            out = tf.reshape(tf.cast(
+                out.flat_values if isinstance(out, tf.RaggedTensor) else out,
+                tf.float32), [-1])
+            loss = tf.reduce_sum(
+                out * tf.range(1, 1 + tf.size(out), dtype=tf.float32))
+        grad = tape.gradient(loss, layer.embeddings)
+        return out, grad
+
+    results = []
+    for wide_rows in (2 ** 31, 1):
+        monkeypatch.setattr(lookup, "_WIDE_ROWS", wide_rows)
+        layer = sok.layers.DistributedEmbedding(10, 3, combiner=combiner,
+                                                dtype=dtype)
+        layer.build((None, 2))
+        layer.embeddings.assign(values)
+        out, grad = (tf.function(step) if traced else step)(layer)
+        assert isinstance(grad, tf.IndexedSlices)
+        results.append((out, grad))
+    (out, grad), (wide_out, wide_grad) = results
+    assert wide_grad.dense_shape.dtype == tf.int64
+    np.testing.assert_array_equal(wide_out.numpy(), out.numpy())
+    np.testing.assert_array_equal(
+        tf.cast(tf.convert_to_tensor(wide_grad), tf.float32).numpy(),
+        tf.cast(tf.convert_to_tensor(grad), tf.float32).numpy())

@@ -261,3 +261,19 @@ def test_the_table_takes_its_initial_values_dtype(make):
         v.read_global().astype("float64"),
         np.asarray(keras.ops.convert_to_numpy(value)).astype("float64"))
     assert sok.Variable(np.arange(12).reshape(6, 2)).dtype == "float32"
+
+
+@pytest.mark.parametrize("shape", [(7,), (7, 3), (7, 2, 2)])
+@pytest.mark.parametrize("as_variable", [False, True])
+def test_slice_rows_reads_rows_with_int64_indices(shape, as_variable):
+    """`slice_rows` (the row reads of `sok.dump` and of a save) equals
+    Python slicing. TensorFlow's own slicing crashed the process from row
+    2**31 on (QA; bench/wide_table.py reads such a table)."""
+    from sok_keras.variable import slice_rows
+
+    values = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    value = tf.Variable(values) if as_variable else tf.constant(values)
+    for a, b in [(0, 7), (2, 5), (6, 7), (3, 3)]:
+        got = slice_rows(value, a, b)
+        assert got.shape == values[a:b].shape
+        np.testing.assert_array_equal(got.numpy(), values[a:b])
