@@ -583,7 +583,7 @@ def _rows_from_every_replica(param, ids, name, padding=True,
     each distinct id's row read from its replica's shard."""
     d = _checked_dedup(param, ids, name, padding, positions)
     parts = tf.split(d.local_rows, d.counts, num=param.num_ranks)
-    rows = tf.concat([tf.gather(shard, part) for shard, part in
+    rows = tf.concat([gather_table_rows(shard, part) for shard, part in
                       zip(param._sok_shards, parts)], 0)
     return rows, d.inverse
 
