@@ -23,9 +23,11 @@ def _float32_matmuls():
     the export's lookups then shows as ~1e-4 in a Dense output. Both sides
     of the comparison run in plain float32 (serving_check.py does the
     same)."""
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
     tf.config.experimental.enable_tensor_float_32_execution(False)
     yield
-    tf.config.experimental.enable_tensor_float_32_execution(True)
+    # (As it was: modules that turn TF32 off at import keep it off.)
+    tf.config.experimental.enable_tensor_float_32_execution(was)
 
 
 def serve_without_sok(saved_model, probe, tmp_path):

@@ -502,9 +502,11 @@ def _float32_matmuls():
     rounded to 10 bits): a last-bit difference between sok's and keras-rs'
     embedding sums then moves a DCN weight by ~5e-5 (GPU run 32). Both
     models train in plain float32 here and in the workers."""
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
     tf.config.experimental.enable_tensor_float_32_execution(False)
     yield
-    tf.config.experimental.enable_tensor_float_32_execution(True)
+    # (As it was: modules that turn TF32 off at import keep it off.)
+    tf.config.experimental.enable_tensor_float_32_execution(was)
 
 
 @pytest.fixture(scope="module")
