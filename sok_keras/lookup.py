@@ -41,6 +41,7 @@ from sok_keras import world
 from sok_keras._ops import ops
 from sok_keras._ops import register_gradient_once
 from sok_keras.variable import Variable
+from sok_keras.variable import aliasing_read
 from sok_keras._ops import not_converted as _not_converted
 from sok_keras.comm import TraceCounter
 
@@ -1354,14 +1355,15 @@ def _whole_table_lookup(param, values, splits, w, combiner, name, bag_width):
             or not getattr(param.value, "trainable", True)
             or not _tape_may_record()):
         return ops().sok_pooled_lookup(
-            table=param.value, ids=values, row_splits=splits, weights=w,
-            combiner=combiner, table_name=name, bag_width=bag_width)
+            table=aliasing_read(param.value), ids=values,
+            row_splits=splits, weights=w, combiner=combiner,
+            table_name=name, bag_width=bag_width)
     plan = ops().sok_pooled_grad_plan(
         ids=values, row_splits=splits, weights=w, combiner=combiner,
         num_rows=rows, table_name=name, bag_width=bag_width)
     # Read before the block: an input made inside it would carry the
     # control input instead of the lookup (TensorFlow's pruning).
-    table = tf.convert_to_tensor(param.value)
+    table = aliasing_read(param.value)
     with tf.control_dependencies([plan.offsets.op]):
         return ops().sok_pooled_lookup(
             table=table, ids=values, row_splits=splits, weights=w,
