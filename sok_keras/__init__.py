@@ -97,6 +97,9 @@ _tf_slots.install()
 
 # model.export of a model with sok tables writes export_for_serving's
 # SavedModel, which serves without sok_keras.
+from sok_keras import tensorboard as _tensorboard  # noqa: E402
+
+_tensorboard.install_histograms()
 from sok_keras import serving as _serving  # noqa: E402
 
 _serving.install()

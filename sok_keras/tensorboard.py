@@ -34,7 +34,10 @@ every `keras.callbacks.TensorBoard` (and subclass) behave as follows:
   `write_images` is skipped for sok tables (an image of a shard would be
   misleading).
 
-In a world of one nothing changes (Keras' own histograms). The Keras
+In a world of one only the histograms of sok tables change: they are
+counted in chunks as above (the same buckets), since TensorFlow's own
+histogram makes a one-hot of `[values, 30]` float64 (about 30 GB for a
+2M x 64 table: QA, out of memory). The Keras
 internals relied on (`_train_writer`, `_val_writer`, `_log_weights`,
 `_configure_embeddings`, `_start_profiler`) are all in this module;
 tests/test_tensorboard.py fails if Keras changes them.
@@ -45,6 +48,7 @@ import functools
 import numpy as np
 
 _INSTALLED = []
+_HISTOGRAMS = []
 DEFAULT_BUCKET_COUNT = 30  # tensorboard's summary_v2.DEFAULT_BUCKET_COUNT
 # Rows are counted in chunks of about this many values (a float64 copy of
 # a chunk, not of the whole shard, is made).
@@ -89,6 +93,18 @@ def _is_sharded(weight):
     from sok_keras.variable import is_sok_variable
 
     return is_sok_variable(weight) and weight.num_ranks > 1
+
+
+def _counted_in_chunks(weight):
+    """Whether `_log_weights` counts `weight`'s histogram itself: a sharded
+    table (collectively), or in a world of one any sok table (QA:
+    TensorFlow's histogram of a 2M x 64 table made a one-hot of
+    [128000000, 30] float64 and ran out of memory)."""
+    from sok_keras import world
+    from sok_keras.variable import is_sok_variable
+
+    return _is_sharded(weight) or (is_sok_variable(weight)
+                                   and world.num_ranks() == 1)
 
 
 def bucket_counts(data, lo, hi, bucket_count=DEFAULT_BUCKET_COUNT):
@@ -151,6 +167,7 @@ def global_histogram(table, key, bucket_count=DEFAULT_BUCKET_COUNT):
     import tensorflow as tf
 
     from sok_keras import world
+    from sok_keras.variable import slice_rows
 
     comm = world.control_communicator()
     with tf.device("/CPU:0"):
@@ -170,8 +187,10 @@ def global_histogram(table, key, bucket_count=DEFAULT_BUCKET_COUNT):
         counts = tf.zeros([bucket_count], tf.float64)
         step = max(1, _CHUNK_ELEMENTS // max(1, int(dim)))
         for first in range(0, int(local.shape[0]), step):
-            counts += bucket_counts(local[first:first + step], lo, hi,
-                                    bucket_count)
+            counts += bucket_counts(
+                slice_rows(local, first,
+                           min(first + step, int(local.shape[0]))),
+                lo, hi, bucket_count)
         counts = comm.all_reduce(counts, key=f"{key}/counts", op="sum")
     return buckets_from(lo, hi, counts, total, bucket_count)
 
@@ -207,7 +226,7 @@ def _log_weights(self, epoch):
             for weight in layer.weights:
                 weight_name = weight.path.replace(":", "_")
                 histogram_weight_name = f"{weight_name}/histogram"
-                if _is_sharded(weight):
+                if _counted_in_chunks(weight):
                     buckets = global_histogram(
                         weight, key=f"tensorboard/{weight.path}")
                     write_histogram(histogram_weight_name, buckets, epoch)
@@ -247,6 +266,19 @@ def _rank0_only(original):
 
     wrapped._sok_keras = True
     return wrapped
+
+
+def install_histograms():
+    """Makes `keras.callbacks.TensorBoard` count the histograms of sok
+    tables in chunks (`_log_weights`) in a world of one too (idempotent;
+    `import sok_keras` calls it). Their buckets are TensorFlow's."""
+    if _HISTOGRAMS:
+        return
+    from keras.src.callbacks import tensorboard as keras_tb
+
+    _log_weights._sok_keras = True
+    keras_tb.TensorBoard._log_weights = _log_weights
+    _HISTOGRAMS.append(True)
 
 
 def install():

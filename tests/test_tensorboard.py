@@ -134,10 +134,18 @@ def test_global_histogram_of_a_table_in_chunks(monkeypatch, dtype):
     np.testing.assert_array_equal(got, _tensorboard_buckets(whole))
 
 
-def test_one_rank_histograms_are_keras(tmp_path):
-    """A world of one: nothing of sok_keras runs; the table's histogram is
-    Keras' own of the (whole, local) table."""
+def test_one_rank_histograms_are_tensorboards_counted_in_chunks(
+        tmp_path, monkeypatch):
+    """A world of one: a sok table's histogram is counted in chunks (QA:
+    TensorFlow's own made a one-hot of [values, 30] float64 and ran out of
+    memory for a 2M x 64 table), and equals TensorBoard's of the table;
+    the dense weights' are Keras' own."""
     assert sok.num_ranks() == 1
+    monkeypatch.setattr(sok_tb, "_CHUNK_ELEMENTS", 40)  # 10 rows of 4
+    chunks = []
+    count = sok_tb.bucket_counts
+    monkeypatch.setattr(sok_tb, "bucket_counts",
+                        lambda data, *a: chunks.append(1) or count(data, *a))
     keras.utils.set_random_seed(0)
     ids = keras.Input((3,), dtype="int64")
     emb = sok.layers.DistributedEmbedding(40, 4, name="emb")
@@ -154,6 +162,7 @@ def test_one_rank_histograms_are_keras(tmp_path):
     table = keras.ops.convert_to_numpy(emb.embeddings.value)
     np.testing.assert_array_equal(hist[("emb/embeddings/histogram", 0)],
                                   _tensorboard_buckets(table))
+    assert len(chunks) == 4  # 40 rows, 10 per chunk
     assert ("head/kernel/histogram", 0) in hist
 
 
