@@ -611,23 +611,21 @@ def _owned_rows(param, received_ids, name, padding=True, positions=None):
     """
     d = _checked_dedup(param, received_ids, name, padding, positions)
     table = param.value
-    if (param.num_ranks == 1 and table.dtype in (tf.float32, tf.float64)
-            and table.shape.is_fully_defined()
-            and table.shape[0] < _WIDE_ROWS):
-        # From the read the pooled lookup of such a table makes too
-        # (`aliasing_read`): a gather of the variable in the same step
-        # would copy the whole table while that read lives, and turn
-        # copy-on-read on (QA: a table looked up pooled and unpooled-ragged
-        # in one step, 2M x 64: ~40 ms more per step).
-        return tf.gather(aliasing_read(table), d.local_rows), d.inverse
-    return gather_table_rows(table, d.local_rows), d.inverse
+    # One rank, float32/float64: the pooled lookup reads the table densely
+    # (`aliasing_read`), and a gather of the variable in the same step
+    # would copy the whole table while that read lives, and turn
+    # copy-on-read on (QA: a table looked up pooled and unpooled-ragged in
+    # one step, 2M x 64: ~40 ms more per step).
+    from_read = (param.num_ranks == 1
+                 and table.dtype in (tf.float32, tf.float64))
+    return gather_table_rows(table, d.local_rows, from_read), d.inverse
 
 
 # Local rows from which `gather_table_rows` makes the gradient itself.
 _WIDE_ROWS = 2 ** 31
 
 
-def gather_table_rows(table, rows):
+def gather_table_rows(table, rows, from_read=False):
     """`tf.gather(table, rows)` for a table variable, whose gradient is a
     `tf.IndexedSlices` over `rows`.
 
@@ -643,6 +641,9 @@ def gather_table_rows(table, rows):
         table: a `tf.Variable` of statically known shape (the local
             shard), or any tensor (gathered by `tf.gather`).
         rows: int32 or int64 local rows of `table`.
+        from_read: below 2**31 rows, gather from `aliasing_read(table)`
+            (the dense read a pooled lookup of it makes) rather than from
+            the variable.
 
     Returns:
         The rows, `[len(rows)] + table.shape[1:]`.
@@ -650,7 +651,7 @@ def gather_table_rows(table, rows):
     shape = table.shape
     if (not isinstance(table, tf.Variable) or not shape.is_fully_defined()
             or shape[0] < _WIDE_ROWS):
-        return tf.gather(table, rows)
+        return tf.gather(aliasing_read(table) if from_read else table, rows)
     dense_shape = tf.constant(shape.as_list(), tf.int64)
 
     @tf.custom_gradient

@@ -294,8 +294,7 @@ def install():
     cls._val_writer = _writer(cls._val_writer, "val")
     cls._train_writer.fget._sok_keras = True
     cls._val_writer.fget._sok_keras = True
-    _log_weights._sok_keras = True
-    cls._log_weights = _log_weights
+    install_histograms()
     cls._configure_embeddings = _rank0_only(cls._configure_embeddings)
     cls._start_profiler = _rank0_only(cls._start_profiler)
     _INSTALLED.append(True)
