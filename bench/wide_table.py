@@ -64,7 +64,7 @@ def main():
     p.add_argument("--dir", default=None)
     args = p.parse_args()
     work = tempfile.mkdtemp(dir=args.dir, prefix="sok_wide_")
-    results, t0 = [], time.time()
+    results = []
     try:
         ids = keras.Input(shape=(2,), dtype="int64", name="ids")
         emb = sok.layers.DistributedEmbedding(
@@ -126,7 +126,7 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"rows": V, "dtype": "float16", "dim": 1,
-                           "seconds": round(time.time() - t0, 1),
+                           "seconds": round(time.time() - T0, 1),
                            "checks": results}, f, indent=1)
 
 
